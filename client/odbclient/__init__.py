@@ -1,0 +1,1 @@
+"""odbclient: trainer client and producer for odbd (no server dependencies)."""

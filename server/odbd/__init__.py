@@ -1,0 +1,1 @@
+"""odbd: online dynamic batching daemon."""

@@ -1,0 +1,92 @@
+"""Planner settings: one frozen dataclass, validated at construction (shared by daemon and simulate)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+from odbd.errors import ConfigError
+from odbd.world import World
+
+
+class Grouping(StrEnum):
+    """How a unit's buffer is cut into groups (one group = one rank's batch of one step)."""
+
+    PAPER = "paper"  # ODB section 2.2: threshold carry-over with B(l) = max(L // l, 1)
+    MIN_TIME = "min-time"  # fewest groups under the budget, then steps balanced by cost
+
+
+class Balance(StrEnum):
+    """Which buffer a rank's groups come from."""
+
+    NODE = "node"  # pool the node's ranks' buffers and deal groups to them
+    RANK = "rank"  # the paper's per-rank protocol: each rank groups its own shard
+
+
+class LossScaling(StrEnum):
+    """What `loss_scale` of a (rank, step) means; DESIGN.md section 3.4."""
+
+    EXACT = "exact"  # W * t_r / sum_r t_r with post-alignment loss-bearing token counts
+    APPROX = "approx"  # as exact, with t_r estimated from the unit's pre-alignment tokens/sample
+    SAMPLE = "sample"  # W * n_r / sum_r n_r
+    NONE = "none"  # 1 (0 for idle fillers)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CostModel:
+    """Step time in token-equivalents: c + max_r (a * padded_r + b * sum_i l_i^2) (DESIGN.md s4)."""
+
+    a: float = 1.0
+    b: float = 1.2e-5
+    c: float = 1800.0
+
+    def __post_init__(self) -> None:
+        if min(self.a, self.b, self.c) < 0:
+            raise ConfigError(f"cost model coefficients must be >= 0, got {self}")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PlannerConfig:
+    """Everything plan_round needs; identical on every daemon (part of the handshake fingerprint)."""
+
+    world: World
+    token_budget: int  # L: a group's padded area (max length x count) never exceeds it
+    buffer_size: int  # samples buffered per rank before a round groups them
+    grouping: Grouping = Grouping.MIN_TIME
+    balance: Balance = Balance.NODE
+    loss_scaling: LossScaling = LossScaling.EXACT
+    cost: CostModel = field(default_factory=CostModel)
+    max_steps_per_round: int = 0  # C in the paper's target T; 0 = unbounded
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.token_budget <= 0:
+            raise ConfigError(
+                f"token budget must be > 0, got {self.token_budget}; pass --token-budget L "
+                "with the most padded tokens one rank can hold in a step"
+            )
+        if self.buffer_size <= 0:
+            raise ConfigError(f"buffer size must be > 0, got {self.buffer_size}; pass --buffer B")
+        if self.max_steps_per_round < 0:
+            raise ConfigError(f"max steps per round must be >= 0, got {self.max_steps_per_round}")
+
+    @property
+    def num_units(self) -> int:
+        """Units are the buffers that group independently: nodes or ranks."""
+        if self.balance is Balance.NODE:
+            return self.world.num_nodes
+        return self.world.world_size
+
+    @property
+    def ranks_per_unit(self) -> int:
+        return self.world.ranks_per_node if self.balance is Balance.NODE else 1
+
+    def unit_ranks(self, unit: int) -> range:
+        """Global ranks fed by one unit, in local order."""
+        first = unit * self.ranks_per_unit
+        return range(first, first + self.ranks_per_unit)
+
+    @property
+    def unit_capacity(self) -> int:
+        """Samples a unit buffers before it is ready for a round."""
+        return self.buffer_size * self.ranks_per_unit

@@ -1,0 +1,142 @@
+"""Inputs and outputs of the planner stages (DESIGN.md section 7 is the glossary).
+
+Data path: SampleTable (a unit's buffer) -> Groups (grouping) -> UnitPlan (alignment and step
+assignment) -> RoundPlan (all units, with per-(step, rank) stats and loss scales).
+Arrays are numpy int64 unless noted; shapes are documented on the fields.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from odbd.errors import InvariantError
+
+IntArray = np.ndarray  # int64, 1-D unless noted
+FloatArray = np.ndarray  # float64
+
+
+@dataclass(frozen=True, slots=True)
+class SampleTable:
+    """Metadata of buffered samples; row i is one sampler view."""
+
+    views: IntArray  # (n,) global view index within the epoch (DistributedSampler position)
+    lengths: IntArray  # (n,) tokens after preprocessing; what padding and the budget see
+    tokens: IntArray  # (n,) loss-bearing tokens (t_r of the paper); <= lengths
+    ages: IntArray  # (n,) rounds this sample has already been recirculated
+
+    def __len__(self) -> int:
+        return int(self.views.shape[0])
+
+    @staticmethod
+    def empty() -> SampleTable:
+        z = np.zeros(0, dtype=np.int64)
+        return SampleTable(z, z, z, z)
+
+    @staticmethod
+    def of(
+        views: object, lengths: object, tokens: object = None, ages: object = None
+    ) -> SampleTable:
+        """Builds a table from sequences; tokens default to lengths, ages to 0."""
+        v = np.asarray(views, dtype=np.int64).reshape(-1)
+        n = np.asarray(lengths, dtype=np.int64).reshape(-1)
+        t = n.copy() if tokens is None else np.asarray(tokens, dtype=np.int64).reshape(-1)
+        a = np.zeros_like(v) if ages is None else np.asarray(ages, dtype=np.int64).reshape(-1)
+        if not (v.shape == n.shape == t.shape == a.shape):
+            raise InvariantError(f"sample table columns differ in length: {v.shape} {n.shape}")
+        return SampleTable(v, n, t, a)
+
+    def take(self, index: IntArray) -> SampleTable:
+        return SampleTable(
+            self.views[index], self.lengths[index], self.tokens[index], self.ages[index]
+        )
+
+    def concat(self, other: SampleTable) -> SampleTable:
+        return SampleTable(
+            np.concatenate([self.views, other.views]),
+            np.concatenate([self.lengths, other.lengths]),
+            np.concatenate([self.tokens, other.tokens]),
+            np.concatenate([self.ages, other.ages]),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Groups:
+    """A partition of (part of) a SampleTable into groups, in the strategy's order."""
+
+    order: IntArray  # (m,) row indices into the table, group by group
+    offsets: IntArray  # (num_groups + 1,) group g is order[offsets[g]:offsets[g + 1]]
+
+    def __len__(self) -> int:
+        return int(self.offsets.shape[0]) - 1
+
+    def sizes(self) -> IntArray:
+        return np.diff(self.offsets)
+
+    def members(self, g: int) -> IntArray:
+        return self.order[self.offsets[g] : self.offsets[g + 1]]
+
+
+@dataclass(frozen=True, slots=True)
+class UnitOffer:
+    """One unit's contribution to a round: its whole buffer and whether more will arrive."""
+
+    unit: int  # node index (balance=node) or global rank (balance=rank)
+    samples: SampleTable
+    dry: bool  # no view of this unit is pending or leased: nothing more arrives this epoch
+
+
+@dataclass(frozen=True, slots=True)
+class UnitPlan:
+    """What one unit emits in a round. Slot s = step * ranks_per_unit + local_rank."""
+
+    unit: int
+    emitted: SampleTable  # samples in slot order, slot by slot
+    slot_offsets: IntArray  # (num_steps * ranks_per_unit + 1,); an empty slot is an idle filler
+    leftover: SampleTable  # recirculated: back into the unit's buffer, ages already incremented
+    num_splits: int  # groups split to reach the round's step count
+
+    def slot(self, step: int, local_rank: int, ranks_per_unit: int) -> slice:
+        s = step * ranks_per_unit + local_rank
+        return slice(int(self.slot_offsets[s]), int(self.slot_offsets[s + 1]))
+
+
+@dataclass(frozen=True, slots=True)
+class StepStats:
+    """Per (step, rank) facts of a round; every array has shape (num_steps, world_size)."""
+
+    num_samples: IntArray
+    num_tokens: IntArray  # loss-bearing tokens
+    real_tokens: IntArray  # sum of lengths
+    padded_tokens: IntArray  # max length x count; 0 for idle
+    work: FloatArray  # a * padded + b * sum l^2 (cost model, without the per-step constant c)
+    loss_scale: FloatArray
+
+    @property
+    def global_num_samples(self) -> IntArray:  # (num_steps,)
+        return self.num_samples.sum(axis=1)
+
+    @property
+    def global_num_tokens(self) -> IntArray:  # (num_steps,)
+        return self.num_tokens.sum(axis=1)
+
+
+@dataclass(frozen=True, slots=True)
+class RoundPlan:
+    """The plan of one round: identical on every daemon given the same offers and config."""
+
+    round_index: int
+    num_steps: int  # T: every rank runs exactly this many steps this round
+    units: tuple[UnitPlan, ...]  # in unit order
+    stats: StepStats
+    final: bool  # every unit was dry and nothing is left: the epoch's last round
+
+    def group_views(self, step: int, rank: int, ranks_per_unit: int) -> IntArray:
+        """View ids of one rank's batch at one step of this round (empty = idle filler)."""
+        unit = self.units[rank // ranks_per_unit]
+        return unit.emitted.views[unit.slot(step, rank % ranks_per_unit, ranks_per_unit)]
+
+    def group_lengths(self, step: int, rank: int, ranks_per_unit: int) -> IntArray:
+        unit = self.units[rank // ranks_per_unit]
+        return unit.emitted.lengths[unit.slot(step, rank % ranks_per_unit, ranks_per_unit)]
