@@ -1,4 +1,4 @@
-"""Errors raised to operators and users. Each message says what happened, what follows, and the fix."""
+"""Errors for operators and users: each message says what happened, what follows, and the fix."""
 
 
 class OdbdError(Exception):

@@ -9,7 +9,7 @@ from odbd.errors import ConfigError
 
 @dataclass(frozen=True, slots=True)
 class World:
-    """W global trainer ranks laid out as `num_nodes` nodes of `ranks_per_node` consecutive ranks."""
+    """W global ranks laid out as `num_nodes` nodes of `ranks_per_node` consecutive ranks."""
 
     world_size: int
     ranks_per_node: int

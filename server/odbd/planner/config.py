@@ -1,9 +1,10 @@
-"""Planner settings: one frozen dataclass, validated at construction (shared by daemon and simulate)."""
+"""Planner settings: one frozen dataclass, validated at construction (daemon and simulate)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import Any
 
 from odbd.errors import ConfigError
 from odbd.world import World
@@ -44,10 +45,14 @@ class CostModel:
         if min(self.a, self.b, self.c) < 0:
             raise ConfigError(f"cost model coefficients must be >= 0, got {self}")
 
+    def work(self, padded_tokens: Any, sum_sq_lengths: Any) -> Any:
+        """One rank's compute for one group, without the per-step constant c (arrays welcome)."""
+        return self.a * padded_tokens + self.b * sum_sq_lengths
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class PlannerConfig:
-    """Everything plan_round needs; identical on every daemon (part of the handshake fingerprint)."""
+    """Everything plan_round needs; identical on every daemon (in the handshake fingerprint)."""
 
     world: World
     token_budget: int  # L: a group's padded area (max length x count) never exceeds it

@@ -63,19 +63,24 @@ class SampleTable:
 
 @dataclass(frozen=True, slots=True)
 class Groups:
-    """A partition of (part of) a SampleTable into groups, in the strategy's order."""
+    """Groups cut from one unit's SampleTable, in the strategy's order.
 
-    order: IntArray  # (m,) row indices into the table, group by group
-    offsets: IntArray  # (num_groups + 1,) group g is order[offsets[g]:offsets[g + 1]]
+    Rows are first sorted by length, longest first (`order`); every group is a contiguous range
+    of that sorted order, so its first member is its longest and prefix sums give its totals.
+    """
+
+    order: IntArray  # (n,) row indices into the table, longest first (ties: lower view first)
+    starts: IntArray  # (num_groups,) group g is order[starts[g]:ends[g]]
+    ends: IntArray  # (num_groups,)
 
     def __len__(self) -> int:
-        return int(self.offsets.shape[0]) - 1
+        return int(self.starts.shape[0])
 
     def sizes(self) -> IntArray:
-        return np.diff(self.offsets)
+        return self.ends - self.starts
 
     def members(self, g: int) -> IntArray:
-        return self.order[self.offsets[g] : self.offsets[g + 1]]
+        return self.order[self.starts[g] : self.ends[g]]
 
 
 @dataclass(frozen=True, slots=True)

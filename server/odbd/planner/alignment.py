@@ -1,0 +1,163 @@
+"""Cross-rank alignment (the paper's DGAP): every unit ends a round with exactly T steps of groups.
+
+Pure functions over Groups. A unit owns `ranks_per_unit` ranks, so T steps need
+T * ranks_per_unit slots. Too many groups: the surplus overflows back to the buffer (recirculated,
+nothing dropped). Too few: groups are split; when even singletons cannot fill the slots, the
+remaining slots are idle fillers.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from odbd.planner.types import Groups, IntArray
+
+
+@dataclass(frozen=True, slots=True)
+class FittedGroups:
+    """A unit's groups after alignment: exactly `num_slots` ranges (idle ones are empty)."""
+
+    order: IntArray  # as Groups.order
+    starts: IntArray  # (num_slots,); idle slots have starts == ends
+    ends: IntArray
+    leftover_rows: IntArray  # table rows recirculated to the next round
+    num_splits: int
+
+
+def paper_target_steps(
+    group_counts: Sequence[int],
+    sample_counts: Sequence[int],
+    ranks_per_unit: int,
+    max_steps: int,
+) -> int:
+    """Eq. 3: T = max(min(max_active G_r, C_min+, S_min+), 1), per rank of each unit.
+
+    Only active units (with groups) count; capacity C is `max_steps` (0 = unbounded). With
+    ranks_per_unit > 1 a unit's G_r and S_r are per rank (rounded up and down respectively).
+    """
+    active = [i for i, g in enumerate(group_counts) if g > 0]
+    if not active:
+        return 0
+    g_max = max(math.ceil(group_counts[i] / ranks_per_unit) for i in active)
+    s_positive = [sample_counts[i] // ranks_per_unit for i in active]
+    s_min = min((s for s in s_positive if s > 0), default=g_max)
+    c_min = max_steps if max_steps > 0 else g_max
+    return max(min(g_max, c_min, s_min), 1)
+
+
+def min_time_target_steps(
+    group_counts: Sequence[int],
+    dry: Sequence[bool],
+    ranks_per_unit: int,
+    max_steps: int,
+) -> int:
+    """Steps this round for the min-time planner.
+
+    While more data is coming, T is the fewest full steps any still-filling unit can make, so no
+    unit has to split (splitting only makes under-filled groups); surplus groups recirculate and
+    are regrouped with new arrivals. Once every unit is dry, the round flushes: T is the most steps
+    any unit needs, the others split or idle (join-mode's unavoidable tail).
+    """
+    if sum(group_counts) == 0:
+        return 0
+    if all(dry):
+        t = max((math.ceil(g / ranks_per_unit) for g in group_counts), default=0)
+    else:
+        filling = [g for g, d in zip(group_counts, dry, strict=True) if not d]
+        t = max(1, min(g // ranks_per_unit for g in filling))
+    return min(t, max_steps) if max_steps > 0 else t
+
+
+def fit_groups(groups: Groups, num_slots: int, keep_priority: np.ndarray) -> FittedGroups:
+    """Keeps the `num_slots` highest-priority groups, or splits groups until there are enough.
+
+    Kept groups stay in their original order. Splitting halves the largest group (largest
+    first keeps the split groups as full as possible); slots still missing after every group is a
+    singleton become idle fillers (empty ranges).
+    """
+    count = len(groups)
+    if count >= num_slots:
+        keep = np.sort(np.argsort(-keep_priority, kind="stable")[:num_slots])
+        dropped = np.setdiff1d(np.arange(count), keep, assume_unique=True)
+        leftover = _rows_of(groups, dropped)
+        return FittedGroups(groups.order, groups.starts[keep], groups.ends[keep], leftover, 0)
+    starts, ends, num_splits = _split_to(groups, num_slots)
+    return FittedGroups(groups.order, starts, ends, np.zeros(0, dtype=np.int64), num_splits)
+
+
+def fit_groups_paper(groups: Groups, num_slots: int) -> FittedGroups:
+    """Algorithm 1: overflow keeps the largest groups (by size); split extracts singletons.
+
+    Split: scanning from the last group backward, the first group with >= 2 samples gives up its
+    last (shortest) sample as a new singleton group appended at the end; repeat.
+    """
+    count = len(groups)
+    if count >= num_slots:
+        keep = np.sort(np.argsort(-groups.sizes(), kind="stable")[:num_slots])
+        dropped = np.setdiff1d(np.arange(count), keep, assume_unique=True)
+        leftover = _rows_of(groups, dropped)
+        return FittedGroups(groups.order, groups.starts[keep], groups.ends[keep], leftover, 0)
+    starts = groups.starts.tolist()
+    ends = groups.ends.tolist()
+    num_splits = 0
+    while len(starts) < num_slots:
+        victim = next((g for g in range(len(starts) - 1, -1, -1) if ends[g] - starts[g] >= 2), None)
+        if victim is None:
+            break
+        ends[victim] -= 1
+        starts.append(ends[victim])
+        ends.append(ends[victim] + 1)
+        num_splits += 1
+    starts, ends = _pad_idle(starts, ends, num_slots)
+    return FittedGroups(
+        groups.order,
+        np.asarray(starts, dtype=np.int64),
+        np.asarray(ends, dtype=np.int64),
+        np.zeros(0, dtype=np.int64),
+        num_splits,
+    )
+
+
+def _split_to(groups: Groups, num_slots: int) -> tuple[IntArray, IntArray, int]:
+    ranges = list(zip(groups.starts.tolist(), groups.ends.tolist(), strict=True))
+    heap = [(-(e - s), s, e) for s, e in ranges]  # largest group first; ties by position
+    heapq.heapify(heap)
+    num_splits = 0
+    while len(heap) < num_slots and heap and -heap[0][0] >= 2:
+        _, s, e = heapq.heappop(heap)
+        mid = s + (e - s + 1) // 2
+        heapq.heappush(heap, (-(mid - s), s, mid))
+        heapq.heappush(heap, (-(e - mid), mid, e))
+        num_splits += 1
+    pieces = sorted((s, e) for _, s, e in heap)  # back to sorted-length order
+    starts, ends = _pad_idle([s for s, _ in pieces], [e for _, e in pieces], num_slots)
+    return np.asarray(starts, dtype=np.int64), np.asarray(ends, dtype=np.int64), num_splits
+
+
+def _pad_idle(starts: list[int], ends: list[int], num_slots: int) -> tuple[list[int], list[int]]:
+    missing = num_slots - len(starts)
+    return starts + [0] * missing, ends + [0] * missing
+
+
+def _rows_of(groups: Groups, which: IntArray) -> IntArray:
+    """Table rows of the given groups, concatenated."""
+    if which.size == 0:
+        return np.zeros(0, dtype=np.int64)
+    return groups.order[concat_ranges(groups.starts[which], groups.ends[which])]
+
+
+def concat_ranges(starts: IntArray, ends: IntArray) -> IntArray:
+    """np.concatenate([np.arange(s, e) for s, e in ranges]) without a Python loop."""
+    sizes = ends - starts
+    total = int(sizes.sum())
+    if total == 0:
+        return np.zeros(0, dtype=np.int64)
+    nonempty = sizes > 0
+    s, z = starts[nonempty], sizes[nonempty]
+    shifts = s - np.concatenate([[0], np.cumsum(z)[:-1]])
+    return np.arange(total, dtype=np.int64) + np.repeat(shifts, z)

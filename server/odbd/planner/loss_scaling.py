@@ -1,0 +1,42 @@
+"""Per (step, rank) loss scales (DESIGN.md section 3.4, paper App. B).
+
+DDP averages gradients over W ranks, so a rank that pre-multiplies its mean loss by
+loss_scale_r = W * w_r makes the step's gradient sum_r w_r * mean_r. Exact token-level weighting
+w_r = t_r / sum_r t_r turns that into the per-token mean over the whole step.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from odbd.planner.config import LossScaling
+from odbd.planner.types import FloatArray, IntArray
+
+
+def loss_scales(
+    mode: LossScaling,
+    num_samples: IntArray,
+    num_tokens: IntArray,
+    tokens_per_sample_estimate: FloatArray,
+) -> FloatArray:
+    """(steps, W) loss scales; idle fillers (no samples) always get 0.
+
+    `tokens_per_sample_estimate` is (W,): each rank's unit's pre-alignment mean loss tokens per
+    sample, used only by `approx` (the paper's estimate without a second exchange).
+    """
+    world = num_samples.shape[1] if num_samples.ndim == 2 else 0
+    if mode is LossScaling.EXACT:
+        weights = num_tokens.astype(np.float64)
+    elif mode is LossScaling.APPROX:
+        weights = num_samples * tokens_per_sample_estimate[None, :]
+    elif mode is LossScaling.SAMPLE:
+        weights = num_samples.astype(np.float64)
+    else:
+        return (num_samples > 0).astype(np.float64)
+    return _normalize(weights, world)
+
+
+def _normalize(weights: FloatArray, world: int) -> FloatArray:
+    totals = weights.sum(axis=1, keepdims=True)
+    safe = np.where(totals > 0, totals, 1.0)
+    return np.where(totals > 0, world * weights / safe, 0.0)

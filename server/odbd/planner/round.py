@@ -1,0 +1,184 @@
+"""plan_round: the pure function every daemon runs on the same offers to get the same plan.
+
+1. group each unit's buffer (grouping.py)
+2. choose the round's step count T and fit every unit to T steps (alignment.py)
+3. place groups on (rank, step) (assignment.py)
+4. compute per (step, rank) stats and loss scales (loss_scaling.py)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from odbd.errors import InvariantError
+from odbd.planner import alignment, assignment
+from odbd.planner.config import Grouping, PlannerConfig
+from odbd.planner.grouping import group_buffer
+from odbd.planner.loss_scaling import loss_scales
+from odbd.planner.types import (
+    FloatArray,
+    Groups,
+    IntArray,
+    RoundPlan,
+    SampleTable,
+    StepStats,
+    UnitOffer,
+    UnitPlan,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class _Sorted:
+    """A unit's buffer in grouping order with prefix sums, so any range's totals are O(1)."""
+
+    lengths: IntArray  # (n,) sorted like Groups.order
+    ages: IntArray
+    csum_len: IntArray  # (n + 1,)
+    csum_tok: IntArray
+    csum_sq: FloatArray
+
+    @staticmethod
+    def of(table: SampleTable, order: IntArray) -> _Sorted:
+        lengths = table.lengths[order]
+        zero = np.zeros(1, dtype=np.int64)
+        return _Sorted(
+            lengths=lengths,
+            ages=table.ages[order],
+            csum_len=np.concatenate([zero, np.cumsum(lengths)]),
+            csum_tok=np.concatenate([zero, np.cumsum(table.tokens[order])]),
+            csum_sq=np.concatenate([[0.0], np.cumsum(lengths.astype(np.float64) ** 2)]),
+        )
+
+    def range_stats(self, starts: IntArray, ends: IntArray) -> dict[str, np.ndarray]:
+        sizes = ends - starts
+        first = np.minimum(starts, max(self.lengths.shape[0] - 1, 0))
+        longest = np.where(sizes > 0, self.lengths[first] if self.lengths.size else 0, 0)
+        return {
+            "num_samples": sizes,
+            "num_tokens": self.csum_tok[ends] - self.csum_tok[starts],
+            "real_tokens": self.csum_len[ends] - self.csum_len[starts],
+            "padded_tokens": longest * sizes,
+            "sum_sq": self.csum_sq[ends] - self.csum_sq[starts],
+        }
+
+
+def plan_round(offers: Sequence[UnitOffer], config: PlannerConfig, round_index: int) -> RoundPlan:
+    """Plans one round from every unit's offer (offers[u].unit == u, one per unit)."""
+    _check_offers(offers, config)
+    g = config.ranks_per_unit
+    grouped = [group_buffer(o.samples, config.token_budget, config.grouping) for o in offers]
+    sorted_ = [_Sorted.of(o.samples, gr.order) for o, gr in zip(offers, grouped, strict=True)]
+    num_steps = _target_steps(offers, grouped, config)
+    perm = assignment.step_order(num_steps, config.seed, round_index)
+    units: list[UnitPlan] = []
+    columns: list[dict[str, np.ndarray]] = []
+    for offer, groups, srt in zip(offers, grouped, sorted_, strict=True):
+        fitted = _fit(groups, srt, num_steps * g, config)
+        stats = srt.range_stats(fitted.starts, fitted.ends)
+        work = config.cost.work(stats["padded_tokens"], stats["sum_sq"])
+        if config.grouping is Grouping.PAPER:
+            group_of_slot = assignment.slots_in_order(len(fitted.starts))
+        else:
+            group_of_slot = assignment.slots_by_cost(work, g, perm)
+        units.append(_unit_plan(offer, fitted, group_of_slot))
+        columns.append({k: v[group_of_slot].reshape(num_steps, g) for k, v in stats.items()})
+    stats = _step_stats(columns, offers, config)
+    final = all(o.dry for o in offers) and all(len(u.leftover) == 0 for u in units)
+    return RoundPlan(round_index, num_steps, tuple(units), stats, final)
+
+
+def _check_offers(offers: Sequence[UnitOffer], config: PlannerConfig) -> None:
+    units = [o.unit for o in offers]
+    if units != list(range(config.num_units)):
+        raise InvariantError(
+            f"plan_round needs one offer per unit in order 0..{config.num_units - 1}, got {units}"
+        )
+
+
+def _target_steps(
+    offers: Sequence[UnitOffer], grouped: Sequence[Groups], config: PlannerConfig
+) -> int:
+    counts = [len(gr) for gr in grouped]
+    if config.grouping is Grouping.PAPER:
+        samples = [len(o.samples) for o in offers]
+        return alignment.paper_target_steps(
+            counts, samples, config.ranks_per_unit, config.max_steps_per_round
+        )
+    dry = [o.dry for o in offers]
+    return alignment.min_time_target_steps(
+        counts, dry, config.ranks_per_unit, config.max_steps_per_round
+    )
+
+
+def _fit(
+    groups: Groups, srt: _Sorted, num_slots: int, config: PlannerConfig
+) -> alignment.FittedGroups:
+    if config.grouping is Grouping.PAPER:
+        return alignment.fit_groups_paper(groups, num_slots)
+    return alignment.fit_groups(groups, num_slots, _keep_priority(groups, srt, config))
+
+
+def _keep_priority(groups: Groups, srt: _Sorted, config: PlannerConfig) -> FloatArray:
+    """Which groups min-time keeps when a unit has more than T steps' worth.
+
+    Older samples first (age counts twice), so a recirculated sample waits at most a round or
+    two; then groups the greedy cut filled to capacity, since only the last, partial group gains
+    from being regrouped with new arrivals; then fuller groups.
+    """
+    if len(groups) == 0:
+        return np.zeros(0)
+    stats = srt.range_stats(groups.starts, groups.ends)
+    longest = srt.lengths[groups.starts]
+    capacity = np.maximum(config.token_budget // longest, 1)
+    full = (groups.sizes() >= capacity).astype(np.float64)
+    fill = np.minimum(stats["real_tokens"] / config.token_budget, 1.0)
+    oldest = _range_max(srt.ages, groups)
+    return 2.0 * oldest + full + fill
+
+
+def _range_max(values: IntArray, groups: Groups) -> IntArray:
+    """Max of values over each group's range (groups are non-empty, disjoint, any order)."""
+    by_start = np.argsort(groups.starts, kind="stable")
+    maxima = np.maximum.reduceat(values, groups.starts[by_start])
+    out = np.empty_like(maxima)
+    out[by_start] = maxima
+    return out
+
+
+def _unit_plan(
+    offer: UnitOffer, fitted: alignment.FittedGroups, group_of_slot: IntArray
+) -> UnitPlan:
+    starts, ends = fitted.starts[group_of_slot], fitted.ends[group_of_slot]
+    rows = fitted.order[alignment.concat_ranges(starts, ends)]
+    offsets = np.concatenate([[0], np.cumsum(ends - starts)]).astype(np.int64)
+    leftover = offer.samples.take(fitted.leftover_rows)
+    leftover = SampleTable(leftover.views, leftover.lengths, leftover.tokens, leftover.ages + 1)
+    return UnitPlan(offer.unit, offer.samples.take(rows), offsets, leftover, fitted.num_splits)
+
+
+def _step_stats(
+    columns: Sequence[dict[str, np.ndarray]], offers: Sequence[UnitOffer], config: PlannerConfig
+) -> StepStats:
+    def stack(key: str) -> np.ndarray:
+        return np.concatenate([c[key] for c in columns], axis=1)
+
+    num_samples, num_tokens = stack("num_samples"), stack("num_tokens")
+    padded = stack("padded_tokens")
+    per_sample = np.repeat([_mean_tokens(o.samples) for o in offers], config.ranks_per_unit).astype(
+        np.float64
+    )
+    return StepStats(
+        num_samples=num_samples,
+        num_tokens=num_tokens,
+        real_tokens=stack("real_tokens"),
+        padded_tokens=padded,
+        work=config.cost.work(padded, stack("sum_sq")),
+        loss_scale=loss_scales(config.loss_scaling, num_samples, num_tokens, per_sample),
+    )
+
+
+def _mean_tokens(table: SampleTable) -> float:
+    return float(table.tokens.mean()) if len(table) else 0.0
