@@ -1,0 +1,208 @@
+"""`odbd simulate`: flags, validation and output (DESIGN.md section 4).
+
+1. parse and validate the flags into a Setup (every operator error is found here)
+2. run the production planner, and with --compare the baselines (runner.py)
+3. print the table or --json, and write --plan-out
+
+Every ConfigError becomes one stderr line `odbd simulate: error: ...` and exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from odbd.errors import ConfigError
+from odbd.planner.config import Balance, CostModel, Grouping, LossScaling, PlannerConfig
+from odbd.simulate.distributions import NAMES, sample_lengths
+from odbd.simulate.lengths import read_lengths
+from odbd.simulate.report import render_table, report_json
+from odbd.world import World
+
+if TYPE_CHECKING:
+    from odbd.simulate.runner import Outcome
+
+PROG = "odbd simulate"
+EXIT_USAGE = 2
+DEFAULT_NUM_SAMPLES = 100_000
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Setup:
+    """A validated simulation request."""
+
+    lengths: np.ndarray  # (N,) int64; sample id = index
+    source: str  # where the lengths came from, for the table header
+    config: PlannerConfig
+    epochs: int
+    join: bool
+    compare_batch_sizes: tuple[int, ...]  # empty = no --compare
+    as_json: bool
+    plan_out: str | None
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Adds the simulate flags to `parser` (the `odbd simulate` subparser or our own)."""
+    defaults = CostModel()
+    source = parser.add_argument_group("lengths (exactly one)")
+    source.add_argument("--dist", metavar="NAME", help=f"named distribution: {', '.join(NAMES)}")
+    source.add_argument("--lengths", metavar="FILE", help="one token length per line")
+    parser.add_argument(
+        "--num-samples",
+        type=int,
+        metavar="N",
+        help=f"samples to draw with --dist (default {DEFAULT_NUM_SAMPLES}); "
+        "with --lengths, use the first N lines",
+    )
+    parser.add_argument("--world", type=int, default=16, metavar="W", help="trainer world size")
+    parser.add_argument("--nproc-per-node", type=int, default=8, metavar="G", help="ranks/node")
+    parser.add_argument("--token-budget", type=int, default=12288, metavar="L")
+    parser.add_argument("--buffer", type=int, default=1024, metavar="B", help="samples per rank")
+    parser.add_argument("--grouping", choices=[g.value for g in Grouping], default="min-time")
+    parser.add_argument("--balance", choices=[b.value for b in Balance], default="node")
+    parser.add_argument(
+        "--loss-scaling", choices=[s.value for s in LossScaling], default=LossScaling.EXACT.value
+    )
+    parser.add_argument(
+        "--join",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="join mode (identity coverage) or non-join (sample quota)",
+    )
+    parser.add_argument("--epochs", type=int, default=1, metavar="E")
+    parser.add_argument("--seed", type=int, default=0, metavar="S")
+    parser.add_argument("--cost-a", type=float, default=defaults.a, help="per padded token")
+    parser.add_argument("--cost-b", type=float, default=defaults.b, help="per squared length")
+    parser.add_argument("--cost-c", type=float, default=defaults.c, help="per step")
+    parser.add_argument(
+        "--compare", action="store_true", help="add fixed-batch and paper baselines"
+    )
+    parser.add_argument(
+        "--compare-batch-sizes",
+        default="1,4",
+        metavar="BS,...",
+        help="fixed batch sizes for --compare (default 1,4)",
+    )
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--plan-out", metavar="FILE", help="write the plan as JSON lines")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Runs a parsed `odbd simulate`; returns the exit status."""
+    try:
+        setup = build_setup(args)
+        # Imported only after validation: the planner pulls in torch (~2 s), and a bad flag
+        # should fail at once.
+        from odbd.simulate.runner import execute
+
+        outcome = execute(setup)
+        _write_outputs(setup, outcome)
+    except ConfigError as error:
+        print(f"{PROG}: error: {error}", file=sys.stderr)
+        return EXIT_USAGE
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _OneLineErrorParser(
+        prog=PROG, description="Run the odbd planner over a length distribution (DESIGN.md s4)."
+    )
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+class _OneLineErrorParser(argparse.ArgumentParser):
+    """argparse prints the usage before its error; scripts want exactly one line."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def build_setup(args: argparse.Namespace) -> Setup:
+    """Validates every flag; raises ConfigError with the fix on the first bad one."""
+    if args.epochs < 1:
+        raise ConfigError(f"--epochs must be >= 1 for a simulation, got {args.epochs}")
+    world = World(world_size=args.world, ranks_per_node=args.nproc_per_node)
+    config = PlannerConfig(
+        world=world,
+        token_budget=args.token_budget,
+        buffer_size=args.buffer,
+        grouping=Grouping(args.grouping),
+        balance=Balance(args.balance),
+        loss_scaling=LossScaling(args.loss_scaling),
+        cost=CostModel(a=args.cost_a, b=args.cost_b, c=args.cost_c),
+        seed=args.seed,
+    )
+    lengths, source = _load_lengths(args)
+    return Setup(
+        lengths=lengths,
+        source=source,
+        config=config,
+        epochs=args.epochs,
+        join=args.join,
+        compare_batch_sizes=_batch_sizes(args.compare_batch_sizes) if args.compare else (),
+        as_json=args.json,
+        plan_out=args.plan_out,
+    )
+
+
+def _load_lengths(args: argparse.Namespace) -> tuple[np.ndarray, str]:
+    if (args.dist is None) == (args.lengths is None):
+        raise ConfigError(
+            "pass exactly one of --dist NAME or --lengths FILE; they say where sample lengths "
+            "come from"
+        )
+    if args.num_samples is not None and args.num_samples < 0:
+        raise ConfigError(f"--num-samples must be >= 0, got {args.num_samples}")
+    if args.dist is not None:
+        n = DEFAULT_NUM_SAMPLES if args.num_samples is None else args.num_samples
+        return sample_lengths(args.dist, n, args.seed), f"{n:,} samples of {args.dist}"
+    lengths = read_lengths(args.lengths)
+    if args.num_samples is not None:
+        if args.num_samples > len(lengths):
+            raise ConfigError(
+                f"--num-samples {args.num_samples} exceeds the {len(lengths)} lengths in "
+                f"{args.lengths}; pass a smaller N or omit it to use the whole file"
+            )
+        lengths = lengths[: args.num_samples]
+    return lengths, f"{len(lengths):,} samples from {args.lengths}"
+
+
+def _batch_sizes(text: str) -> tuple[int, ...]:
+    parts = [p.strip() for p in text.split(",") if p.strip()]
+    if not parts or not all(p.isascii() and p.isdigit() and int(p) > 0 for p in parts):
+        raise ConfigError(
+            f"--compare-batch-sizes must be positive integers separated by commas "
+            f"(e.g. 1,4), got {text!r}"
+        )
+    return tuple(dict.fromkeys(int(p) for p in parts))
+
+
+def _write_outputs(setup: Setup, outcome: Outcome) -> None:
+    if setup.plan_out is not None:
+        outcome.write_plan(setup.plan_out)
+    if setup.as_json:
+        print(json.dumps(report_json(outcome.ours, dict(outcome.baselines))))
+        return
+    print(_header(setup, outcome.num_rejected))
+    print(render_table(("odbd", outcome.ours), outcome.baselines))
+
+
+def _header(setup: Setup, num_rejected: int) -> str:
+    c = setup.config
+    mode = "join" if setup.join else "no-join"
+    lines = [
+        f"{setup.source}; world {c.world.world_size} ({c.world.num_nodes} nodes x "
+        f"{c.world.ranks_per_node}), token budget {c.token_budget}, buffer {c.buffer_size}/rank",
+        f"odbd: grouping {c.grouping.value}, balance {c.balance.value}, {mode}, "
+        f"{setup.epochs} epoch(s), seed {c.seed}; "
+        f"cost a={c.cost.a:g} b={c.cost.b:g} c={c.cost.c:g} (token-equivalents)",
+    ]
+    if num_rejected:
+        lines.append(f"{num_rejected} zero-length sample(s) were rejected by the planner")
+    return "\n".join(lines)

@@ -1,0 +1,86 @@
+"""The work of `odbd simulate`: the production planner, the baselines, and the plan file.
+
+Kept apart from command.py because importing the planner loads torch (its sampler matches
+torch's DistributedSampler bit for bit), which the flag validation should not wait for.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
+
+from odbd.errors import ConfigError
+from odbd.planner.config import Balance, Grouping, PlannerConfig
+from odbd.planner.epoch import SimulationResult, simulate
+from odbd.simulate.baselines import fixed_batch_stats
+from odbd.simulate.report import Summary, summarize
+
+if TYPE_CHECKING:
+    from odbd.simulate.command import Setup
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """Our run and the baselines measured on the same lengths."""
+
+    result: SimulationResult
+    ours: Summary
+    baselines: tuple[tuple[str, Summary], ...]  # (name, summary) in table order
+
+    @property
+    def num_rejected(self) -> int:
+        return self.result.num_rejected
+
+    def write_plan(self, path: str) -> None:
+        write_plan(self.result, path)
+
+
+def execute(setup: Setup) -> Outcome:
+    """Runs the planner, then (with --compare) fixed-batch and paper baselines."""
+    result = simulate(setup.lengths, setup.config, epochs=setup.epochs, join=setup.join)
+    ours = summarize_config(result, setup.config)
+    baselines: list[tuple[str, Summary]] = []
+    for batch_size in setup.compare_batch_sizes:
+        baselines.append((f"fixed-{batch_size}", fixed_batch_summary(setup, batch_size)))
+    if setup.compare_batch_sizes:
+        paper = paper_config(setup.config)
+        paper_result = simulate(setup.lengths, paper, epochs=setup.epochs, join=setup.join)
+        baselines.append(("paper", summarize_config(paper_result, paper)))
+    return Outcome(result, ours, tuple(baselines))
+
+
+def paper_config(config: PlannerConfig) -> PlannerConfig:
+    """The paper's exact algorithm: threshold grouping, each rank on its own shard."""
+    return replace(config, grouping=Grouping.PAPER, balance=Balance.RANK)
+
+
+def summarize_config(result: SimulationResult, config: PlannerConfig) -> Summary:
+    return summarize(result.stats(), config.cost, config.token_budget, config.world.world_size)
+
+
+def fixed_batch_summary(setup: Setup, batch_size: int) -> Summary:
+    config = setup.config
+    stats = fixed_batch_stats(
+        setup.lengths,
+        world_size=config.world.world_size,
+        batch_size=batch_size,
+        cost=config.cost,
+        seed=config.seed,
+        epochs=setup.epochs,
+    )
+    return summarize(stats, config.cost, config.token_budget, config.world.world_size)
+
+
+def write_plan(result: SimulationResult, path: str) -> None:
+    """JSON lines, one per step: {"epoch", "step", "ranks": [[[sample_id, length], ...], ...]}."""
+    try:
+        with open(path, "w", encoding="utf-8") as out:
+            for epoch, step, ranks in result.iter_steps():
+                line = {"epoch": epoch, "step": step, "ranks": ranks}
+                out.write(json.dumps(line, separators=(",", ":")) + "\n")
+    except OSError as error:
+        raise ConfigError(
+            f"cannot write --plan-out {path}: {error.strerror or error}; the simulation ran "
+            "but its plan was not saved. Pass a writable path"
+        ) from None
