@@ -135,6 +135,13 @@ def test_repeated_views_in_one_call_are_refused() -> None:
     ledger.check()
 
 
+def test_state_of_reads_repeated_views_but_refuses_out_of_range() -> None:
+    ledger = make_ledger([P, L, B])
+    assert ledger.state_of([2, 2, 0]).tolist() == [B, B, P]
+    with pytest.raises(InvariantError, match=r"outside \[0, 3\)"):
+        ledger.state_of([3])
+
+
 def test_non_integer_views_are_refused() -> None:
     ledger = ViewLedger(5)
     with pytest.raises(InvariantError, match="must be integers"):

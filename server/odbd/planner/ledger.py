@@ -104,7 +104,9 @@ class ViewLedger:
         self._counts[target] += ids.size
         assert sum(self._counts) == self.num_views, self._counts
 
-    def _validated(self, views: IntArray | Sequence[int], verb: str) -> IntArray:
+    def _validated(
+        self, views: IntArray | Sequence[int], verb: str, *, allow_repeats: bool = False
+    ) -> IntArray:
         """The ids as int64, after checking dtype, range and uniqueness (else nothing moves)."""
         raw = np.asarray(views)
         if raw.size == 0:
@@ -119,7 +121,7 @@ class ViewLedger:
                 f"cannot {verb}: {int(outside.sum())} view ids are outside [0, {self.num_views}) "
                 f"({named}); nothing changed. This is an odbd bug, please report it"
             )
-        if ids.size < 2 or bool((ids[1:] > ids[:-1]).all()):
+        if allow_repeats or ids.size < 2 or bool((ids[1:] > ids[:-1]).all()):
             return ids  # strictly increasing (the usual case, e.g. views_in): no repeats, no sort
         ordered = np.sort(ids)
         repeated = ordered[1:][ordered[1:] == ordered[:-1]]
@@ -141,7 +143,7 @@ class ViewLedger:
 
     def state_of(self, views: IntArray | Sequence[int]) -> np.ndarray:
         """(n,) int8 states of the given views (compare with ViewState members)."""
-        return self._states[self._validated(views, "read")].copy()
+        return self._states[self._validated(views, "read states", allow_repeats=True)]
 
     def views_in(self, state: ViewState) -> IntArray:
         """(count(state),) int64 sorted view ids currently in `state`."""
