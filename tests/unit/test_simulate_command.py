@@ -1,0 +1,76 @@
+"""odbd simulate in-process: flag handling, epochs, the paper baseline's config."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+
+from odbd.planner.config import Balance, Grouping
+from odbd.simulate import add_arguments, main, run
+
+SMALL = ["--world", "4", "--nproc-per-node", "2", "--buffer", "32", "--num-samples", "600"]
+
+
+def test_json_without_compare_has_empty_baselines(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--dist", "llava", *SMALL, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["baselines"] == {}
+    assert out["steps"] > 0 and 0 < out["efficiency"] <= 1.0
+
+
+def test_compare_batch_sizes_name_the_baselines(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["--dist", "bimodal", *SMALL, "--json", "--compare", "--compare-batch-sizes", "2,8,2"]
+    assert main(argv) == 0
+    assert list(json.loads(capsys.readouterr().out)["baselines"]) == ["fixed-2", "fixed-8", "paper"]
+
+
+def test_epochs_appear_in_the_plan(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    plan = tmp_path / "plan.jsonl"
+    assert main(["--dist", "all-short", *SMALL, "--epochs", "2", "--plan-out", str(plan)]) == 0
+    steps = [json.loads(line) for line in plan.read_text().splitlines()]
+    epochs = [s["epoch"] for s in steps]
+    assert epochs == sorted(epochs) and set(epochs) == {0, 1}
+    assert sum(len(g) for s in steps for g in s["ranks"]) == 2 * 600
+    assert "2 epoch(s)" in capsys.readouterr().out
+
+
+def test_num_samples_takes_a_prefix_of_the_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "l.txt"
+    path.write_text("100\n" * 50)
+    assert main(["--lengths", str(path), "--num-samples", "10", "--world", "1",
+                 "--nproc-per-node", "1", "--json"]) == 0  # fmt: skip
+    assert json.loads(capsys.readouterr().out)["samples_per_step"] == 10
+    assert main(["--lengths", str(path), "--num-samples", "51"]) == 2
+    assert "exceeds the 50 lengths" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--epochs", "0"], "--epochs must be >= 1"),
+        (["--buffer", "0"], "buffer size must be > 0"),
+        (["--num-samples", "-5"], "--num-samples must be >= 0"),
+        (["--cost-c", "-1"], "coefficients must be >= 0"),
+    ],
+)
+def test_config_errors_return_2(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["--dist", "llava", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("odbd simulate: error: ") and message in err and err.count("\n") == 1
+
+
+def test_add_arguments_works_on_a_foreign_parser(capsys: pytest.CaptureFixture[str]) -> None:
+    parser = argparse.ArgumentParser(prog="odbd simulate")
+    add_arguments(parser)
+    args = parser.parse_args(["--dist", "uniform-narrow", *SMALL, "--grouping", "paper",
+                              "--balance", "rank", "--json"])  # fmt: skip
+    assert (Grouping(args.grouping), Balance(args.balance)) == (Grouping.PAPER, Balance.RANK)
+    assert run(args) == 0
+    assert json.loads(capsys.readouterr().out)["padding_ratio"] >= 0
