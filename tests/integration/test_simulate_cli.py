@@ -64,7 +64,7 @@ def test_json_and_plan_out_describe_the_same_run(tmp_path: Path) -> None:
     assert all(s["epoch"] == 0 and len(s["ranks"]) == 4 for s in steps)
     # Join mode: every identity once, plus DistributedSampler's 3 tail-padding views.
     lengths = sample_lengths("sharegpt4o", 3001, seed=0)
-    emitted = Counter()
+    emitted: Counter[int] = Counter()
     for s in steps:
         for group in s["ranks"]:
             for sample_id, length in group:

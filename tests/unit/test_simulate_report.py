@@ -99,8 +99,8 @@ def test_json_object_has_exactly_the_documented_keys() -> None:
         "ideal_time",
     }
     assert set(out) == keys | {"baselines"}
-    assert set(out["baselines"]) == {"fixed-1", "paper"}  # type: ignore[arg-type]
-    assert all(set(b) == keys for b in out["baselines"].values())  # type: ignore[attr-defined]
+    assert set(out["baselines"]) == {"fixed-1", "paper"}
+    assert all(set(b) == keys for b in out["baselines"].values())
     assert json.loads(json.dumps(out)) == out
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import numpy as np
 
@@ -64,9 +65,9 @@ def _ratio(numerator: float, denominator: float, *, empty: float) -> float:
     return numerator / denominator if denominator > 0 else empty
 
 
-def report_json(ours: Summary, baselines: Mapping[str, Summary]) -> dict[str, object]:
+def report_json(ours: Summary, baselines: Mapping[str, Summary]) -> dict[str, Any]:
     """The `--json` object: our keys, plus {"baselines": {name: same keys}}."""
-    out: dict[str, object] = dict(ours.as_json())
+    out: dict[str, Any] = dict(ours.as_json())
     out["baselines"] = {name: summary.as_json() for name, summary in baselines.items()}
     return out
 

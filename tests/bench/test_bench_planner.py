@@ -1,0 +1,225 @@
+"""Planner benchmarks: (a) efficiency vs the ideal bound on every distribution, (b) latency.
+
+Run with `make bench-planner` or
+`.venv/bin/python -m pytest -q -m bench -s tests/bench/test_bench_planner.py`.
+Nothing here asserts on speed: the tables record which DESIGN.md section 5 targets are met and
+replace their section of docs/bench/planner.md (older runs stay in git history).
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import re
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from functools import partial
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from odbd.planner.config import Balance, Grouping, PlannerConfig
+from odbd.planner.epoch import simulate
+from odbd.planner.round import plan_round
+from odbd.planner.types import SampleTable, UnitOffer
+from odbd.simulate.baselines import fixed_batch_stats
+from odbd.simulate.distributions import NAMES, sample_lengths
+from odbd.simulate.report import Summary, summarize
+from odbd.world import World
+
+DOC = Path(__file__).resolve().parents[2] / "docs" / "bench" / "planner.md"
+COMMAND = ".venv/bin/python -m pytest -q -m bench -s tests/bench/test_bench_planner.py"
+
+WORLD = World(world_size=16, ranks_per_node=8)
+BUDGET = 12288
+BUFFER = 1024
+NUM_SAMPLES = 200_000  # full size: the grid (10 distributions x 4 runs) takes ~6 s here
+SEED = 0
+
+EFFICIENCY_TARGET = 0.97
+IMBALANCE_TARGET = 1.05
+LATENCY_TARGET_MS = 20.0
+
+
+def planner_config(grouping: Grouping, balance: Balance, world: World = WORLD) -> PlannerConfig:
+    return PlannerConfig(
+        world=world, token_budget=BUDGET, buffer_size=BUFFER, grouping=grouping, balance=balance
+    )
+
+
+def planner_summary(lengths: np.ndarray, config: PlannerConfig) -> Summary:
+    stats = simulate(lengths, config).stats()
+    return summarize(stats, config.cost, BUDGET, WORLD.world_size)
+
+
+def fixed_summary(lengths: np.ndarray, batch_size: int) -> Summary:
+    cost = planner_config(Grouping.MIN_TIME, Balance.NODE).cost
+    stats = fixed_batch_stats(
+        lengths, world_size=WORLD.world_size, batch_size=batch_size, cost=cost, seed=SEED
+    )
+    return summarize(stats, cost, BUDGET, WORLD.world_size)
+
+
+@dataclass(frozen=True, slots=True)
+class Row:
+    dist: str
+    ours: Summary
+    paper: Summary
+    fixed1: Summary
+    fixed4: Summary
+
+    def targets(self) -> dict[str, bool]:
+        return {
+            "eff": self.ours.efficiency >= EFFICIENCY_TARGET,
+            "pad": self.ours.padding_ratio <= self.paper.padding_ratio,
+            "imb": self.ours.imbalance <= IMBALANCE_TARGET,
+        }
+
+
+def efficiency_table(rows: list[Row]) -> str:
+    head = (
+        "| distribution | run | steps | padding % | samples/step | imbalance | efficiency "
+        "| ours vs it | targets (eff ≥ 0.97, pad ≤ paper, imb ≤ 1.05) |"
+    )
+    lines = [head, "|" + " --- |" * 9]
+    for row in rows:
+        met = row.targets()
+        verdict = ", ".join(f"{k} {'met' if ok else 'MISSED'}" for k, ok in met.items())
+        runs = [("odbd (min-time, node)", row.ours), ("paper (paper, rank)", row.paper),
+                ("fixed-1", row.fixed1), ("fixed-4", row.fixed4)]  # fmt: skip
+        for i, (name, s) in enumerate(runs):
+            lines.append(
+                f"| {row.dist if i == 0 else ''} | {name} | {s.steps:,} "
+                f"| {100 * s.padding_ratio:.2f} | {s.samples_per_step:.1f} | {s.imbalance:.3f} "
+                f"| {s.efficiency:.3f} | {s.simulated_time / row.ours.simulated_time:.2f}x "
+                f"| {verdict if i == 0 else ''} |"
+            )
+    return "\n".join(lines)
+
+
+@pytest.mark.bench
+def test_bench_planner_efficiency_on_every_distribution() -> None:
+    rows = []
+    for dist in NAMES:
+        lengths = sample_lengths(dist, NUM_SAMPLES, SEED)
+        rows.append(
+            Row(
+                dist=dist,
+                ours=planner_summary(lengths, planner_config(Grouping.MIN_TIME, Balance.NODE)),
+                paper=planner_summary(lengths, planner_config(Grouping.PAPER, Balance.RANK)),
+                fixed1=fixed_summary(lengths, 1),
+                fixed4=fixed_summary(lengths, 4),
+            )
+        )
+    table = efficiency_table(rows)
+    met = {k: sum(r.targets()[k] for r in rows) for k in ("eff", "pad", "imb")}
+    summary = ", ".join(f"{k} met on {n}/{len(rows)}" for k, n in met.items())
+    body = (
+        f"{NUM_SAMPLES:,} samples per distribution (seed {SEED}), world {WORLD.world_size} "
+        f"({WORLD.num_nodes} nodes x {WORLD.ranks_per_node}), token budget {BUDGET}, buffer "
+        f"{BUFFER}/rank, join mode, 1 epoch, default cost model (a=1, b=1.2e-5, c=1800). "
+        "Efficiency = ideal bound / simulated time; 'ours vs it' = its simulated time / ours.\n\n"
+        f"{table}\n\nTargets: {summary}.\n"
+    )
+    print("\n" + body)
+    write_section("efficiency", "Efficiency vs the ideal bound", body)
+    # Correctness only: join mode emits every view (N plus DistributedSampler tail padding).
+    assert all(r.ours.samples_per_step * r.ours.steps == pytest.approx(NUM_SAMPLES) for r in rows)
+
+
+def timed_ms(fn: Callable[[], object], repetitions: int) -> np.ndarray:
+    fn()  # warm-up: first calls pay allocation and import costs
+    samples = []
+    for _ in range(repetitions):
+        start = time.perf_counter()
+        fn()
+        samples.append((time.perf_counter() - start) * 1e3)
+    return np.asarray(samples)
+
+
+def make_offers(lengths: np.ndarray, num_units: int) -> list[UnitOffer]:
+    """One full, not-dry buffer per unit, split evenly from `lengths`."""
+    per_unit = len(lengths) // num_units
+    return [
+        UnitOffer(
+            unit=u,
+            samples=SampleTable.of(
+                np.arange(u * per_unit, (u + 1) * per_unit),
+                lengths[u * per_unit : (u + 1) * per_unit],
+            ),
+            dry=False,
+        )
+        for u in range(num_units)
+    ]
+
+
+@pytest.mark.bench
+def test_bench_plan_round_latency() -> None:
+    world = World(world_size=128, ranks_per_node=8)  # 16 nodes x 8 ranks, 1024 samples per rank
+    lengths = sample_lengths("sharegpt4o", world.world_size * BUFFER, SEED)
+    repetitions = 30
+    baseline = timed_ms(lambda: np.sort(lengths), repetitions)
+    cases = [
+        ("odbd (min-time, node): 16 offers x 8192", Grouping.MIN_TIME, Balance.NODE, 16),
+        ("paper (paper, rank): 128 offers x 1024", Grouping.PAPER, Balance.RANK, 128),
+    ]
+    lines = [
+        "| plan_round | median ms | p90 ms | median / np.sort | target median < 20 ms |",
+        "| --- | --- | --- | --- | --- |",
+        f"| np.sort of the same {len(lengths):,} lengths (baseline) "
+        f"| {np.median(baseline):.2f} | {np.percentile(baseline, 90):.2f} | 1.0 | |",
+    ]
+    for name, grouping, balance, num_units in cases:
+        config = planner_config(grouping, balance, world)
+        offers = make_offers(lengths, num_units)
+        ms = timed_ms(partial(plan_round, offers, config, 0), repetitions)
+        median = float(np.median(ms))
+        verdict = "met" if median < LATENCY_TARGET_MS else "MISSED"
+        lines.append(
+            f"| {name} | {median:.2f} | {np.percentile(ms, 90):.2f} "
+            f"| {median / np.median(baseline):.1f} | {verdict if 'odbd' in name else ''} |"
+        )
+    body = (
+        f"One round of W={world.world_size} ({world.num_nodes} nodes x {world.ranks_per_node}), "
+        f"buffer {BUFFER}/rank ({len(lengths):,} sharegpt4o lengths), token budget {BUDGET}; "
+        f"{repetitions} repetitions after one warm-up, one process "
+        f"({platform.processor() or platform.machine()}, {_cpu_count()} cores).\n\n"
+        + "\n".join(lines)
+        + "\n"
+    )
+    print("\n" + body)
+    write_section("latency", "Planning latency", body)
+    # Correctness only: every sample of a full, not-dry round is planned into some step.
+    plan = plan_round(
+        make_offers(lengths, 16), planner_config(Grouping.MIN_TIME, Balance.NODE, world), 0
+    )
+    emitted = sum(len(u.emitted) + len(u.leftover) for u in plan.units)
+    assert emitted == len(lengths)
+
+
+def _cpu_count() -> int:
+    return len(os.sched_getaffinity(0))
+
+
+def write_section(key: str, title: str, body: str) -> None:
+    """Replaces this benchmark's section of DOC (creating the file), keeping the others."""
+    stamp = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
+    section = (
+        f"<!-- bench:{key} -->\n## {title}\n\nMeasured {stamp}; reproduce with `{COMMAND}` "
+        f"(or `make bench-planner`).\n\n{body}<!-- /bench:{key} -->\n"
+    )
+    text = DOC.read_text(encoding="utf-8") if DOC.exists() else _HEADER
+    pattern = re.compile(rf"<!-- bench:{key} -->.*?<!-- /bench:{key} -->\n", re.DOTALL)
+    text = pattern.sub(lambda _: section, text) if pattern.search(text) else text + "\n" + section
+    DOC.parent.mkdir(parents=True, exist_ok=True)
+    DOC.write_text(text, encoding="utf-8")
+
+
+_HEADER = """# Planner benchmarks
+
+Written by `tests/bench/test_bench_planner.py`; each section is replaced by its latest run
+(git history keeps the older ones). Targets are DESIGN.md section 5.
+"""
