@@ -48,48 +48,77 @@ class Setup:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Adds the simulate flags to `parser` (the `odbd simulate` subparser or our own)."""
-    defaults = CostModel()
-    source = parser.add_argument_group("lengths (exactly one)")
+    cost = CostModel()
+    source = parser.add_argument_group("sample lengths (--dist or --lengths, exactly one)")
     source.add_argument("--dist", metavar="NAME", help=f"named distribution: {', '.join(NAMES)}")
-    source.add_argument("--lengths", metavar="FILE", help="one token length per line")
-    parser.add_argument(
+    source.add_argument(
+        "--lengths", metavar="FILE", help="one token length per line; sample id = line number"
+    )
+    source.add_argument(
         "--num-samples",
         type=int,
         metavar="N",
-        help=f"samples to draw with --dist (default {DEFAULT_NUM_SAMPLES}); "
-        "with --lengths, use the first N lines",
+        help=f"samples drawn with --dist (default {DEFAULT_NUM_SAMPLES}); with --lengths, "
+        "only the first N lines",
     )
-    parser.add_argument("--world", type=int, default=16, metavar="W", help="trainer world size")
-    parser.add_argument("--nproc-per-node", type=int, default=8, metavar="G", help="ranks/node")
-    parser.add_argument("--token-budget", type=int, default=12288, metavar="L")
-    parser.add_argument("--buffer", type=int, default=1024, metavar="B", help="samples per rank")
-    parser.add_argument("--grouping", choices=[g.value for g in Grouping], default="min-time")
-    parser.add_argument("--balance", choices=[b.value for b in Balance], default="node")
-    parser.add_argument(
-        "--loss-scaling", choices=[s.value for s in LossScaling], default=LossScaling.EXACT.value
+    world = parser.add_argument_group("world and planner")
+    world.add_argument("--world", type=int, default=16, metavar="W", help="DDP world (16)")
+    world.add_argument(
+        "--nproc-per-node", type=int, default=8, metavar="G", help="ranks per node (8)"
     )
-    parser.add_argument(
+    world.add_argument(
+        "--token-budget",
+        type=int,
+        default=12288,
+        metavar="L",
+        help="max padded tokens per rank-step (12288)",
+    )
+    world.add_argument("--buffer", type=int, default=1024, metavar="B", help="samples/rank (1024)")
+    world.add_argument(
+        "--grouping",
+        choices=[g.value for g in Grouping],
+        default="min-time",
+        help="min-time (default) or the paper's threshold grouping",
+    )
+    world.add_argument(
+        "--balance",
+        choices=[b.value for b in Balance],
+        default="node",
+        help="pool a node's buffers (node, default) or the paper's per-rank buffers",
+    )
+    world.add_argument("--loss-scaling", choices=[s.value for s in LossScaling], default="exact")
+    world.add_argument(
         "--join",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="join mode (identity coverage) or non-join (sample quota)",
+        help="join: every identity each epoch (default); no-join: sample quota",
     )
-    parser.add_argument("--epochs", type=int, default=1, metavar="E")
-    parser.add_argument("--seed", type=int, default=0, metavar="S")
-    parser.add_argument("--cost-a", type=float, default=defaults.a, help="per padded token")
-    parser.add_argument("--cost-b", type=float, default=defaults.b, help="per squared length")
-    parser.add_argument("--cost-c", type=float, default=defaults.c, help="per step")
-    parser.add_argument(
-        "--compare", action="store_true", help="add fixed-batch and paper baselines"
+    world.add_argument("--epochs", type=int, default=1, metavar="E", help="trainer epochs (1)")
+    world.add_argument("--seed", type=int, default=0, metavar="S", help="lengths and sampler (0)")
+    model = parser.add_argument_group("cost model (token-equivalents)")
+    model.add_argument(
+        "--cost-a", type=float, metavar="A", default=cost.a, help=f"per padded token ({cost.a:g})"
     )
-    parser.add_argument(
+    model.add_argument(
+        "--cost-b", type=float, metavar="B", default=cost.b, help=f"per length² ({cost.b:g})"
+    )
+    model.add_argument(
+        "--cost-c", type=float, metavar="C", default=cost.c, help=f"per step ({cost.c:g})"
+    )
+    output = parser.add_argument_group("baselines and output")
+    output.add_argument(
+        "--compare", action="store_true", help="add fixed-batch and paper baselines (same data)"
+    )
+    output.add_argument(
         "--compare-batch-sizes",
         default="1,4",
         metavar="BS,...",
-        help="fixed batch sizes for --compare (default 1,4)",
+        help="fixed batch sizes for --compare (1,4)",
     )
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
-    parser.add_argument("--plan-out", metavar="FILE", help="write the plan as JSON lines")
+    output.add_argument("--json", action="store_true", help="print one JSON object")
+    output.add_argument(
+        "--plan-out", metavar="FILE", help="write the plan as JSON lines, one per step"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
