@@ -1,0 +1,447 @@
+"""Shared-memory byte layouts (segment header, encoded sample) and the attach side of the arena.
+
+The node daemon owns one bounded arena made of POSIX shm segments under /dev/shm, named
+`odbd-<job_id>-<node_rank>-<index>` (mode 0600). It creates, carves and unlinks them
+(`odbd.ingest.arena`); producers and trainers only attach (`ArenaView`) and never unlink. A
+sample is a dict of arrays encoded in place into one allocation (`encode_into`) and read back
+as zero-copy numpy views (`decode`). This module never imports `odbd` and imports torch lazily.
+
+Lifetime (DESIGN.md section 6 hazard): a mapping is never unmapped while views may be alive.
+`ArenaView` maps every segment once for the process lifetime and has no close(); numpy views
+hold a buffer export of the mapping, so the mapping outlives them. `decode_torch` goes through
+`torch.from_numpy`, which keeps the numpy view (and so the export) alive; never use
+`torch.frombuffer` on a mapping: it keeps no export, and reading it after an unmap segfaults.
+The daemon recycles an allocation only after the trainer released the batch that used it.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import mmap
+import os
+import struct
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+SHM_DIR = "/dev/shm"
+ALIGN_BYTES = 64  # every allocation and every array starts on a cache line
+
+
+def align_up(nbytes: int, alignment: int = ALIGN_BYTES) -> int:
+    """Rounds up to a multiple of `alignment` (a power of two)."""
+    return (nbytes + alignment - 1) & -alignment
+
+
+class ShmLayoutError(ValueError):
+    """Bytes in shared memory do not follow the layout (bad magic, version or bounds)."""
+
+
+class SampleEncodeError(ValueError):
+    """A sample cannot be encoded: a value is not an array, a key is invalid, or it does not fit."""
+
+
+class UnsupportedDtypeError(SampleEncodeError):
+    """A sample array has a dtype the shm layout cannot carry."""
+
+
+class ShmAttachError(RuntimeError):
+    """A segment advertised by the daemon cannot be mapped."""
+
+
+@dataclass(frozen=True, slots=True)
+class Allocation:
+    """One allocation of the arena: `length` bytes at byte `offset` of segment `segment`."""
+
+    segment: str  # segment name (file name under /dev/shm)
+    offset: int  # from the start of the segment file; a multiple of ALIGN_BYTES
+    length: int  # bytes requested; the arena reserves align_up(length)
+
+
+# --- segment header ----------------------------------------------------------------------------
+
+SEGMENT_MAGIC = b"ODBDSEG\x00"
+SEGMENT_LAYOUT_VERSION = 1
+SEGMENT_HEADER_BYTES = 4096  # the allocatable region starts page-aligned after the header
+_SEGMENT_HEADER = struct.Struct("<8sIIQqQ16sQIII64s")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SegmentHeader:
+    """Header at byte 0 of every segment; little-endian, 140 bytes, padded to 4096.
+
+    offset size field
+         0    8 magic b"ODBDSEG\\0" (written last: a segment without it is half-created)
+         8    4 layout_version (u32); this module reads and writes version 1
+        12    4 header_bytes (u32): where the allocatable region starts
+        16    8 capacity_bytes (u64): size of the segment file, header included
+        24    8 owner_pid (i64): pid of the daemon that created the segment
+        32    8 owner_start_ticks (u64): /proc/<pid>/stat starttime, guards against pid reuse
+        40   16 boot_id: /proc/sys/kernel/random/boot_id of the creating boot
+        56    8 created_unix_ns (u64)
+        64    4 node_rank (u32)
+        68    4 segment_index (u32)
+        72    4 num_segments (u32) of the arena
+        76   64 job_id (utf-8, NUL padded)
+    Offsets 0..56 are frozen for every future version, so any odbd can tell whether the owner
+    of a segment of another version is alive before reclaiming it.
+    """
+
+    layout_version: int = SEGMENT_LAYOUT_VERSION
+    header_bytes: int = SEGMENT_HEADER_BYTES
+    capacity_bytes: int
+    owner_pid: int
+    owner_start_ticks: int
+    boot_id: bytes
+    created_unix_ns: int
+    node_rank: int
+    segment_index: int
+    num_segments: int
+    job_id: str
+
+    def pack_into(self, buf: memoryview) -> None:
+        _SEGMENT_HEADER.pack_into(
+            buf, 0, b"\x00" * 8, self.layout_version, self.header_bytes, self.capacity_bytes,
+            self.owner_pid, self.owner_start_ticks, self.boot_id, self.created_unix_ns,
+            self.node_rank, self.segment_index, self.num_segments, self.job_id.encode(),
+        )  # fmt: skip
+        buf[0:8] = SEGMENT_MAGIC
+
+    @staticmethod
+    def unpack(buf: memoryview | bytes, *, name: str = "segment") -> SegmentHeader:
+        if len(buf) < _SEGMENT_HEADER.size or bytes(buf[0:8]) != SEGMENT_MAGIC:
+            raise ShmLayoutError(f"{name} has no odbd segment header (half-created or foreign)")
+        fields = _SEGMENT_HEADER.unpack_from(buf, 0)
+        return SegmentHeader(
+            layout_version=fields[1], header_bytes=fields[2], capacity_bytes=fields[3],
+            owner_pid=fields[4], owner_start_ticks=fields[5], boot_id=fields[6],
+            created_unix_ns=fields[7], node_rank=fields[8], segment_index=fields[9],
+            num_segments=fields[10], job_id=fields[11].rstrip(b"\x00").decode(errors="replace"),
+        )  # fmt: skip
+
+
+# --- attach side -------------------------------------------------------------------------------
+
+
+class ArenaView:
+    """The segments of one arena, mapped read-write once for the lifetime of the process."""
+
+    def __init__(self, buffers: Mapping[str, memoryview], headers: Mapping[str, SegmentHeader]):
+        self._buffers = dict(buffers)  # segment name -> memoryview of the whole mapping
+        self._headers = dict(headers)
+
+    @classmethod
+    def attach(cls, segment_names: Sequence[str], *, shm_dir: str = SHM_DIR) -> ArenaView:
+        buffers, headers = {}, {}
+        for name in segment_names:
+            buffers[name] = map_segment(os.path.join(shm_dir, name), name=name)
+            headers[name] = SegmentHeader.unpack(buffers[name], name=f"shm segment {name}")
+            if headers[name].layout_version != SEGMENT_LAYOUT_VERSION:
+                raise ShmAttachError(
+                    f"shm segment {name} uses layout version {headers[name].layout_version} but "
+                    f"this odbclient reads version {SEGMENT_LAYOUT_VERSION}; samples cannot be "
+                    "exchanged; install the same odbd version for the daemon and its clients"
+                )
+        return cls(buffers, headers)
+
+    @property
+    def segment_names(self) -> tuple[str, ...]:
+        return tuple(self._buffers)
+
+    def header(self, segment: str) -> SegmentHeader:
+        return self._headers[segment]
+
+    def buffer(self, segment: str, offset: int, length: int) -> memoryview:
+        """A writable memoryview of `length` bytes at `offset` of `segment` (no copy)."""
+        whole = self._buffers[segment]
+        if offset < self._headers[segment].header_bytes or offset + length > len(whole):
+            raise ShmLayoutError(
+                f"bytes [{offset}, {offset + length}) are outside the allocatable region of shm "
+                f"segment {segment} ({len(whole)} bytes); the reference is corrupt or stale"
+            )
+        return whole[offset : offset + length]
+
+    def view(self, allocation: Allocation) -> memoryview:
+        return self.buffer(allocation.segment, allocation.offset, allocation.length)
+
+
+def map_segment(path: str, *, name: str) -> memoryview:
+    """Maps a whole segment file read-write; the fd is closed, the mapping stays."""
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except FileNotFoundError:
+        raise ShmAttachError(
+            f"shm segment {name} does not exist: the daemon that advertised it exited or "
+            "restarted; reconnect to the daemon to get its current segments"
+        ) from None
+    except PermissionError:
+        raise ShmAttachError(
+            f"shm segment {name} belongs to another user (mode 0600); run producers and "
+            "trainers as the user of the odbd daemon"
+        ) from None
+    try:
+        return memoryview(mmap.mmap(fd, os.fstat(fd).st_size))
+    finally:
+        os.close(fd)
+
+
+# --- sample layout -----------------------------------------------------------------------------
+
+
+class DType(enum.IntEnum):
+    """dtype codes of the sample layout; names match numpy's and torch's dtype names."""
+
+    BOOL = 1
+    UINT8 = 2
+    INT8 = 3
+    INT16 = 4
+    INT32 = 5
+    INT64 = 6
+    FLOAT16 = 7
+    BFLOAT16 = 8  # torch only; numpy sees the raw bits as uint16
+    FLOAT32 = 9
+    FLOAT64 = 10
+
+
+_NUMPY_DTYPE: dict[DType, np.dtype] = {
+    code: np.dtype("uint16" if code == DType.BFLOAT16 else code.name.lower()) for code in DType
+}
+_NUMPY_OF_NAME = {code.name.lower(): dtype for code, dtype in _NUMPY_DTYPE.items()}
+DTYPE_NAMES = frozenset(code.name.lower() for code in DType)
+
+SAMPLE_MAGIC = b"ODBS"
+SAMPLE_LAYOUT_VERSION = 1
+_SAMPLE_HEADER = struct.Struct("<4sHHIIQ")  # magic, version, num_keys, header_bytes, 0, total
+_FIELD_ENTRY = struct.Struct("<HBBIQQ")  # name_bytes, dtype, ndim, 0, data offset, data nbytes
+_MAX_NDIM = 64
+
+
+@dataclass(frozen=True, slots=True)
+class FieldMeta:
+    """One array of an encoded sample."""
+
+    name: str
+    dtype: str  # one of DTYPE_NAMES, e.g. "bfloat16"
+    shape: tuple[int, ...]
+    offset: int  # from the start of the sample; a multiple of ALIGN_BYTES
+    nbytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class SampleMeta:
+    """Keys, dtypes and shapes of an encoded sample, read from its header alone.
+
+    Encoded sample layout (little-endian, native to the node; starts 64-byte aligned):
+    offset size field
+         0    4 magic b"ODBS"
+         4    2 layout_version (u16) = 1
+         6    2 num_keys (u16)
+         8    4 header_bytes (u32): end of the last key entry
+        12    4 reserved, 0
+        16    8 total_bytes (u64): end of the last array (= encoded_size)
+        24      num_keys key entries, each:
+                  2 name_bytes (u16), 1 dtype code (DType), 1 ndim, 4 reserved,
+                  8 data offset (u64, from the sample start, multiple of 64), 8 data nbytes (u64),
+                  8 * ndim shape (i64 each), name (utf-8) padded to a multiple of 8
+                then each array's raw C-order bytes at its data offset.
+    Readers validate every offset and size against the buffer, so garbage (the allocation of
+    a producer killed mid-write) raises ShmLayoutError instead of reading out of bounds.
+    """
+
+    fields: tuple[FieldMeta, ...]
+    total_bytes: int  # encoded size: the end of the last array
+
+    @property
+    def keys(self) -> tuple[str, ...]:
+        return tuple(f.name for f in self.fields)
+
+    @property
+    def dtypes(self) -> tuple[str, ...]:
+        return tuple(f.dtype for f in self.fields)
+
+    @property
+    def shapes(self) -> tuple[tuple[int, ...], ...]:
+        return tuple(f.shape for f in self.fields)
+
+    def field(self, name: str) -> FieldMeta:
+        for f in self.fields:
+            if f.name == name:
+                return f
+        raise KeyError(f"sample has no key {name!r}; it has {list(self.keys)}")
+
+
+def encoded_size(sample: Mapping[str, Any]) -> int:
+    """Bytes `encode_into` writes for `sample` (header plus 64-byte aligned arrays)."""
+    return _plan(sample)[2]
+
+
+def encode_into(buf: memoryview, sample: Mapping[str, Any]) -> None:
+    """Encodes `sample` at the start of `buf` with one copy per array, no intermediate bytes."""
+    fields, header_bytes, total_bytes = _plan(sample)
+    if len(buf) < total_bytes:
+        raise SampleEncodeError(
+            f"the sample needs {total_bytes} bytes but the buffer holds {len(buf)}; "
+            "allocate encoded_size(sample) bytes"
+        )
+    _SAMPLE_HEADER.pack_into(
+        buf, 0, SAMPLE_MAGIC, SAMPLE_LAYOUT_VERSION, len(fields), header_bytes, 0, total_bytes
+    )
+    pos = _SAMPLE_HEADER.size
+    for meta, code, value in fields:
+        name = meta.name.encode()
+        _FIELD_ENTRY.pack_into(
+            buf, pos, len(name), code, len(meta.shape), 0, meta.offset, meta.nbytes
+        )
+        pos += _FIELD_ENTRY.size
+        struct.pack_into(f"<{len(meta.shape)}q", buf, pos, *meta.shape)
+        pos += 8 * len(meta.shape)
+        buf[pos : pos + len(name)] = name
+        pos += align_up(len(name), 8)
+        _copy_array(_numpy_view(buf, meta), value)
+
+
+def read_meta(buf: memoryview | bytes | bytearray) -> SampleMeta:
+    """Parses and validates the header of an encoded sample; touches no array bytes."""
+    if len(buf) < _SAMPLE_HEADER.size:
+        raise ShmLayoutError(f"{len(buf)} bytes cannot hold an encoded sample header")
+    magic, version, num_keys, header_bytes, _, total_bytes = _SAMPLE_HEADER.unpack_from(buf, 0)
+    if magic != SAMPLE_MAGIC or version != SAMPLE_LAYOUT_VERSION:
+        raise ShmLayoutError(
+            f"not an encoded sample of layout version {SAMPLE_LAYOUT_VERSION} "
+            f"(magic {magic!r}, version {version}); producer and reader versions differ"
+        )
+    if not header_bytes <= total_bytes <= len(buf):
+        raise ShmLayoutError(
+            f"sample claims {header_bytes} header and {total_bytes} total bytes in a "
+            f"{len(buf)}-byte buffer"
+        )
+    pos, fields = _SAMPLE_HEADER.size, []
+    for _ in range(num_keys):
+        field, pos = _read_field(buf, pos, header_bytes, total_bytes)
+        fields.append(field)
+    return SampleMeta(tuple(fields), total_bytes)
+
+
+def decode(buf: memoryview | bytes | bytearray) -> dict[str, np.ndarray]:
+    """Zero-copy numpy views of an encoded sample (bfloat16 arrays appear as uint16 bits)."""
+    return {f.name: _numpy_view(buf, f) for f in read_meta(buf).fields}
+
+
+def decode_torch(buf: memoryview | bytearray) -> dict[str, Any]:
+    """Zero-copy torch tensors of an encoded sample; `buf` must be writable."""
+    import torch
+
+    tensors = {}
+    for f in read_meta(buf).fields:
+        tensor = torch.from_numpy(_numpy_view(buf, f))  # keeps the numpy view and its export
+        tensors[f.name] = tensor.view(torch.bfloat16) if f.dtype == "bfloat16" else tensor
+    return tensors
+
+
+_Planned = tuple[FieldMeta, DType, Any]
+
+
+def _plan(sample: Mapping[str, Any]) -> tuple[list[_Planned], int, int]:
+    """Field metas (with data offsets), header size and total size of an encoded sample."""
+    if len(sample) > 0xFFFF:
+        raise SampleEncodeError(f"a sample holds at most 65535 keys, this one {len(sample)}")
+    arrays = [(_check_key(key), *_array_of(key, value)) for key, value in sample.items()]
+    header_bytes = _SAMPLE_HEADER.size + sum(
+        _FIELD_ENTRY.size + 8 * len(shape) + align_up(len(key.encode()), 8)
+        for key, _, shape, _ in arrays
+    )
+    end, planned = header_bytes, []
+    for key, code, shape, value in arrays:
+        offset = align_up(end)
+        nbytes = math.prod(shape) * _NUMPY_DTYPE[code].itemsize
+        planned.append((FieldMeta(key, code.name.lower(), shape, offset, nbytes), code, value))
+        end = offset + nbytes
+    return planned, header_bytes, end
+
+
+def _check_key(key: object) -> str:
+    if not isinstance(key, str) or not key or len(key.encode()) > 0xFFFF:
+        raise SampleEncodeError(
+            f"sample key {key!r} is not a non-empty string of at most 65535 utf-8 bytes; "
+            "rename it in the dataset"
+        )
+    return key
+
+
+def _array_of(key: str, value: Any) -> tuple[DType, tuple[int, ...], Any]:
+    """dtype code, shape and the array (numpy or torch) behind one sample value."""
+    torch = sys.modules.get("torch")  # a tensor exists only if torch was imported
+    if torch is not None and isinstance(value, torch.Tensor):
+        name = str(value.dtype).removeprefix("torch.")
+        return _code_of(key, name, "torch"), tuple(value.shape), value.detach()
+    if isinstance(value, np.generic):
+        value = np.asarray(value)
+    if not isinstance(value, np.ndarray):
+        raise SampleEncodeError(
+            f"sample key {key!r} holds a {type(value).__name__}; samples must map keys to "
+            "numpy arrays or torch tensors"
+        )
+    code = _code_of(key, value.dtype.name, "numpy")
+    if code == DType.BFLOAT16:
+        raise UnsupportedDtypeError(
+            f"sample key {key!r} is a numpy bfloat16 array; pass bfloat16 as a torch tensor"
+        )
+    return code, value.shape, value
+
+
+def _code_of(key: str, dtype_name: str, library: str) -> DType:
+    if dtype_name.upper() not in DType.__members__:
+        raise UnsupportedDtypeError(
+            f"sample key {key!r} has {library} dtype {dtype_name}, which the shm layout cannot "
+            f"carry; convert it to one of {sorted(DTYPE_NAMES)} in preprocessing"
+        )
+    return DType[dtype_name.upper()]
+
+
+def _copy_array(dst: np.ndarray, value: Any) -> None:
+    """The one copy per array: strided, byte-swapped or on another device sources included."""
+    if isinstance(value, np.ndarray):
+        np.copyto(dst, value, casting="equiv")
+        return
+    import torch
+
+    out = torch.from_numpy(dst)
+    (out.view(torch.bfloat16) if value.dtype == torch.bfloat16 else out).copy_(value)
+
+
+def _numpy_view(buf: memoryview | bytes | bytearray, meta: FieldMeta) -> np.ndarray:
+    dtype = _NUMPY_OF_NAME[meta.dtype]
+    return np.frombuffer(buf, dtype, meta.nbytes // dtype.itemsize, meta.offset).reshape(meta.shape)
+
+
+def _read_field(
+    buf: memoryview | bytes | bytearray, pos: int, header_bytes: int, total_bytes: int
+) -> tuple[FieldMeta, int]:
+    """One key entry at `pos`, validated against the header and buffer bounds."""
+    if pos + _FIELD_ENTRY.size > header_bytes:
+        raise ShmLayoutError(f"key entry at byte {pos} runs past the header ({header_bytes} bytes)")
+    name_bytes, code, ndim, _, offset, nbytes = _FIELD_ENTRY.unpack_from(buf, pos)
+    pos += _FIELD_ENTRY.size
+    end = pos + 8 * ndim + align_up(name_bytes, 8)
+    if code not in DType._value2member_map_ or ndim > _MAX_NDIM or end > header_bytes:
+        raise ShmLayoutError(f"corrupt key entry at byte {pos - _FIELD_ENTRY.size}")
+    shape = struct.unpack_from(f"<{ndim}q", buf, pos)
+    pos += 8 * ndim
+    try:
+        name = bytes(buf[pos : pos + name_bytes]).decode()
+    except UnicodeDecodeError:
+        raise ShmLayoutError(f"key name at byte {pos} is not utf-8") from None
+    dtype = DType(code)
+    if (
+        min(shape, default=0) < 0
+        or math.prod(d for d in shape if d) * _NUMPY_DTYPE[dtype].itemsize >= 1 << 63
+        or math.prod(shape) * _NUMPY_DTYPE[dtype].itemsize != nbytes
+        or offset < header_bytes
+        or offset + nbytes > total_bytes
+    ):
+        raise ShmLayoutError(f"key {name!r}: shape {shape} and bytes [{offset}, +{nbytes}) invalid")
+    return FieldMeta(name, dtype.name.lower(), shape, offset, nbytes), end
