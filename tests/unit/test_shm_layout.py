@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import numpy as np
 import pytest
 import torch
@@ -32,7 +34,7 @@ def make_array(dtype: str, shape: tuple[int, ...], seed: int = 0) -> np.ndarray:
     return (rng.standard_normal(shape) * 100).astype(dtype)
 
 
-def encode(sample: dict[str, object]) -> memoryview:
+def encode(sample: Mapping[str, object]) -> memoryview:
     buf = memoryview(bytearray(encoded_size(sample)))
     encode_into(buf, sample)
     return buf

@@ -1,0 +1,365 @@
+"""The node's shared-memory arena, daemon side: create, allocate, free, reclaim, unlink.
+
+The byte layouts and the attach side live in `odbclient.shm`. Only the daemon creates and
+unlinks segments; it is a single-threaded asyncio process, so the allocator takes no locks.
+Allocator state (free lists, live allocations) lives in daemon memory, never in shm, so a
+producer killed mid-write can only leave garbage sample bytes, which `free` never reads.
+"""
+
+from __future__ import annotations
+
+import bisect
+import errno
+import os
+import re
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from odbclient.shm import (
+    SEGMENT_HEADER_BYTES,
+    SHM_DIR,
+    Allocation,
+    SegmentHeader,
+    ShmLayoutError,
+    align_up,
+    map_segment,
+)
+from odbd.errors import ConfigError, InvariantError, OdbdError
+
+_JOB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+
+
+class ArenaInUseError(OdbdError):
+    """A live daemon already owns the shm segments of this job and node rank."""
+
+
+class ShmSpaceError(OdbdError):
+    """/dev/shm cannot hold the arena that --shm-size asks for."""
+
+
+class SampleTooLargeError(OdbdError, ValueError):
+    """A sample is larger than any segment of the arena, so waiting would never help."""
+
+
+def segment_name(job_id: str, node_rank: int, index: int) -> str:
+    return f"odbd-{job_id}-{node_rank}-{index}"
+
+
+@dataclass(slots=True)
+class _FreeList:
+    """Address-ordered free extents of one segment: first-fit allocation, coalescing free.
+
+    Why first-fit over a free list rather than size-class slabs: sample sizes vary widely
+    (length CV up to 1.2), so slabs would waste space or need many classes, and samples are
+    freed roughly in allocation order (FIFO through the buffer), so freed neighbours coalesce
+    and the list stays a handful of extents long; a scan of it costs less than a slab lookup.
+    """
+
+    starts: list[int]  # sorted extent start offsets
+    sizes: list[int]  # sizes[i] belongs to starts[i]; adjacent extents never touch (coalesced)
+
+    def take(self, size: int) -> int | None:
+        for i, start in enumerate(self.starts):
+            if self.sizes[i] >= size:
+                if self.sizes[i] == size:
+                    del self.starts[i], self.sizes[i]
+                else:
+                    self.starts[i] += size
+                    self.sizes[i] -= size
+                return start
+        return None
+
+    def give(self, start: int, size: int) -> None:
+        i = bisect.bisect_left(self.starts, start)
+        if i < len(self.starts) and start + size == self.starts[i]:  # merge with the next
+            size += self.sizes[i]
+            del self.starts[i], self.sizes[i]
+        if i > 0 and self.starts[i - 1] + self.sizes[i - 1] == start:  # merge with the previous
+            self.sizes[i - 1] += size
+        else:
+            self.starts.insert(i, start)
+            self.sizes.insert(i, size)
+
+    def largest(self) -> int:
+        return max(self.sizes, default=0)
+
+
+@dataclass(slots=True)
+class _Segment:
+    name: str
+    path: str
+    buf: memoryview  # the whole mapping, header included
+    free: _FreeList
+    live: dict[int, int] = field(default_factory=dict)  # offset -> reserved bytes
+
+
+class Arena:
+    """One bounded arena per node daemon: `capacity_bytes` of allocatable shm in a few segments.
+
+    `capacity_bytes` counts allocatable bytes; every segment file adds a 4 KiB header. A sample
+    must fit in one segment, so the default is a single segment; `max_segment_bytes` splits the
+    arena when /dev/shm or the operator wants smaller files.
+    """
+
+    def __init__(self, segments: list[_Segment], reclaimed: list[str]) -> None:
+        self._segments = {s.name: s for s in segments}
+        self._used_bytes = 0
+        self._closed = False
+        self.reclaimed = reclaimed  # stale segment names removed when this arena was created
+
+    @classmethod
+    def create(
+        cls,
+        job_id: str,
+        node_rank: int,
+        capacity_bytes: int,
+        *,
+        max_segment_bytes: int | None = None,
+        shm_dir: str = SHM_DIR,
+    ) -> Arena:
+        """Reclaims stale segments of the job, then creates this node's segments (mode 0600)."""
+        sizes = _segment_sizes(job_id, node_rank, capacity_bytes, max_segment_bytes)
+        reclaimed = reclaim_stale(job_id, node_rank=node_rank, shm_dir=shm_dir)
+        segments: list[_Segment] = []
+        try:
+            for index, size in enumerate(sizes):
+                name = segment_name(job_id, node_rank, index)
+                header = _new_header(job_id, node_rank, index, len(sizes), size)
+                segments.append(_create_segment(shm_dir, name, header))
+        except BaseException:
+            for segment in segments:
+                _unlink_quietly(segment.path)
+            raise
+        return cls(segments, reclaimed)
+
+    @property
+    def segment_names(self) -> tuple[str, ...]:
+        return tuple(self._segments)
+
+    @property
+    def capacity_bytes(self) -> int:
+        return sum(len(s.buf) - SEGMENT_HEADER_BYTES for s in self._segments.values())
+
+    @property
+    def used_bytes(self) -> int:
+        return self._used_bytes
+
+    @property
+    def num_allocations(self) -> int:
+        return sum(len(s.live) for s in self._segments.values())
+
+    @property
+    def largest_free_bytes(self) -> int:
+        """The largest allocation that would succeed now (fragmentation shows as a gap to free)."""
+        return max(s.free.largest() for s in self._segments.values())
+
+    def allocate(self, nbytes: int) -> Allocation | None:
+        """Reserves align_up(nbytes) bytes; None when full (backpressure: wait for a free)."""
+        if nbytes < 1:
+            raise InvariantError(f"allocations need at least one byte, asked for {nbytes}")
+        size = align_up(nbytes)
+        for segment in self._segments.values():
+            offset = segment.free.take(size)
+            if offset is not None:
+                segment.live[offset] = size
+                self._used_bytes += size
+                return Allocation(segment.name, offset, nbytes)
+        if size > max(len(s.buf) - SEGMENT_HEADER_BYTES for s in self._segments.values()):
+            raise SampleTooLargeError(
+                f"a sample of {nbytes} bytes is larger than any shm segment of the arena "
+                f"({self.capacity_bytes} bytes in {len(self._segments)} segments), so it can "
+                "never be ingested; raise --shm-size"
+            )
+        return None
+
+    def free(self, allocation: Allocation) -> None:
+        """Returns an allocation; its bytes may be garbage (a producer died mid-write)."""
+        segment = self._segments.get(allocation.segment)
+        size = None if segment is None else segment.live.pop(allocation.offset, None)
+        if segment is None or size != align_up(allocation.length):
+            raise InvariantError(f"free of {allocation}, which this arena did not hand out")
+        segment.free.give(allocation.offset, size)
+        self._used_bytes -= size
+
+    def view(self, allocation: Allocation) -> memoryview:
+        segment = self._segments[allocation.segment]
+        return segment.buf[allocation.offset : allocation.offset + allocation.length]
+
+    def close(self) -> None:
+        """Unlinks every segment, then unmaps those no view still uses (idempotent).
+
+        A mapping with live views (BufferError on release) stays mapped until the process
+        exits: unmapping under a view would turn its next read into a segfault.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        for segment in self._segments.values():
+            _unlink_quietly(segment.path)
+            mapping = segment.buf.obj
+            segment.buf.release()  # slices handed out keep their own reference to the mapping
+            try:
+                mapping.close()  # type: ignore[attr-defined]  # an mmap.mmap
+            except BufferError:
+                pass
+
+    def __enter__(self) -> Arena:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def reclaim_stale(
+    job_id: str, *, node_rank: int | None = None, shm_dir: str = SHM_DIR
+) -> list[str]:
+    """Unlinks the job's segments whose owner daemon is dead; returns their names.
+
+    With `node_rank`, a segment of that node rank owned by a live daemon raises
+    ArenaInUseError; live segments of other node ranks (a local multi-node demo) are left alone.
+    """
+    pattern = re.compile(rf"odbd-{re.escape(job_id)}-(\d+)-\d+")
+    reclaimed = []
+    for path in sorted(Path(shm_dir).glob(f"odbd-{job_id}-*")):
+        match = pattern.fullmatch(path.name)
+        if match is None:
+            continue  # another job whose id extends ours, e.g. "a-1" for "a"
+        try:
+            owner = _live_owner(str(path))
+        except PermissionError:
+            owner = -1  # another user's segment: we can neither read nor unlink it
+        if owner is None:
+            _unlink_quietly(str(path))
+            reclaimed.append(path.name)
+        elif node_rank is not None and int(match.group(1)) == node_rank:
+            raise ArenaInUseError(
+                f"shm segment {path.name} belongs to a running odbd "
+                f"({'of another user' if owner < 0 else f'pid {owner}'}) of job "
+                f"{job_id!r}, node rank {node_rank}; two daemons cannot share a node's arena; "
+                "stop that daemon or give this one another --job-id or --node-rank"
+            )
+    return reclaimed
+
+
+def _live_owner(path: str) -> int | None:
+    """The pid of the live daemon owning a segment, or None when it is stale or half-created.
+
+    A half-created segment (no magic yet) is treated as stale: the only process that could be
+    writing it is another daemon of the same job and node rank, which is itself the error.
+    """
+    try:
+        with open(path, "rb") as f:
+            header = SegmentHeader.unpack(f.read(SEGMENT_HEADER_BYTES), name=path)
+    except (ShmLayoutError, FileNotFoundError):
+        return None
+    if header.boot_id != _boot_id():
+        return None
+    alive = _process_start_ticks(header.owner_pid) == header.owner_start_ticks
+    return header.owner_pid if alive else None
+
+
+def _process_start_ticks(pid: int) -> int | None:
+    """Start time of a running, non-zombie process (clock ticks since boot), None otherwise."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return None
+    # fields[0] is field 3 (state) of proc(5); starttime is field 22. Zombies are dead daemons.
+    return None if fields[0] in ("Z", "X") else int(fields[19])
+
+
+def _boot_id() -> bytes:
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return bytes.fromhex(f.read().strip().replace("-", ""))
+    except (OSError, ValueError):
+        return b"\x00" * 16
+
+
+def _segment_sizes(
+    job_id: str, node_rank: int, capacity_bytes: int, max_segment_bytes: int | None
+) -> list[int]:
+    """Allocatable bytes of each segment, each a multiple of the allocation alignment."""
+    if not _JOB_ID.fullmatch(job_id):
+        raise ConfigError(
+            f"job id {job_id!r} cannot name shm segments; use 1-64 letters, digits, '_', '.' "
+            "or '-', starting with a letter or digit (--job-id)"
+        )
+    if node_rank < 0:
+        raise ConfigError(f"node rank must be >= 0, got {node_rank}; check --node-rank")
+    # Round down: --shm-size is a bound on /dev/shm use (plus one 4 KiB header per segment).
+    total, per_segment = capacity_bytes & -64, (max_segment_bytes or capacity_bytes) & -64
+    if total < 64 or per_segment < 64:
+        raise ConfigError(
+            f"shm arena of {capacity_bytes} bytes (segments of {per_segment}) cannot hold a "
+            "sample; pass --shm-size of at least the largest encoded sample"
+        )
+    full, rest = divmod(total, per_segment)
+    return [per_segment] * full + ([rest] if rest else [])
+
+
+def _new_header(
+    job_id: str, node_rank: int, index: int, num_segments: int, size: int
+) -> SegmentHeader:
+    pid = os.getpid()
+    start_ticks = _process_start_ticks(pid)
+    assert start_ticks is not None, "a running process always has /proc/self/stat"
+    return SegmentHeader(
+        capacity_bytes=SEGMENT_HEADER_BYTES + size,
+        owner_pid=pid,
+        owner_start_ticks=start_ticks,
+        boot_id=_boot_id(),
+        created_unix_ns=time.time_ns(),
+        node_rank=node_rank,
+        segment_index=index,
+        num_segments=num_segments,
+        job_id=job_id,
+    )
+
+
+def _create_segment(shm_dir: str, name: str, header: SegmentHeader) -> _Segment:
+    """Creates, reserves, maps and stamps one segment file; unlinks it again on failure."""
+    path = os.path.join(shm_dir, name)
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        raise ArenaInUseError(
+            f"shm segment {name} appeared while this daemon started: another odbd of the same "
+            "job and node rank is starting; run one daemon per node and job"
+        ) from None
+    try:
+        os.fchmod(fd, 0o600)  # the umask could only remove bits; make the mode exact anyway
+        _reserve(fd, name, header.capacity_bytes, shm_dir)
+        buf = map_segment(path, name=name)
+        header.pack_into(buf)
+    except BaseException:
+        _unlink_quietly(path)
+        raise
+    finally:
+        os.close(fd)
+    region = header.capacity_bytes - SEGMENT_HEADER_BYTES
+    return _Segment(name, path, buf, _FreeList([SEGMENT_HEADER_BYTES], [region]))
+
+
+def _reserve(fd: int, name: str, nbytes: int, shm_dir: str) -> None:
+    """Allocates every page now: a sparse tmpfs file would SIGBUS on first touch when full."""
+    try:
+        os.posix_fallocate(fd, 0, nbytes)
+    except OSError as e:
+        if e.errno != errno.ENOSPC:
+            raise
+        stat = os.statvfs(shm_dir)
+        raise ShmSpaceError(
+            f"{shm_dir} has {stat.f_bavail * stat.f_frsize} bytes free but shm segment {name} "
+            f"needs {nbytes}; lower --shm-size or enlarge {shm_dir} (docker --shm-size, "
+            "Kubernetes emptyDir medium Memory sizeLimit)"
+        ) from None
+
+
+def _unlink_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
