@@ -1,0 +1,134 @@
+"""RoundBarrier: every daemon contributes round k's payload and gets all nodes' payloads back.
+
+    barrier = RoundBarrier(config)
+    await barrier.start()                       # the hub waits for every node; others join it
+    payloads = await barrier.exchange(k, offer) # node -> payload, identical on every daemon
+    await barrier.close()
+
+Rounds go strictly in order 0, 1, 2, ...; `exchange(k + 1)` may start before `exchange(k)`
+returned, so the next round's metadata is in flight while trainers consume this one. Every wait
+has a deadline, and a failure (timeout, lost daemon) fails every daemon's pending and later
+rounds with the same message.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import grpc
+
+from odbd.errors import InvariantError
+from odbd.round.config import RoundConfig, max_payload_bytes
+from odbd.round.errors import PayloadTooLargeError
+from odbd.round.hub import Hub
+from odbd.round.server import PeerHealth, join_handler, not_the_hub_handler, serve
+from odbd.round.spoke import Spoke
+from odbd.round.table import CompletedRound
+
+_STOP_GRACE_S = 1.0  # lets spokes read the last round's result before the hub's server stops
+
+
+@dataclass(frozen=True, slots=True)
+class RoundRecord:
+    """What the last exchange took, for metrics (round duration, barrier straggler)."""
+
+    round_index: int
+    duration_s: float  # from this daemon's exchange() call to the result
+    last_node: int  # the node whose contribution completed the round
+
+
+class RoundBarrier:
+    def __init__(self, config: RoundConfig) -> None:
+        self._config = config
+        self._next_round = 0
+        self._max_payload_bytes = max_payload_bytes(config.num_nodes)
+        self._health = PeerHealth()
+        self._server: grpc.aio.Server | None = None
+        self._listen_address = ""
+        self._hub: Hub | None = None
+        self._spoke: Spoke | None = None
+        self._started = False
+        self.last_round: RoundRecord | None = None
+
+    @property
+    def config(self) -> RoundConfig:
+        return self._config
+
+    @property
+    def listen_address(self) -> str:
+        """The bound "host:port" of the peer listener (port 0 resolved); "" without one."""
+        return self._listen_address
+
+    async def start(self) -> None:
+        """Serves the listener, then forms the job: raises HandshakeError if it cannot."""
+        if self._started:
+            raise InvariantError("RoundBarrier.start() called twice")
+        self._started = True
+        try:
+            await self._form()
+        except BaseException:
+            await self.close()  # a daemon that cannot join must not keep its port bound
+            raise
+
+    async def _form(self) -> None:
+        config = self._config
+        if config.is_hub:
+            self._hub = Hub(config, self._health.set_serving)
+            handler = join_handler(self._hub.join)
+        else:
+            handler = not_the_hub_handler(config.node_rank)
+        if config.listen:
+            self._server, self._listen_address = await serve(config.listen, handler, self._health)
+        if self._hub is not None:
+            await self._hub.wait_formed()
+        elif config.num_nodes > 1:
+            self._spoke = Spoke(config, self._listen_address)
+            await self._spoke.connect()
+        if self._server is not None:
+            self._health.set_serving(True)
+
+    async def exchange(self, round_index: int, payload: bytes) -> list[bytes]:
+        """All nodes' payloads of round `round_index` in node-rank order.
+
+        Raises RoundTimeoutError (a node did not contribute by the deadline), PeerLostError (a
+        daemon's stream broke), and PayloadTooLargeError before sending an oversized payload.
+        """
+        self._check_round(round_index, payload)
+        started_s = time.perf_counter()
+        if self._hub is not None:
+            done = await self._hub.exchange(round_index, payload)
+        elif self._spoke is not None:
+            done = await self._spoke.exchange(round_index, payload)
+        else:
+            done = CompletedRound(round_index, (payload,), last_node=0)  # single node
+        self.last_round = RoundRecord(round_index, time.perf_counter() - started_s, done.last_node)
+        return list(done.payloads)
+
+    def _check_round(self, round_index: int, payload: bytes) -> None:
+        if not self._started:
+            raise InvariantError("RoundBarrier.exchange() called before start()")
+        if round_index != self._next_round:
+            raise InvariantError(
+                f"exchange({round_index}) called when round {self._next_round} is next; rounds "
+                "are exchanged strictly in order 0, 1, 2, ... (a bug in the caller)"
+            )
+        if len(payload) > self._max_payload_bytes:
+            raise PayloadTooLargeError(
+                f"round {round_index}'s payload has {len(payload)} bytes, over the "
+                f"{self._max_payload_bytes} bytes one node may send when {self._config.num_nodes} "
+                "nodes share one 64 MiB round message; lower --buffer to make offers smaller"
+            )
+        # Claimed before the first await, so concurrent exchanges leave in call order.
+        self._next_round += 1
+
+    async def close(self) -> None:
+        """Ends the streams (the hub after queued results are written) and the listener."""
+        if self._spoke is not None:
+            await self._spoke.close()
+        if self._hub is not None:
+            self._hub.close()
+        if self._server is not None:
+            await self._health.drain()
+            await self._server.stop(_STOP_GRACE_S)
+            self._server = None

@@ -1,0 +1,119 @@
+"""Round barrier settings (one frozen dataclass) and the wire limits every daemon must share."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from odbd.errors import ConfigError
+
+PROTOCOL_VERSION = 1
+# A round result carries every node's payload in one message: up to a few hundred KB per node
+# per round today, so 64 MiB leaves room for 64 nodes with ~1 MB offers each.
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+_ENVELOPE_SLACK_BYTES = 64 * 1024  # round number, node ranks and per-payload framing
+
+SERVER_OPTIONS = (
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    # gRPC shares ports by default (SO_REUSEPORT): a second daemon on the same port would bind
+    # "successfully" and steal half the peers. Refuse instead, so a clash is a clear bind error.
+    ("grpc.so_reuseport", 0),
+    # Spokes ping an idle stream to detect a silently dead hub; accept those pings.
+    ("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000),
+    ("grpc.http2.max_ping_strikes", 0),
+    ("grpc.keepalive_permit_without_calls", 1),
+)
+CHANNEL_OPTIONS = (
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+)
+
+
+def max_payload_bytes(num_nodes: int) -> int:
+    """The largest payload one node may contribute per round (its share of one round message)."""
+    return (MAX_MESSAGE_BYTES - _ENVELOPE_SLACK_BYTES) // max(num_nodes, 1)
+
+
+def parse_address(address: str, what: str) -> tuple[str, int]:
+    """Splits "host:port" (IPv6 as "[::1]:port"); raises ConfigError naming `what` otherwise."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit() or int(port) > 65535:
+        raise ConfigError(f"{what} {address!r} is not HOST:PORT (e.g. 127.0.0.1:7070)")
+    return host, int(port)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RoundConfig:
+    """How this daemon takes part in the job's round barrier."""
+
+    job_id: str
+    node_rank: int
+    num_nodes: int
+    peers: tuple[str, ...]  # node -> "host:port" of its peer listener; peers[0] is the hub
+    listen: str  # this daemon's peer listener, "HOST:PORT" (port 0 = any); "" = none (non-hub)
+    fingerprint: Mapping[str, str]  # setting -> canonical value; must match on every daemon
+    job_token: bytes = b""  # shared secret of the job's daemons; empty admits any peer
+    join_timeout_s: float = 60.0  # start(): every node joins the hub within this
+    round_timeout_s: float = 60.0  # a round: all contributions arrive within this of the first
+
+    def __post_init__(self) -> None:
+        self._check_layout()
+        self._check_addresses()
+        if self.join_timeout_s <= 0 or self.round_timeout_s <= 0:
+            raise ConfigError(
+                f"round barrier timeouts must be > 0 s, got join {self.join_timeout_s} s and "
+                f"round {self.round_timeout_s} s"
+            )
+        bad = [
+            k
+            for k, v in self.fingerprint.items()
+            if not (isinstance(k, str) and isinstance(v, str))
+        ]
+        if bad:
+            raise ConfigError(f"fingerprint settings must map str to str; bad keys: {bad}")
+        # A private copy: the caller's mapping may change after the handshake compared it.
+        object.__setattr__(self, "fingerprint", dict(self.fingerprint))
+
+    def _check_layout(self) -> None:
+        if self.num_nodes < 1:
+            raise ConfigError(f"number of nodes must be >= 1, got {self.num_nodes}")
+        if not 0 <= self.node_rank < self.num_nodes:
+            raise ConfigError(
+                f"node rank {self.node_rank} is outside 0..{self.num_nodes - 1} for a job of "
+                f"{self.num_nodes} nodes; pass --node-rank with this node's index"
+            )
+        if self.num_nodes > 1 and len(self.peers) != self.num_nodes:
+            raise ConfigError(
+                f"--peers lists {len(self.peers)} addresses but the job has {self.num_nodes} "
+                "nodes; list every daemon's peer address in node-rank order, node 0 first"
+            )
+
+    def _check_addresses(self) -> None:
+        for node, address in enumerate(self.peers):
+            parse_address(address, f"--peers entry of node {node}")
+        if self.listen:
+            parse_address(self.listen, "--listen")
+        elif self.is_hub:
+            raise ConfigError("node 0 is the hub of the round barrier and needs --listen HOST:PORT")
+        if self.num_nodes > 1 and not self.is_hub and parse_address(self.peers[0], "hub")[1] == 0:
+            raise ConfigError(
+                f"the hub's address {self.peers[0]} has port 0; other daemons must know its port"
+            )
+
+    @property
+    def is_hub(self) -> bool:
+        return self.num_nodes > 1 and self.node_rank == 0
+
+    @property
+    def hub_address(self) -> str:
+        return self.peers[0] if self.peers else ""
+
+    @property
+    def settings(self) -> Mapping[str, str]:
+        """What the handshake compares: the fingerprint plus the job's node count."""
+        return {"num_nodes": str(self.num_nodes), **self.fingerprint}

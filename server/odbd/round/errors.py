@@ -1,0 +1,21 @@
+"""Errors of the round barrier. Each message names the round, the daemons involved and the fix."""
+
+from __future__ import annotations
+
+from odbd.errors import OdbdError
+
+
+class RoundTimeoutError(OdbdError):
+    """A round's contributions did not all arrive by the deadline; the job cannot go on."""
+
+
+class PeerLostError(OdbdError):
+    """A daemon's stream broke or closed while the job still needed it; the job cannot go on."""
+
+
+class HandshakeError(OdbdError):
+    """The job could not form: a daemon was refused at the handshake or never joined in time."""
+
+
+class PayloadTooLargeError(OdbdError, ValueError):
+    """A node's round payload exceeds its share of the 64 MiB round message."""

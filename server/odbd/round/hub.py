@@ -1,0 +1,325 @@
+"""The hub (node 0): admits every daemon's Join stream, collects each round, broadcasts the result.
+
+Each spoke stream is served by two coroutines: the RPC handler writes what the protocol queued
+in the spoke's outbox, and a reader task feeds contributions to the round table. Protocol
+decisions (admit, complete, expire, abort) are synchronous, so a round's completion and its
+broadcast happen in one step of the event loop and can never interleave with another round's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Literal
+
+import grpc
+
+from odbclient.wire.odbd.v1 import common_pb2, peer_pb2
+from odbd.errors import InvariantError, OdbdError
+from odbd.round.config import PROTOCOL_VERSION, RoundConfig, max_payload_bytes
+from odbd.round.errors import HandshakeError, PeerLostError, RoundTimeoutError
+from odbd.round.handshake import check_hello
+from odbd.round.table import CompletedRound, ProtocolViolation, RoundTable
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class _End:
+    """Outbox sentinel: finish the stream with this status (OK ends it normally)."""
+
+    code: grpc.StatusCode
+    details: str = ""
+
+
+@dataclass(eq=False, slots=True)
+class _Spoke:
+    node: int
+    name: str  # "node 2 (10.0.0.3:7070)", used in every message about it
+    outbox: asyncio.Queue[bytes | _End] = field(default_factory=asyncio.Queue)
+    # active -> ending (hub queued the end) | left (closed its side) | lost (stream broke)
+    state: Literal["active", "ending", "left", "lost"] = "active"
+
+
+class Hub:
+    def __init__(self, config: RoundConfig, on_serving: Callable[[bool], None]) -> None:
+        self._config = config
+        self._on_serving = on_serving
+        self._table = RoundTable(config.num_nodes, max_payload_bytes(config.num_nodes))
+        self._spokes: dict[int, _Spoke] = {}  # node -> admitted spoke
+        self._advertised: dict[int, str] = {}  # node -> listener address from its Hello
+        self._refusals: dict[int, str] = {}  # node -> why its last Hello was refused
+        self._waiters: dict[int, asyncio.Future[CompletedRound]] = {}  # the hub's own rounds
+        self._timers: dict[int, asyncio.TimerHandle] = {}  # round -> its deadline
+        self._failure: OdbdError | None = None
+        self._loop = asyncio.get_running_loop()
+        self._formed: asyncio.Future[None] = self._loop.create_future()
+
+    # -- the job's formation ------------------------------------------------------------------
+
+    async def wait_formed(self) -> None:
+        """Returns once every node joined; raises HandshakeError on a join timeout or refusal."""
+        timer = self._loop.call_later(self._config.join_timeout_s, self._join_expired)
+        try:
+            await self._formed
+        finally:
+            timer.cancel()
+
+    def _join_expired(self) -> None:
+        missing = [n for n in range(1, self._config.num_nodes) if n not in self._spokes]
+        refused = "".join(
+            f"; {self._name(n)} was refused: {self._refusals[n]}"
+            for n in missing
+            if n in self._refusals
+        )
+        reason = (
+            f"the job did not form within the {self._config.join_timeout_s:g} s join deadline: "
+            f"{_names(self._name(n) for n in missing)} never joined the hub{refused}. Start "
+            "every daemon with the same --peers (node 0 first) or raise the join timeout"
+        )
+        self._abort(peer_pb2.ABORT_KIND_JOIN_TIMEOUT, 0, reason, missing, HandshakeError)
+
+    async def _handshake(self, context: grpc.aio.ServicerContext) -> _Spoke:
+        first = await context.read()
+        if first is grpc.aio.EOF or first.WhichOneof("kind") != "hello":
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, "the first message of a Join must be a Hello"
+            )
+        hello = first.hello
+        if self._failure is not None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(self._failure))
+        refusal = check_hello(hello, self._config, joined=self._spokes.keys())
+        if refusal is not None:
+            log.warning("refused a peer from %s: %s", context.peer(), refusal.message)
+            self._refusals[hello.node_rank] = refusal.message
+            if refusal.fatal:
+                reason = f"the job cannot form: {refusal.message}"
+                self._abort(
+                    peer_pb2.ABORT_KIND_REFUSED, 0, reason, [hello.node_rank], HandshakeError
+                )
+            await context.abort(refusal.code, refusal.message)
+        node = hello.node_rank
+        self._advertised[node] = hello.listen_address
+        self._refusals.pop(node, None)
+        spoke = self._spokes[node] = _Spoke(node, self._name(node))
+        if len(self._spokes) == self._config.num_nodes - 1:
+            self._form()
+        return spoke
+
+    def _form(self) -> None:
+        welcome = peer_pb2.Welcome(
+            protocol_version=PROTOCOL_VERSION, num_nodes=self._config.num_nodes
+        )
+        data = peer_pb2.HubMessage(welcome=welcome).SerializeToString()
+        for spoke in self._spokes.values():
+            spoke.outbox.put_nowait(data)
+        self._formed.set_result(None)
+        self._on_serving(True)
+        log.info("all %d nodes joined the round barrier", self._config.num_nodes)
+
+    # -- one spoke's stream -------------------------------------------------------------------
+
+    async def join(self, _requests: object, context: grpc.aio.ServicerContext) -> None:
+        """The Peer/Join handler: handshake, then write the outbox until the stream ends."""
+        spoke = await self._handshake(context)
+        reader = asyncio.create_task(self._read(spoke, context))
+        try:
+            while not isinstance(item := await spoke.outbox.get(), _End):
+                await context.write(item)
+            if item.code is not grpc.StatusCode.OK:
+                await context.abort(item.code, item.details)
+        finally:
+            reader.cancel()
+            if spoke.state == "active":
+                # Cancelled by gRPC: the spoke's process or connection went away.
+                self._lost(
+                    spoke, "its stream to the hub broke (the daemon exited or the network failed)"
+                )
+
+    async def _read(self, spoke: _Spoke, context: grpc.aio.ServicerContext) -> None:
+        try:
+            while (msg := await context.read()) is not grpc.aio.EOF:
+                contribution = msg.contribution
+                if msg.WhichOneof("kind") != "contribution" or contribution.node_rank != spoke.node:
+                    raise ProtocolViolation(
+                        f"{spoke.name} sent a {msg.WhichOneof('kind')} for node "
+                        f"{contribution.node_rank} after its handshake"
+                    )
+                self._contribute(spoke.node, contribution.round, contribution.payload)
+            self._left(spoke)
+        except ProtocolViolation as exc:
+            self._refuse_stream(spoke, str(exc))
+        except grpc.aio.AioRpcError as exc:
+            self._lost(spoke, f"its stream failed with {exc.code().name}: {exc.details()}")
+
+    def _refuse_stream(self, spoke: _Spoke, why: str) -> None:
+        log.error("refusing %s: %s", spoke.name, why)
+        if spoke.state == "active":
+            spoke.outbox.put_nowait(_End(grpc.StatusCode.INVALID_ARGUMENT, why))
+            spoke.state = "ending"
+        round_index = self._table.next_round(spoke.node)
+        reason = f"{spoke.name} broke the round protocol and was refused: {why}"
+        self._abort(peer_pb2.ABORT_KIND_PEER_LOST, round_index, reason, [spoke.node], PeerLostError)
+
+    def _lost(self, spoke: _Spoke, why: str) -> None:
+        if spoke.state != "active":
+            return
+        spoke.state = "lost"
+        if not self._formed.done():
+            # Before the job formed nothing depends on it yet: let a restarted daemon rejoin.
+            del self._spokes[spoke.node]
+            return
+        round_index = self._table.next_round(spoke.node)
+        reason = (
+            f"lost {spoke.name} before round {round_index}: {why}. The job cannot continue "
+            "without every node; restart it on all nodes (resume from --state-dir)"
+        )
+        self._abort(peer_pb2.ABORT_KIND_PEER_LOST, round_index, reason, [spoke.node], PeerLostError)
+
+    def _left(self, spoke: _Spoke) -> None:
+        """The spoke closed its side (shutdown): fine, unless a round still needs it."""
+        if spoke.state != "active":
+            return
+        spoke.state = "left"
+        spoke.outbox.put_nowait(_End(grpc.StatusCode.OK))
+        if not self._formed.done():
+            del self._spokes[spoke.node]
+            return
+        self._check_departed(max(self._table.open_rounds(), default=-1))
+
+    def _check_departed(self, round_index: int) -> None:
+        """Aborts if a node that closed its stream would be needed for `round_index`."""
+        for spoke in self._spokes.values():
+            if spoke.state == "left" and self._table.next_round(spoke.node) <= round_index:
+                reason = (
+                    f"{spoke.name} closed its stream (shut down) before contributing round "
+                    f"{round_index}; every node must run the same number of rounds. Restart "
+                    "the job on all nodes"
+                )
+                self._abort(
+                    peer_pb2.ABORT_KIND_PEER_LOST, round_index, reason, [spoke.node], PeerLostError
+                )
+                return
+
+    # -- rounds -------------------------------------------------------------------------------
+
+    async def exchange(self, round_index: int, payload: bytes) -> CompletedRound:
+        """The hub's own contribution; resolves when the round completes or the job aborts."""
+        self.raise_failure()
+        waiter: asyncio.Future[CompletedRound] = self._loop.create_future()
+        self._waiters[round_index] = waiter
+        try:
+            self._contribute(0, round_index, payload)
+        except ProtocolViolation as exc:
+            raise InvariantError(f"the hub's own contribution broke the protocol: {exc}") from None
+        return await waiter
+
+    def _contribute(self, node: int, round_index: int, payload: bytes) -> None:
+        if self._failure is not None:
+            return  # the job is over; late contributions change nothing
+        done = self._table.add(node, round_index, payload)
+        if done is None:
+            if round_index not in self._timers:
+                self._timers[round_index] = self._loop.call_later(
+                    self._config.round_timeout_s, self._round_expired, round_index
+                )
+            self._check_departed(round_index)
+            return
+        timer = self._timers.pop(round_index, None)
+        if timer is not None:
+            timer.cancel()
+        result = peer_pb2.RoundResult(
+            round=round_index, payloads=done.payloads, last_node_rank=done.last_node
+        )
+        data = peer_pb2.HubMessage(result=result).SerializeToString()
+        for spoke in self._spokes.values():
+            if spoke.state == "active":
+                spoke.outbox.put_nowait(data)
+        waiter = self._waiters.pop(round_index, None)
+        if waiter is not None and not waiter.done():
+            waiter.set_result(done)
+
+    def _round_expired(self, round_index: int) -> None:
+        self._timers.pop(round_index, None)
+        missing = self._table.missing(round_index)
+        reason = (
+            f"round {round_index} did not complete within the "
+            f"{self._config.round_timeout_s:g} s round deadline: "
+            f"{_names(self._name(n) for n in missing)} did not contribute. Every daemon stops "
+            "this job; check why that daemon stalled (its log, producers and trainers) or raise "
+            "the round timeout"
+        )
+        self._abort(
+            peer_pb2.ABORT_KIND_ROUND_TIMEOUT, round_index, reason, missing, RoundTimeoutError
+        )
+
+    # -- failure and shutdown -----------------------------------------------------------------
+
+    def _abort(
+        self,
+        kind: int,
+        round_index: int,
+        reason: str,
+        missing: list[int],
+        error: type[OdbdError],
+    ) -> None:
+        """Fails the job everywhere: every stream gets an Abort, every local wait the error."""
+        if self._failure is not None:
+            return
+        log.error("%s", reason)
+        self._failure = error(reason)
+        refs = [common_pb2.NodeRef(node_rank=n, address=self._address(n)) for n in missing]
+        abort = peer_pb2.Abort(kind=kind, round=round_index, reason=reason, missing=refs)  # type: ignore[arg-type]
+        data = peer_pb2.HubMessage(abort=abort).SerializeToString()
+        for spoke in self._spokes.values():
+            if spoke.state == "active":
+                spoke.outbox.put_nowait(data)
+                spoke.outbox.put_nowait(_End(grpc.StatusCode.ABORTED, reason))
+                spoke.state = "ending"
+        self._fail_local(error, reason)
+        self._on_serving(False)
+
+    def _fail_local(self, error: type[OdbdError], reason: str) -> None:
+        for timer in self._timers.values():
+            timer.cancel()
+        self._timers.clear()
+        for waiter in self._waiters.values():
+            if not waiter.done():
+                waiter.set_exception(error(reason))
+        self._waiters.clear()
+        if not self._formed.done():
+            self._formed.set_exception(error(reason))
+
+    def raise_failure(self) -> None:
+        if self._failure is not None:
+            raise type(self._failure)(str(self._failure))
+
+    def close(self) -> None:
+        """Ends every stream normally after what is already queued (results of past rounds)."""
+        for spoke in self._spokes.values():
+            if spoke.state == "active":
+                spoke.outbox.put_nowait(_End(grpc.StatusCode.OK))
+                spoke.state = "ending"
+        if self._failure is None:
+            reason = "the round barrier of node 0 was closed; no more rounds can be exchanged"
+            self._failure = PeerLostError(reason)
+            self._fail_local(PeerLostError, reason)
+        if not self._formed.done():
+            self._formed.cancel()
+
+    def _address(self, node: int) -> str:
+        configured = self._config.peers[node] if node < len(self._config.peers) else ""
+        if configured and not configured.endswith(":0"):
+            return configured
+        return self._advertised.get(node) or configured
+
+    def _name(self, node: int) -> str:
+        address = self._address(node)
+        return f"node {node} ({address})" if address else f"node {node}"
+
+
+def _names(names: Iterable[str]) -> str:
+    items = list(names)
+    return ", ".join(items) if items else "no node"

@@ -1,0 +1,88 @@
+"""The peer gRPC listener of a daemon: the Peer service (hub) or a refusal (others) plus Health."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from odbclient.wire.odbd.v1 import peer_pb2
+from odbd.errors import ConfigError
+from odbd.round.config import SERVER_OPTIONS, parse_address
+
+PEER_SERVICE = "odbd.v1.Peer"
+JOIN_METHOD = f"/{PEER_SERVICE}/Join"
+
+JoinBehavior = Callable[[object, grpc.aio.ServicerContext], Awaitable[None]]
+
+
+def _passthrough(data: bytes) -> bytes:
+    # The hub serializes each RoundResult once and writes the same bytes to every stream, instead
+    # of letting gRPC serialize a message of all nodes' payloads once per spoke.
+    return data
+
+
+def join_handler(behavior: JoinBehavior) -> grpc.GenericRpcHandler:
+    """Peer/Join with PeerMessage requests and pre-serialized HubMessage bytes as responses."""
+    method = grpc.stream_stream_rpc_method_handler(
+        behavior,
+        request_deserializer=peer_pb2.PeerMessage.FromString,
+        response_serializer=_passthrough,
+    )
+    return grpc.method_handlers_generic_handler(PEER_SERVICE, {"Join": method})
+
+
+def not_the_hub_handler(node_rank: int) -> grpc.GenericRpcHandler:
+    """A Join that reaches a non-hub daemon means --peers is out of order on the caller."""
+
+    async def refuse(_requests: object, context: grpc.aio.ServicerContext) -> None:
+        await context.abort(
+            grpc.StatusCode.FAILED_PRECONDITION,
+            f"this daemon is node {node_rank}, not the hub; --peers must list node 0's daemon "
+            "first, every node in node-rank order",
+        )
+
+    return join_handler(refuse)
+
+
+class PeerHealth:
+    """grpc.health.v1 statuses of the listener: SERVING once every node joined, until a failure."""
+
+    def __init__(self) -> None:
+        self.servicer = health.aio.HealthServicer()
+        self._pending: set[asyncio.Task[None]] = set()
+
+    def set_serving(self, serving: bool) -> None:
+        """Callable from synchronous protocol code; the servicer's update is a task."""
+        status = health_pb2.HealthCheckResponse.SERVING
+        if not serving:
+            status = health_pb2.HealthCheckResponse.NOT_SERVING
+        for service in ("", PEER_SERVICE):
+            task = asyncio.get_running_loop().create_task(self.servicer.set(service, status))
+            self._pending.add(task)
+            task.add_done_callback(self._pending.discard)
+
+    async def drain(self) -> None:
+        await self.servicer.enter_graceful_shutdown()
+
+
+async def serve(
+    listen: str, handler: grpc.GenericRpcHandler, peer_health: PeerHealth
+) -> tuple[grpc.aio.Server, str]:
+    """Binds and starts the listener; returns it and the bound "host:port" (port 0 resolved)."""
+    host, _ = parse_address(listen, "--listen")
+    server = grpc.aio.server(options=SERVER_OPTIONS)
+    server.add_generic_rpc_handlers((handler,))
+    health_pb2_grpc.add_HealthServicer_to_server(peer_health.servicer, server)
+    try:
+        port = server.add_insecure_port(listen)
+    except RuntimeError as exc:
+        raise ConfigError(
+            f"cannot bind the peer listener to {listen} ({exc}); another process may hold the "
+            "port or the host is not an address of this machine: pick another --listen"
+        ) from None
+    await server.start()
+    peer_health.set_serving(False)
+    return server, f"{host}:{port}"

@@ -1,0 +1,177 @@
+"""A non-hub daemon's side of the barrier: one Join stream to the hub for the job's lifetime.
+
+A reader task turns the hub's messages into the outcome of each pending round: a RoundResult
+resolves that round, an Abort or a broken stream fails every pending and later round. A local
+backstop deadline (round timeout plus a grace for the hub's own message to arrive) makes sure
+`exchange` returns even when the hub hangs without closing the connection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import grpc
+
+from odbclient.wire.odbd.v1 import peer_pb2
+from odbd.errors import OdbdError
+from odbd.round.config import CHANNEL_OPTIONS, PROTOCOL_VERSION, RoundConfig
+from odbd.round.errors import HandshakeError, PeerLostError, RoundTimeoutError
+from odbd.round.server import JOIN_METHOD
+from odbd.round.table import CompletedRound
+
+_ABORT_ERRORS: dict[int, type[OdbdError]] = {
+    peer_pb2.ABORT_KIND_ROUND_TIMEOUT: RoundTimeoutError,
+    peer_pb2.ABORT_KIND_PEER_LOST: PeerLostError,
+    peer_pb2.ABORT_KIND_JOIN_TIMEOUT: HandshakeError,
+    peer_pb2.ABORT_KIND_REFUSED: HandshakeError,
+}
+# Reconnect quickly while the hub is still starting, instead of gRPC's 1 s..120 s backoff.
+_CONNECT_OPTIONS = (
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1_000),
+)
+
+
+def grace_s(timeout_s: float) -> float:
+    """How much longer than the hub's deadline a spoke waits for the hub's verdict."""
+    return min(5.0, max(0.5, 0.25 * timeout_s))
+
+
+def error_of_abort(abort: peer_pb2.Abort) -> OdbdError:
+    return _ABORT_ERRORS.get(abort.kind, PeerLostError)(abort.reason)
+
+
+class Spoke:
+    def __init__(self, config: RoundConfig, listen_address: str) -> None:
+        self._config = config
+        self._listen_address = listen_address
+        self._hub = f"the hub node 0 ({config.hub_address})"
+        self._channel = grpc.aio.insecure_channel(
+            config.hub_address, options=CHANNEL_OPTIONS + _CONNECT_OPTIONS
+        )
+        join = self._channel.stream_stream(
+            JOIN_METHOD,
+            request_serializer=peer_pb2.PeerMessage.SerializeToString,
+            response_deserializer=peer_pb2.HubMessage.FromString,
+        )
+        # wait_for_ready: daemons start in any order, so keep trying until the hub listens.
+        self._call = join(wait_for_ready=True)
+        self._write_lock = asyncio.Lock()  # FIFO, so contributions leave in call order
+        self._waiters: dict[int, asyncio.Future[CompletedRound]] = {}
+        self._failure: OdbdError | None = None
+        self._reader: asyncio.Task[None] | None = None
+
+    async def connect(self) -> None:
+        """Sends Hello and waits for Welcome (every node joined); raises HandshakeError."""
+        config = self._config
+        hello = peer_pb2.Hello(
+            protocol_version=PROTOCOL_VERSION,
+            job_id=config.job_id,
+            node_rank=config.node_rank,
+            fingerprint=config.settings,
+            job_token=config.job_token,
+            listen_address=self._listen_address,
+        )
+        try:
+            async with asyncio.timeout(config.join_timeout_s + grace_s(config.join_timeout_s)):
+                await self._call.write(peer_pb2.PeerMessage(hello=hello))
+                first = await self._call.read()
+        except TimeoutError:
+            raise HandshakeError(self._no_welcome_message()) from None
+        except grpc.aio.AioRpcError as exc:
+            raise HandshakeError(
+                f"{self._hub} refused node {config.node_rank} ({exc.code().name}): {exc.details()}"
+            ) from None
+        if first is grpc.aio.EOF or first.WhichOneof("kind") not in ("welcome", "abort"):
+            raise HandshakeError(f"{self._hub} ended the handshake without a Welcome")
+        if first.WhichOneof("kind") == "abort":
+            raise error_of_abort(first.abort)
+        self._reader = asyncio.create_task(self._read())
+
+    def _no_welcome_message(self) -> str:
+        timeout = self._config.join_timeout_s
+        if self._channel.get_state() is grpc.ChannelConnectivity.READY:
+            return (
+                f"{self._hub} accepted the connection but did not welcome node "
+                f"{self._config.node_rank} within {timeout:g} s; see the hub's log"
+            )
+        return (
+            f"could not reach {self._hub} within the {timeout:g} s join deadline; start node 0's "
+            "daemon, and check --peers (node 0 first) and that its --listen is reachable"
+        )
+
+    async def _read(self) -> None:
+        try:
+            while (msg := await self._call.read()) is not grpc.aio.EOF:
+                kind = msg.WhichOneof("kind")
+                if kind == "result":
+                    self._deliver(msg.result)
+                elif kind == "abort":
+                    self._fail(error_of_abort(msg.abort))
+                    return
+            self._fail(PeerLostError(f"{self._hub} ended the round stream (it shut down)"))
+        except grpc.aio.AioRpcError as exc:
+            self._fail(
+                PeerLostError(
+                    f"lost the stream to {self._hub} ({exc.code().name}: {exc.details()}); the "
+                    "hub daemon exited or the network failed, and the job cannot continue "
+                    "without it: restart the job on all nodes"
+                )
+            )
+
+    def _deliver(self, result: peer_pb2.RoundResult) -> None:
+        waiter = self._waiters.pop(result.round, None)
+        if waiter is not None and not waiter.done():
+            done = CompletedRound(result.round, tuple(result.payloads), result.last_node_rank)
+            waiter.set_result(done)
+
+    def _fail(self, error: OdbdError) -> None:
+        if self._failure is not None:
+            return
+        self._failure = error
+        for waiter in self._waiters.values():
+            if not waiter.done():
+                waiter.set_exception(type(error)(str(error)))
+        self._waiters.clear()
+
+    def raise_failure(self) -> None:
+        if self._failure is not None:
+            raise type(self._failure)(str(self._failure))
+
+    async def exchange(self, round_index: int, payload: bytes) -> CompletedRound:
+        self.raise_failure()
+        waiter: asyncio.Future[CompletedRound] = asyncio.get_running_loop().create_future()
+        self._waiters[round_index] = waiter
+        contribution = peer_pb2.Contribution(
+            round=round_index, node_rank=self._config.node_rank, payload=payload
+        )
+        async with self._write_lock:
+            # A failed write means the stream is gone; the reader reports why, so wait for it.
+            with contextlib.suppress(grpc.aio.AioRpcError, grpc.aio.UsageError):
+                await self._call.write(peer_pb2.PeerMessage(contribution=contribution))
+        timeout = self._config.round_timeout_s
+        try:
+            async with asyncio.timeout(timeout + grace_s(timeout)):
+                return await waiter
+        except TimeoutError:
+            self._fail(
+                RoundTimeoutError(
+                    f"round {round_index} did not complete within the {timeout:g} s round "
+                    f"deadline and {self._hub} sent no verdict; it may be hung or overloaded"
+                )
+            )
+            self.raise_failure()
+            raise
+
+    async def close(self) -> None:
+        """Closes this side of the stream and waits briefly for the hub to end it cleanly."""
+        self._fail(PeerLostError("the round barrier of this node was closed"))
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self._call.done_writing(), 1.0)
+        if self._reader is not None:
+            with contextlib.suppress(Exception, asyncio.CancelledError):
+                await asyncio.wait_for(self._reader, 1.0)
+        self._call.cancel()
+        await self._channel.close()

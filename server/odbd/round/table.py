@@ -1,0 +1,68 @@
+"""The hub's per-round bookkeeping: who contributed what to which round (pure, no I/O).
+
+Each node contributes rounds strictly in order 0, 1, 2, ..., but nodes may be a round apart:
+a fast node sends round k+1 while a slow one still owes round k, so several rounds are open at
+once. Rounds complete in order, because a node that contributed k+1 has contributed k.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+class ProtocolViolation(Exception):
+    """A contribution breaks the protocol (replayed, out-of-order, too large): refuse the sender."""
+
+
+@dataclass(frozen=True, slots=True)
+class CompletedRound:
+    round_index: int
+    payloads: tuple[bytes, ...]  # node -> payload, in node-rank order
+    last_node: int  # whose contribution completed the round (the barrier's straggler)
+
+
+class RoundTable:
+    def __init__(self, num_nodes: int, max_payload_bytes: int) -> None:
+        self._num_nodes = num_nodes
+        self._max_payload_bytes = max_payload_bytes
+        self._next = [0] * num_nodes  # node -> the only round it may contribute next
+        self._open: dict[int, list[bytes | None]] = {}  # round -> node -> payload
+        self._arrived: dict[int, int] = {}  # round -> number of contributions so far
+
+    def next_round(self, node: int) -> int:
+        return self._next[node]
+
+    def open_rounds(self) -> list[int]:
+        return sorted(self._open)
+
+    def missing(self, round_index: int) -> list[int]:
+        """Nodes that have not contributed `round_index` (every node if it has not started)."""
+        slots = self._open.get(round_index)
+        if slots is None:
+            return [n for n in range(self._num_nodes) if self._next[n] <= round_index]
+        return [n for n, payload in enumerate(slots) if payload is None]
+
+    def add(self, node: int, round_index: int, payload: bytes) -> CompletedRound | None:
+        """Records one contribution; returns the round once every node has contributed it."""
+        expected = self._next[node]
+        if round_index != expected:
+            verb = "replayed" if round_index < expected else "skipped ahead to"
+            raise ProtocolViolation(
+                f"node {node} {verb} round {round_index}; its next round is {expected} "
+                "(rounds are contributed strictly in order)"
+            )
+        if len(payload) > self._max_payload_bytes:
+            raise ProtocolViolation(
+                f"node {node}'s round {round_index} payload has {len(payload)} bytes, over the "
+                f"{self._max_payload_bytes} bytes a node may send"
+            )
+        slots = self._open.setdefault(round_index, [None] * self._num_nodes)
+        slots[node] = payload
+        self._next[node] = round_index + 1
+        arrived = self._arrived.get(round_index, 0) + 1
+        if arrived < self._num_nodes:
+            self._arrived[round_index] = arrived
+            return None
+        del self._open[round_index]
+        self._arrived.pop(round_index, None)
+        return CompletedRound(round_index, tuple(slots), last_node=node)  # type: ignore[arg-type]
