@@ -162,6 +162,16 @@ def test_empty_array_with_absurd_dimensions_is_a_layout_error() -> None:
         decode(buf)
 
 
+def test_negative_dimensions_are_a_layout_error_even_when_their_product_fits() -> None:
+    buf = encode({"m": np.zeros((2, 4), np.int64)})
+    shape_at = 24 + 24
+    buf[shape_at : shape_at + 16] = (-2).to_bytes(8, "little", signed=True) + (-4).to_bytes(
+        8, "little", signed=True
+    )
+    with pytest.raises(ShmLayoutError):
+        decode(buf)
+
+
 @given(st.binary(max_size=512))
 def test_random_bytes_are_not_a_sample(raw: bytes) -> None:
     with pytest.raises(ShmLayoutError):

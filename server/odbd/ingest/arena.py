@@ -8,7 +8,6 @@ producer killed mid-write can only leave garbage sample bytes, which `free` neve
 
 from __future__ import annotations
 
-import bisect
 import errno
 import os
 import re
@@ -16,6 +15,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from odbclient.alloc import FreeList
 from odbclient.shm import (
     SEGMENT_HEADER_BYTES,
     SHM_DIR,
@@ -47,50 +47,11 @@ def segment_name(job_id: str, node_rank: int, index: int) -> str:
 
 
 @dataclass(slots=True)
-class _FreeList:
-    """Address-ordered free extents of one segment: first-fit allocation, coalescing free.
-
-    Why first-fit over a free list rather than size-class slabs: sample sizes vary widely
-    (length CV up to 1.2), so slabs would waste space or need many classes, and samples are
-    freed roughly in allocation order (FIFO through the buffer), so freed neighbours coalesce
-    and the list stays a handful of extents long; a scan of it costs less than a slab lookup.
-    """
-
-    starts: list[int]  # sorted extent start offsets
-    sizes: list[int]  # sizes[i] belongs to starts[i]; adjacent extents never touch (coalesced)
-
-    def take(self, size: int) -> int | None:
-        for i, start in enumerate(self.starts):
-            if self.sizes[i] >= size:
-                if self.sizes[i] == size:
-                    del self.starts[i], self.sizes[i]
-                else:
-                    self.starts[i] += size
-                    self.sizes[i] -= size
-                return start
-        return None
-
-    def give(self, start: int, size: int) -> None:
-        i = bisect.bisect_left(self.starts, start)
-        if i < len(self.starts) and start + size == self.starts[i]:  # merge with the next
-            size += self.sizes[i]
-            del self.starts[i], self.sizes[i]
-        if i > 0 and self.starts[i - 1] + self.sizes[i - 1] == start:  # merge with the previous
-            self.sizes[i - 1] += size
-        else:
-            self.starts.insert(i, start)
-            self.sizes.insert(i, size)
-
-    def largest(self) -> int:
-        return max(self.sizes, default=0)
-
-
-@dataclass(slots=True)
 class _Segment:
     name: str
     path: str
     buf: memoryview  # the whole mapping, header included
-    free: _FreeList
+    free: FreeList
     live: dict[int, int] = field(default_factory=dict)  # offset -> reserved bytes
 
 
@@ -340,7 +301,7 @@ def _create_segment(shm_dir: str, name: str, header: SegmentHeader) -> _Segment:
     finally:
         os.close(fd)
     region = header.capacity_bytes - SEGMENT_HEADER_BYTES
-    return _Segment(name, path, buf, _FreeList([SEGMENT_HEADER_BYTES], [region]))
+    return _Segment(name, path, buf, FreeList([SEGMENT_HEADER_BYTES], [region]))
 
 
 def _reserve(fd: int, name: str, nbytes: int, shm_dir: str) -> None:

@@ -56,12 +56,16 @@ class SimulationResult:
     num_views: int  # M: views per iteration; a view key is iteration * M + view
     num_rejected: int  # 0-length samples refused at ingest
     ranks_per_unit: int
+    world_size: int
 
     def stats(self) -> StepStats:
         """All kept steps of all rounds, concatenated: arrays of shape (steps, W)."""
         parts = [(r.stats, k) for r, k in zip(self.rounds, self.steps_kept, strict=True)]
         fields = ("num_samples", "num_tokens", "real_tokens", "padded_tokens", "work", "loss_scale")
-        return StepStats(*(np.concatenate([getattr(s, f)[:k] for s, k in parts]) for f in fields))
+        empty = np.zeros((0, self.world_size))
+        return StepStats(
+            *(np.concatenate([empty] + [getattr(s, f)[:k] for s, k in parts]) for f in fields)
+        )
 
     def step_epochs(self) -> IntArray:
         return self.step_epoch
@@ -168,6 +172,7 @@ class _Simulation:
             num_views=self.num_views,
             num_rejected=self.num_rejected,
             ranks_per_unit=self.config.ranks_per_unit,
+            world_size=self.config.world.world_size,
         )
 
     def _run_join_epoch(self, epoch: int) -> None:
@@ -183,17 +188,19 @@ class _Simulation:
 
     def _run_quota(self, epochs: int) -> None:
         quota = epochs * self.num_samples
-        emitted = 0
+        consumed = 0  # emitted views plus views rejected at ingest, which also use up the quota
         for _ in range(self._round_bound() * epochs):
-            if emitted >= quota:
-                return
+            rejected_before = self.num_rejected
             plan = self._round(chain=True)
-            before = emitted + np.concatenate([[0], np.cumsum(plan.stats.global_num_samples)[:-1]])
+            consumed += self.num_rejected - rejected_before
+            per_step = plan.stats.global_num_samples
+            before = consumed + np.cumsum(per_step) - per_step
             kept = int(np.count_nonzero(before < quota))
-            emitted += int(plan.stats.global_num_samples[:kept].sum())
+            consumed += int(per_step[:kept].sum())
             self._keep(plan, kept, before[:kept] // max(self.num_samples, 1))
-        if emitted < quota:
-            raise InvariantError(f"quota {quota} not reached: emitted {emitted}")
+            if consumed >= quota:
+                return
+        raise InvariantError(f"quota {quota} not reached: consumed {consumed} views")
 
     def _round_bound(self) -> int:
         """Theorem 4's O(N/W + D) envelope, with room: a bug shows up as an error, not a hang."""

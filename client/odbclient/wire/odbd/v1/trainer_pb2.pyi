@@ -1,0 +1,142 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class TrainerHello(_message.Message):
+    __slots__ = ("protocol_version", "job_id", "rank", "resume", "resume_epoch", "resume_step", "prefetch")
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    RESUME_FIELD_NUMBER: _ClassVar[int]
+    RESUME_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    RESUME_STEP_FIELD_NUMBER: _ClassVar[int]
+    PREFETCH_FIELD_NUMBER: _ClassVar[int]
+    protocol_version: int
+    job_id: str
+    rank: int
+    resume: bool
+    resume_epoch: int
+    resume_step: int
+    prefetch: int
+    def __init__(self, protocol_version: _Optional[int] = ..., job_id: _Optional[str] = ..., rank: _Optional[int] = ..., resume: _Optional[bool] = ..., resume_epoch: _Optional[int] = ..., resume_step: _Optional[int] = ..., prefetch: _Optional[int] = ...) -> None: ...
+
+class Delivered(_message.Message):
+    __slots__ = ("epoch", "step", "wait_s", "compute_s")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    WAIT_S_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
+    epoch: int
+    step: int
+    wait_s: float
+    compute_s: float
+    def __init__(self, epoch: _Optional[int] = ..., step: _Optional[int] = ..., wait_s: _Optional[float] = ..., compute_s: _Optional[float] = ...) -> None: ...
+
+class TrainerMessage(_message.Message):
+    __slots__ = ("hello", "delivered")
+    HELLO_FIELD_NUMBER: _ClassVar[int]
+    DELIVERED_FIELD_NUMBER: _ClassVar[int]
+    hello: TrainerHello
+    delivered: Delivered
+    def __init__(self, hello: _Optional[_Union[TrainerHello, _Mapping]] = ..., delivered: _Optional[_Union[Delivered, _Mapping]] = ...) -> None: ...
+
+class PadValue(_message.Message):
+    __slots__ = ("key", "value")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    value: float
+    def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+
+class TrainerWelcome(_message.Message):
+    __slots__ = ("job_id", "segments", "layout_version", "world_size", "length_key", "pads", "loss_scaling")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    SEGMENTS_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_KEY_FIELD_NUMBER: _ClassVar[int]
+    PADS_FIELD_NUMBER: _ClassVar[int]
+    LOSS_SCALING_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    segments: _containers.RepeatedScalarFieldContainer[str]
+    layout_version: int
+    world_size: int
+    length_key: str
+    pads: _containers.RepeatedCompositeFieldContainer[PadValue]
+    loss_scaling: str
+    def __init__(self, job_id: _Optional[str] = ..., segments: _Optional[_Iterable[str]] = ..., layout_version: _Optional[int] = ..., world_size: _Optional[int] = ..., length_key: _Optional[str] = ..., pads: _Optional[_Iterable[_Union[PadValue, _Mapping]]] = ..., loss_scaling: _Optional[str] = ...) -> None: ...
+
+class StepBatch(_message.Message):
+    __slots__ = ("epoch", "step", "is_idle", "loss_scale", "num_samples", "num_tokens", "global_num_samples", "global_num_tokens", "sample_ids", "segments", "offsets", "nbytes", "filler_schema")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    IS_IDLE_FIELD_NUMBER: _ClassVar[int]
+    LOSS_SCALE_FIELD_NUMBER: _ClassVar[int]
+    NUM_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    GLOBAL_NUM_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    GLOBAL_NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_IDS_FIELD_NUMBER: _ClassVar[int]
+    SEGMENTS_FIELD_NUMBER: _ClassVar[int]
+    OFFSETS_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    FILLER_SCHEMA_FIELD_NUMBER: _ClassVar[int]
+    epoch: int
+    step: int
+    is_idle: bool
+    loss_scale: float
+    num_samples: int
+    num_tokens: int
+    global_num_samples: int
+    global_num_tokens: int
+    sample_ids: bytes
+    segments: bytes
+    offsets: bytes
+    nbytes: bytes
+    filler_schema: str
+    def __init__(self, epoch: _Optional[int] = ..., step: _Optional[int] = ..., is_idle: _Optional[bool] = ..., loss_scale: _Optional[float] = ..., num_samples: _Optional[int] = ..., num_tokens: _Optional[int] = ..., global_num_samples: _Optional[int] = ..., global_num_tokens: _Optional[int] = ..., sample_ids: _Optional[bytes] = ..., segments: _Optional[bytes] = ..., offsets: _Optional[bytes] = ..., nbytes: _Optional[bytes] = ..., filler_schema: _Optional[str] = ...) -> None: ...
+
+class EpochEnd(_message.Message):
+    __slots__ = ("epoch", "num_steps", "global_num_samples", "rejected_by_reason", "num_identities")
+    class RejectedByReasonEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    NUM_STEPS_FIELD_NUMBER: _ClassVar[int]
+    GLOBAL_NUM_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    REJECTED_BY_REASON_FIELD_NUMBER: _ClassVar[int]
+    NUM_IDENTITIES_FIELD_NUMBER: _ClassVar[int]
+    epoch: int
+    num_steps: int
+    global_num_samples: int
+    rejected_by_reason: _containers.ScalarMap[str, int]
+    num_identities: int
+    def __init__(self, epoch: _Optional[int] = ..., num_steps: _Optional[int] = ..., global_num_samples: _Optional[int] = ..., rejected_by_reason: _Optional[_Mapping[str, int]] = ..., num_identities: _Optional[int] = ...) -> None: ...
+
+class JobEnd(_message.Message):
+    __slots__ = ("reason", "failed")
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    FAILED_FIELD_NUMBER: _ClassVar[int]
+    reason: str
+    failed: bool
+    def __init__(self, reason: _Optional[str] = ..., failed: _Optional[bool] = ...) -> None: ...
+
+class TrainerEvent(_message.Message):
+    __slots__ = ("welcome", "step", "epoch_end", "job_end")
+    WELCOME_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_END_FIELD_NUMBER: _ClassVar[int]
+    JOB_END_FIELD_NUMBER: _ClassVar[int]
+    welcome: TrainerWelcome
+    step: StepBatch
+    epoch_end: EpochEnd
+    job_end: JobEnd
+    def __init__(self, welcome: _Optional[_Union[TrainerWelcome, _Mapping]] = ..., step: _Optional[_Union[StepBatch, _Mapping]] = ..., epoch_end: _Optional[_Union[EpochEnd, _Mapping]] = ..., job_end: _Optional[_Union[JobEnd, _Mapping]] = ...) -> None: ...

@@ -1,0 +1,72 @@
+import numpy as np
+
+from odbd.planner import alignment
+from odbd.planner.config import Grouping
+from odbd.planner.grouping import group_buffer
+from tests.unit.planner_factories import make_table
+
+
+def test_paper_target_is_max_groups_capped_by_capacity_and_samples():
+    # Eq. 3 over active ranks only: an empty rank does not collapse T to 0.
+    assert alignment.paper_target_steps([3, 5, 0], [10, 12, 0], 1, 0) == 5
+    assert alignment.paper_target_steps([3, 5, 0], [10, 12, 0], 1, 4) == 4
+    assert alignment.paper_target_steps([3, 5], [2, 12], 1, 0) == 2
+    assert alignment.paper_target_steps([0, 0], [0, 0], 1, 0) == 0
+
+
+def test_min_time_target_uses_the_poorest_filling_unit():
+    assert alignment.min_time_target_steps([10, 7], [False, False], 2, 0) == 3
+    # A dry unit does not hold the others back; it splits or idles instead.
+    assert alignment.min_time_target_steps([10, 1], [False, True], 2, 0) == 5
+    assert alignment.min_time_target_steps([1, 1], [False, False], 2, 0) == 1
+    assert alignment.min_time_target_steps([10, 7], [False, False], 2, 2) == 2
+
+
+def test_min_time_flush_covers_the_richest_unit():
+    assert alignment.min_time_target_steps([9, 2], [True, True], 2, 0) == 5
+    assert alignment.min_time_target_steps([0, 0], [True, True], 2, 0) == 0
+
+
+def test_fit_overflow_keeps_high_priority_groups_and_returns_the_rest():
+    table = make_table([100] * 10)
+    groups = group_buffer(table, 300, Grouping.MIN_TIME)  # sizes 3, 3, 3, 1
+    fitted = alignment.fit_groups(groups, 2, np.array([0.0, 2.0, 1.0, 3.0]))
+    kept = sorted(int(e - s) for s, e in zip(fitted.starts, fitted.ends, strict=True))
+    assert kept == [1, 3]
+    assert len(fitted.leftover_rows) == 6
+    covered = set(fitted.order[np.r_[fitted.starts[0] : fitted.ends[0]]].tolist())
+    assert covered.isdisjoint(fitted.leftover_rows.tolist())
+
+
+def test_fit_split_halves_largest_groups_then_idles():
+    table = make_table([100] * 4)
+    groups = group_buffer(table, 1000, Grouping.MIN_TIME)  # one group of 4
+    fitted = alignment.fit_groups(groups, 3, np.zeros(1))
+    assert sorted((fitted.ends - fitted.starts).tolist()) == [1, 1, 2]
+    assert fitted.num_splits == 2
+    fitted = alignment.fit_groups(groups, 6, np.zeros(1))
+    assert sorted((fitted.ends - fitted.starts).tolist()) == [0, 0, 1, 1, 1, 1]
+
+
+def test_paper_split_extracts_singletons_from_the_last_multi_sample_group():
+    table = make_table([100, 200, 500, 800])
+    groups = group_buffer(table, 1000, Grouping.PAPER)  # [200,100], [500], [800]
+    fitted = alignment.fit_groups_paper(groups, 4)
+    sizes = (fitted.ends - fitted.starts).tolist()
+    assert sizes == [1, 1, 1, 1]
+    assert fitted.num_splits == 1
+
+
+def test_paper_overflow_keeps_the_largest_groups():
+    table = make_table([100, 200, 500, 800])
+    groups = group_buffer(table, 1000, Grouping.PAPER)
+    fitted = alignment.fit_groups_paper(groups, 1)
+    assert (fitted.ends - fitted.starts).tolist() == [2]
+    assert sorted(table.lengths[fitted.leftover_rows].tolist()) == [500, 800]
+
+
+def test_concat_ranges_matches_python():
+    starts = np.array([5, 0, 3, 9])
+    ends = np.array([7, 0, 5, 10])
+    expected = [5, 6, 3, 4, 9]
+    assert alignment.concat_ranges(starts, ends).tolist() == expected

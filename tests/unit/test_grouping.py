@@ -1,0 +1,87 @@
+import numpy as np
+import pytest
+
+from odbd.errors import InvariantError
+from odbd.planner.config import Grouping
+from odbd.planner.grouping import batch_size_for, group_buffer
+from tests.unit.planner_factories import make_table
+
+
+def lengths_of_groups(lengths, strategy, budget):
+    table = make_table(lengths)
+    groups = group_buffer(table, budget, strategy)
+    return [sorted(table.lengths[groups.members(g)].tolist()) for g in range(len(groups))]
+
+
+def test_paper_appendix_d_example():
+    # App. D: L=1000, {100, 200, 500, 800} -> G3=[100, 200], G2=[500], G1=[800], short to long.
+    assert lengths_of_groups([100, 200, 500, 800], Grouping.PAPER, 1000) == [
+        [100, 200],
+        [500],
+        [800],
+    ]
+
+
+def test_paper_longest_sample_is_always_alone():
+    groups = lengths_of_groups([300] * 10, Grouping.PAPER, 1000)
+    assert groups[-1] == [300]
+    assert groups[:-1] == [[300, 300, 300]] * 3
+
+
+def test_paper_keeps_trailing_group_below_threshold():
+    # 900 alone (t=1), then t=B(900)=1 -> 100 alone; then t=10 never reached by [10, 10].
+    assert lengths_of_groups([900, 100, 10, 10], Grouping.PAPER, 1000) == [
+        [10, 10],
+        [100],
+        [900],
+    ]
+
+
+def test_min_time_fills_the_budget_from_the_longest():
+    assert lengths_of_groups([300] * 10, Grouping.MIN_TIME, 1000) == [[300] * 3] * 3 + [[300]]
+    # Same group count as the paper here, but the pair is the two longest that fit, not the
+    # two shortest: [500, 200] pads 1000, while the paper's threshold makes [800] and [500] alone.
+    assert lengths_of_groups([100, 200, 500, 800], Grouping.MIN_TIME, 1000) == [
+        [800],
+        [200, 500],
+        [100],
+    ]
+
+
+@pytest.mark.parametrize("strategy", list(Grouping))
+def test_sample_longer_than_budget_is_a_group_of_one(strategy):
+    groups = lengths_of_groups([5000, 10, 10], strategy, 1000)
+    assert [5000] in groups
+    assert sum(len(g) for g in groups) == 3
+
+
+@pytest.mark.parametrize("strategy", list(Grouping))
+def test_empty_buffer_has_no_groups(strategy):
+    assert lengths_of_groups([], strategy, 1000) == []
+
+
+@pytest.mark.parametrize("strategy", list(Grouping))
+def test_zero_length_samples_never_reach_grouping(strategy):
+    with pytest.raises(InvariantError, match="0-length"):
+        group_buffer(make_table([5, 0]), 1000, strategy)
+
+
+@pytest.mark.parametrize("strategy", list(Grouping))
+def test_ties_break_by_view_so_input_order_does_not_matter(strategy):
+    rng = np.random.default_rng(1)
+    lengths = rng.integers(1, 50, size=200)
+    table = make_table(lengths.tolist())
+    perm = rng.permutation(200)
+    a = group_buffer(table, 120, strategy)
+    b = group_buffer(table.take(perm), 120, strategy)
+    views_a = [table.views[a.members(g)].tolist() for g in range(len(a))]
+    shuffled = table.take(perm)
+    views_b = [shuffled.views[b.members(g)].tolist() for g in range(len(b))]
+    assert views_a == views_b
+
+
+def test_batch_size_rule():
+    assert batch_size_for(800, 1000) == 1
+    assert batch_size_for(500, 1000) == 2
+    assert batch_size_for(5000, 1000) == 1
+    assert batch_size_for(1, 1000) == 1000

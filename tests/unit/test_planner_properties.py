@@ -1,0 +1,168 @@
+"""DESIGN.md section 3, items 1-6, as hypothesis properties over random worlds and datasets."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from odbd.planner.config import Balance, Grouping, LossScaling
+from odbd.planner.epoch import simulate
+from odbd.planner.ledger import ViewState
+from odbd.planner.sampler import num_views, sampler_identities
+from tests.unit.planner_factories import make_config
+
+PROPERTY_SETTINGS = settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+
+
+@st.composite
+def scenarios(draw):
+    per_node = draw(st.integers(1, 8))
+    nodes = draw(st.integers(1, 64 // per_node))
+    world = nodes * per_node
+    budget = draw(st.integers(1, 3000))
+    n = draw(st.integers(0, 300))
+    lengths = draw(
+        st.lists(
+            st.one_of(st.integers(0, 2 * budget), st.integers(1, max(budget // 8, 1))),
+            min_size=n,
+            max_size=n,
+        )
+    )
+    tokens = [draw(st.integers(0, length)) for length in lengths]
+    grouping = draw(st.sampled_from(list(Grouping)))
+    balance = draw(st.sampled_from(list(Balance)))
+    config = make_config(
+        world=world,
+        per_node=per_node,
+        budget=budget,
+        buffer=draw(st.integers(1, 24)),
+        grouping=grouping,
+        balance=balance,
+        loss_scaling=draw(st.sampled_from(list(LossScaling))),
+        seed=draw(st.integers(0, 3)),
+    )
+    uneven = draw(st.booleans())
+    arrivals = (
+        [draw(st.integers(1, config.unit_capacity)) for _ in range(config.num_units)]
+        if uneven
+        else None
+    )
+    return config, np.array(lengths, dtype=np.int64), np.array(tokens, dtype=np.int64), arrivals
+
+
+def groups_of(result):
+    """(epoch, step, rank, views, lengths) of every kept step."""
+    position = 0
+    for plan, kept in zip(result.rounds, result.steps_kept, strict=True):
+        for step in range(kept):
+            epoch = int(result.step_epoch[position])
+            position += 1
+            for rank in range(plan.stats.num_samples.shape[1]):
+                yield (
+                    epoch,
+                    rank,
+                    plan.group_views(step, rank, result.ranks_per_unit),
+                    plan.group_lengths(step, rank, result.ranks_per_unit),
+                )
+
+
+@PROPERTY_SETTINGS
+@given(scenarios(), st.integers(1, 2))
+def test_join_mode_properties(scenario, epochs):
+    config, lengths, tokens, arrivals = scenario
+    result = simulate(
+        lengths, config, epochs=epochs, join=True, tokens=tokens, arrivals_per_round=arrivals
+    )
+    world = config.world.world_size
+    stats = result.stats()
+    n = len(lengths)
+    m = num_views(n, world)
+
+    # 1. Step alignment: one (steps, W) grid; every rank runs every step of every epoch.
+    assert stats.num_samples.shape[1] == world
+    for plan in result.rounds:
+        for unit in plan.units:
+            assert len(unit.slot_offsets) == plan.num_steps * config.ranks_per_unit + 1
+
+    # 2. No loss, no duplication: each epoch's views are all emitted or rejected, once.
+    assert len(result.ledgers) == epochs
+    for epoch, ledger in enumerate(result.ledgers):
+        ledger.check()
+        counts = ledger.counts()
+        assert counts[ViewState.EMITTED] + counts[ViewState.REJECTED] == m
+        emitted = [v for e, _, views, _ in groups_of(result) if e == epoch for v in views]
+        assert len(emitted) == len(set(emitted)) == counts[ViewState.EMITTED]
+        identities = sampler_identities(n, world, seed=config.seed, epoch=epoch)
+        done = set(result.sample_ids(np.array(emitted, dtype=np.int64)).tolist())
+        done |= set(identities[ledger.views_in(ViewState.REJECTED)].tolist())
+        assert done == set(range(n))
+
+    # 3. Bounded termination: O(N/W + buffer) rounds per epoch (Theorem 4). A unit whose
+    # producers deliver fewer samples per round than it has ranks needs proportionally more.
+    per_unit = m // config.num_units
+    rate = min(min(arrivals or [config.unit_capacity]), config.ranks_per_unit)
+    assert len(result.rounds) <= epochs * (math.ceil(per_unit / rate) + 2 * config.buffer_size + 2)
+
+    check_budget_and_scaling(result, config, tokens)
+
+
+@PROPERTY_SETTINGS
+@given(scenarios(), st.integers(1, 3))
+def test_non_join_reaches_the_sample_quota(scenario, epochs):
+    config, lengths, tokens, arrivals = scenario
+    result = simulate(
+        lengths, config, epochs=epochs, join=False, tokens=tokens, arrivals_per_round=arrivals
+    )
+    stats = result.stats()
+    per_step = stats.global_num_samples
+    consumed = int(per_step.sum()) + result.num_rejected
+    quota = epochs * len(lengths)
+    s_max = int(per_step.max()) if per_step.size else 0
+    # Theorem 2; views rejected at ingest (0-length) count as consumed, so none is lost.
+    assert quota <= consumed <= quota + max(s_max, result.num_rejected) or quota == 0
+    for ledger in result.ledgers:
+        ledger.check()  # every view in exactly one state, across chained iterations
+    assert set(result.step_epochs().tolist()) <= set(range(epochs))
+    assert np.all(np.diff(result.step_epochs()) >= 0)
+    check_budget_and_scaling(result, config, tokens)
+
+
+def check_budget_and_scaling(result, config, tokens):
+    stats = result.stats()
+    # 5. Budget: padded area <= L unless the group is one sample longer than L.
+    for _, _, views, lengths in groups_of(result):
+        if len(lengths):
+            assert lengths.max() * len(lengths) <= config.token_budget or len(lengths) == 1
+    # 4. Exact loss scaling: sum_r scale_r * t_r / W == per-token total / total tokens == 1
+    # when every token's loss is 1, and sum_r scale_r * mean_r / W is the per-token mean.
+    if config.loss_scaling is LossScaling.EXACT:
+        has_tokens = stats.global_num_tokens > 0
+        weighted = (stats.loss_scale * (stats.num_tokens > 0)).sum(
+            axis=1
+        ) / stats.num_samples.shape[1]
+        contributes = stats.num_tokens / np.maximum(stats.global_num_tokens, 1)[:, None]
+        assert np.allclose(
+            (stats.loss_scale / stats.num_samples.shape[1])[has_tokens],
+            contributes[has_tokens],
+        )
+        assert np.all(weighted[has_tokens] <= stats.num_samples.shape[1] + 1e-9)
+    assert (stats.loss_scale[stats.num_samples == 0] == 0).all()
+
+
+@settings(max_examples=25, deadline=None)
+@given(scenarios(), st.booleans())
+def test_same_inputs_same_plan(scenario, join):
+    # 6. Determinism: the plan is a pure function of seed, lengths and world.
+    config, lengths, tokens, arrivals = scenario
+    a = simulate(lengths, config, join=join, tokens=tokens, arrivals_per_round=arrivals)
+    b = simulate(lengths, config, join=join, tokens=tokens, arrivals_per_round=arrivals)
+    assert a.steps_kept == b.steps_kept
+    for pa, pb in zip(a.rounds, b.rounds, strict=True):
+        for ua, ub in zip(pa.units, pb.units, strict=True):
+            assert np.array_equal(ua.emitted.views, ub.emitted.views)
+            assert np.array_equal(ua.slot_offsets, ub.slot_offsets)
