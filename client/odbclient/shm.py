@@ -24,7 +24,7 @@ import struct
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -207,22 +207,29 @@ class DType(enum.IntEnum):
     FLOAT64 = 10
 
 
-_NUMPY_DTYPE: dict[DType, np.dtype] = {
-    code: np.dtype("uint16" if code == DType.BFLOAT16 else code.name.lower()) for code in DType
+# Plain-int tables: enum lookups cost microseconds, and these run for every key of every sample.
+_NAME_OF_CODE = {int(code): code.name.lower() for code in DType}
+_CODE_OF_NAME = {name: code for code, name in _NAME_OF_CODE.items()}
+_NUMPY_OF_NAME = {
+    name: np.dtype("uint16" if name == "bfloat16" else name) for name in _CODE_OF_NAME
 }
-_NUMPY_OF_NAME = {code.name.lower(): dtype for code, dtype in _NUMPY_DTYPE.items()}
-DTYPE_NAMES = frozenset(code.name.lower() for code in DType)
+_CODE_OF_NUMPY = {_NUMPY_OF_NAME[name]: code for name, code in _CODE_OF_NAME.items()}
+del _CODE_OF_NUMPY[np.dtype(np.uint16)]  # uint16 is unsupported; bf16 only borrows its width
+_CODE_OF_TORCH: dict[Any, int] = {}  # torch.dtype -> code, filled on first sight (lazy torch)
+DTYPE_NAMES = frozenset(_CODE_OF_NAME)
 
 SAMPLE_MAGIC = b"ODBS"
 SAMPLE_LAYOUT_VERSION = 1
 _SAMPLE_HEADER = struct.Struct("<4sHHIIQ")  # magic, version, num_keys, header_bytes, 0, total
 _FIELD_ENTRY = struct.Struct("<HBBIQQ")  # name_bytes, dtype, ndim, 0, data offset, data nbytes
 _MAX_NDIM = 64
+# Shapes are unsigned on the wire: a corrupt "negative" dimension reads as >= 2**63 and fails
+# the size checks, so readers need no separate sign test.
+_SHAPE = [struct.Struct(f"<{ndim}Q") for ndim in range(_MAX_NDIM + 1)]
 
 
-@dataclass(frozen=True, slots=True)
-class FieldMeta:
-    """One array of an encoded sample."""
+class FieldMeta(NamedTuple):
+    """One array of an encoded sample (a NamedTuple: built per key per sample, so it is cheap)."""
 
     name: str
     dtype: str  # one of DTYPE_NAMES, e.g. "bfloat16"
@@ -246,7 +253,7 @@ class SampleMeta:
         24      num_keys key entries, each:
                   2 name_bytes (u16), 1 dtype code (DType), 1 ndim, 4 reserved,
                   8 data offset (u64, from the sample start, multiple of 64), 8 data nbytes (u64),
-                  8 * ndim shape (i64 each), name (utf-8) padded to a multiple of 8
+                  8 * ndim shape (u64 each), name (utf-8) padded to a multiple of 8
                 then each array's raw C-order bytes at its data offset.
     Readers validate every offset and size against the buffer, so garbage (the allocation of
     a producer killed mid-write) raises ShmLayoutError instead of reading out of bounds.
@@ -291,14 +298,12 @@ def encode_into(buf: memoryview, sample: Mapping[str, Any]) -> None:
         buf, 0, SAMPLE_MAGIC, SAMPLE_LAYOUT_VERSION, len(fields), header_bytes, 0, total_bytes
     )
     pos = _SAMPLE_HEADER.size
-    for meta, code, value in fields:
-        name = meta.name.encode()
-        _FIELD_ENTRY.pack_into(
-            buf, pos, len(name), code, len(meta.shape), 0, meta.offset, meta.nbytes
-        )
+    for meta, code, name, value in fields:
+        ndim = len(meta.shape)
+        _FIELD_ENTRY.pack_into(buf, pos, len(name), code, ndim, 0, meta.offset, meta.nbytes)
         pos += _FIELD_ENTRY.size
-        struct.pack_into(f"<{len(meta.shape)}q", buf, pos, *meta.shape)
-        pos += 8 * len(meta.shape)
+        _SHAPE[ndim].pack_into(buf, pos, *meta.shape)
+        pos += 8 * ndim
         buf[pos : pos + len(name)] = name
         pos += align_up(len(name), 8)
         _copy_array(_numpy_view(buf, meta), value)
@@ -342,64 +347,71 @@ def decode_torch(buf: memoryview | bytearray) -> dict[str, Any]:
     return tensors
 
 
-_Planned = tuple[FieldMeta, DType, Any]
+_Planned = tuple[FieldMeta, int, bytes, Any]  # meta, dtype code, utf-8 name, source array
 
 
 def _plan(sample: Mapping[str, Any]) -> tuple[list[_Planned], int, int]:
     """Field metas (with data offsets), header size and total size of an encoded sample."""
     if len(sample) > 0xFFFF:
         raise SampleEncodeError(f"a sample holds at most 65535 keys, this one {len(sample)}")
-    arrays = [(_check_key(key), *_array_of(key, value)) for key, value in sample.items()]
-    header_bytes = _SAMPLE_HEADER.size + sum(
-        _FIELD_ENTRY.size + 8 * len(shape) + align_up(len(key.encode()), 8)
-        for key, _, shape, _ in arrays
-    )
+    header_bytes, arrays = _SAMPLE_HEADER.size, []
+    for key, value in sample.items():
+        name = _name_bytes(key)
+        code, shape, array = _array_of(key, value)
+        header_bytes += _FIELD_ENTRY.size + 8 * len(shape) + ((len(name) + 7) & -8)
+        arrays.append((key, name, code, shape, array))
     end, planned = header_bytes, []
-    for key, code, shape, value in arrays:
-        offset = align_up(end)
-        nbytes = math.prod(shape) * _NUMPY_DTYPE[code].itemsize
-        planned.append((FieldMeta(key, code.name.lower(), shape, offset, nbytes), code, value))
+    for key, name, code, shape, array in arrays:
+        offset = (end + ALIGN_BYTES - 1) & -ALIGN_BYTES
+        dtype_name = _NAME_OF_CODE[code]
+        nbytes = math.prod(shape) * _NUMPY_OF_NAME[dtype_name].itemsize
+        planned.append((FieldMeta(key, dtype_name, shape, offset, nbytes), code, name, array))
         end = offset + nbytes
     return planned, header_bytes, end
 
 
-def _check_key(key: object) -> str:
-    if not isinstance(key, str) or not key or len(key.encode()) > 0xFFFF:
+def _name_bytes(key: object) -> bytes:
+    name = key.encode() if isinstance(key, str) else b""
+    if not name or len(name) > 0xFFFF:
         raise SampleEncodeError(
             f"sample key {key!r} is not a non-empty string of at most 65535 utf-8 bytes; "
             "rename it in the dataset"
         )
-    return key
+    return name
 
 
-def _array_of(key: str, value: Any) -> tuple[DType, tuple[int, ...], Any]:
+def _array_of(key: str, value: Any) -> tuple[int, tuple[int, ...], Any]:
     """dtype code, shape and the array (numpy or torch) behind one sample value."""
+    if type(value) is not np.ndarray and isinstance(value, np.generic):
+        value = np.asarray(value)
+    if isinstance(value, np.ndarray):
+        code = _CODE_OF_NUMPY.get(value.dtype) or _code_of(key, value.dtype.name, "numpy")
+        if code == DType.BFLOAT16:
+            raise UnsupportedDtypeError(
+                f"sample key {key!r} is a numpy bfloat16 array; pass bfloat16 as a torch tensor"
+            )
+        return code, value.shape, value
     torch = sys.modules.get("torch")  # a tensor exists only if torch was imported
     if torch is not None and isinstance(value, torch.Tensor):
-        name = str(value.dtype).removeprefix("torch.")
-        return _code_of(key, name, "torch"), tuple(value.shape), value.detach()
-    if isinstance(value, np.generic):
-        value = np.asarray(value)
-    if not isinstance(value, np.ndarray):
-        raise SampleEncodeError(
-            f"sample key {key!r} holds a {type(value).__name__}; samples must map keys to "
-            "numpy arrays or torch tensors"
-        )
-    code = _code_of(key, value.dtype.name, "numpy")
-    if code == DType.BFLOAT16:
-        raise UnsupportedDtypeError(
-            f"sample key {key!r} is a numpy bfloat16 array; pass bfloat16 as a torch tensor"
-        )
-    return code, value.shape, value
+        if value.dtype not in _CODE_OF_TORCH:
+            name = str(value.dtype).removeprefix("torch.")
+            _CODE_OF_TORCH[value.dtype] = _code_of(key, name, "torch")
+        return _CODE_OF_TORCH[value.dtype], tuple(value.shape), value.detach()
+    raise SampleEncodeError(
+        f"sample key {key!r} holds a {type(value).__name__}; samples must map keys to "
+        "numpy arrays or torch tensors"
+    )
 
 
-def _code_of(key: str, dtype_name: str, library: str) -> DType:
-    if dtype_name.upper() not in DType.__members__:
+def _code_of(key: str, dtype_name: str, library: str) -> int:
+    """The code of a dtype by name (byte-swapped numpy dtypes land here too)."""
+    code = _CODE_OF_NAME.get(dtype_name)
+    if code is None or (library == "numpy" and dtype_name == "uint16"):
         raise UnsupportedDtypeError(
             f"sample key {key!r} has {library} dtype {dtype_name}, which the shm layout cannot "
             f"carry; convert it to one of {sorted(DTYPE_NAMES)} in preprocessing"
         )
-    return DType[dtype_name.upper()]
+    return code
 
 
 def _copy_array(dst: np.ndarray, value: Any) -> None:
@@ -425,23 +437,23 @@ def _read_field(
     if pos + _FIELD_ENTRY.size > header_bytes:
         raise ShmLayoutError(f"key entry at byte {pos} runs past the header ({header_bytes} bytes)")
     name_bytes, code, ndim, _, offset, nbytes = _FIELD_ENTRY.unpack_from(buf, pos)
-    pos += _FIELD_ENTRY.size
-    end = pos + 8 * ndim + align_up(name_bytes, 8)
-    if code not in DType._value2member_map_ or ndim > _MAX_NDIM or end > header_bytes:
-        raise ShmLayoutError(f"corrupt key entry at byte {pos - _FIELD_ENTRY.size}")
-    shape = struct.unpack_from(f"<{ndim}q", buf, pos)
-    pos += 8 * ndim
+    shape_at = pos + _FIELD_ENTRY.size
+    name_at = shape_at + 8 * ndim
+    end = name_at + align_up(name_bytes, 8)
+    dtype_name = _NAME_OF_CODE.get(code)
+    if dtype_name is None or ndim > _MAX_NDIM or end > header_bytes:
+        raise ShmLayoutError(f"corrupt key entry at byte {pos}")
+    shape = _SHAPE[ndim].unpack_from(buf, shape_at)
     try:
-        name = bytes(buf[pos : pos + name_bytes]).decode()
+        name = str(buf[name_at : name_at + name_bytes], "utf-8")
     except UnicodeDecodeError:
-        raise ShmLayoutError(f"key name at byte {pos} is not utf-8") from None
-    dtype = DType(code)
+        raise ShmLayoutError(f"key name at byte {name_at} is not utf-8") from None
+    itemsize, count = _NUMPY_OF_NAME[dtype_name].itemsize, math.prod(shape)
     if (
-        min(shape, default=0) < 0
-        or math.prod(d for d in shape if d) * _NUMPY_DTYPE[dtype].itemsize >= 1 << 63
-        or math.prod(shape) * _NUMPY_DTYPE[dtype].itemsize != nbytes
+        count * itemsize != nbytes
         or offset < header_bytes
         or offset + nbytes > total_bytes
+        or (count == 0 and math.prod(d for d in shape if d) * itemsize >= 1 << 63)  # numpy limit
     ):
         raise ShmLayoutError(f"key {name!r}: shape {shape} and bytes [{offset}, +{nbytes}) invalid")
-    return FieldMeta(name, dtype.name.lower(), shape, offset, nbytes), end
+    return FieldMeta(name, dtype_name, shape, offset, nbytes), end
