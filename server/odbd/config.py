@@ -1,0 +1,128 @@
+"""Daemon settings: one frozen dataclass built from flags and ODBD_* variables (DESIGN.md 2.1)."""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from odbd.errors import ConfigError
+from odbd.planner.config import Balance, Grouping, LossScaling, PlannerConfig
+from odbd.world import World
+
+DEFAULT_PADS = {"labels": -100.0}
+
+
+def default_socket() -> str:
+    """Where trainers and producers find the daemon unless told otherwise (matches odbclient)."""
+    return f"/tmp/odbd-{os.getuid()}.sock"
+
+
+def node_rank_from_environment(environ: dict[str, str] | None = None) -> int:
+    """torchrun's NODE_RANK/GROUP_RANK, an Indexed Job's completion index, or a pod ordinal."""
+    env = dict(os.environ) if environ is None else environ
+    for key in ("NODE_RANK", "GROUP_RANK", "JOB_COMPLETION_INDEX"):
+        if env.get(key, "").isdigit():
+            return int(env[key])
+    ordinal = re.search(r"-(\d+)$", env.get("HOSTNAME", ""))  # StatefulSet pod name-<n>
+    return int(ordinal.group(1)) if ordinal else 0
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DaemonConfig:
+    """Everything one node's daemon runs with; validated at construction."""
+
+    world: World
+    node_rank: int = 0
+    peers: tuple[str, ...] = ()  # node -> "host:port" of its peer listener
+    listen: str = "127.0.0.1:0"
+    socket: str = field(default_factory=default_socket)
+    metrics_port: int | None = None  # None = no /metrics; 0 = any free port
+    dataset: str | None = None  # MODULE:FACTORY for daemon-spawned producers
+    dataset_args: tuple[tuple[str, str], ...] = ()
+    workers: int = 2
+    dataset_size: int | None = None
+    token_budget: int = 12288
+    buffer: int = 1024
+    seed: int = 0
+    epochs: int = 1  # 0 = endless
+    join: bool = True
+    shuffle: bool = True
+    loss_scaling: LossScaling = LossScaling.EXACT
+    grouping: Grouping = Grouping.MIN_TIME
+    balance: Balance = Balance.NODE
+    length_key: str = "input_ids"
+    labels_key: str = "labels"
+    pads: tuple[tuple[str, float], ...] = tuple(DEFAULT_PADS.items())
+    state_dir: Path | None = None
+    job_id: str = "odbd"
+    job_token: bytes = b""
+    shm_size: int = 1 << 30
+    lease_timeout_s: float = 60.0
+    round_timeout_s: float = 300.0
+    join_timeout_s: float = 120.0
+    stall_s: float = 1.0  # no ingest progress this long with trainers nearly starved: plan anyway
+    steps_ahead: int = 64  # plan the next round once a local rank has at most this many queued
+
+    def __post_init__(self) -> None:
+        nodes = self.world.num_nodes
+        if not 0 <= self.node_rank < nodes:
+            raise ConfigError(
+                f"node rank {self.node_rank} is outside 0..{nodes - 1} for world "
+                f"{self.world.world_size} with {self.world.ranks_per_node} ranks per node; "
+                "pass --node-rank or set NODE_RANK"
+            )
+        if nodes > 1 and len(self.peers) != nodes:
+            raise ConfigError(
+                f"{nodes} nodes need --peers with {nodes} addresses in node-rank order, "
+                f"got {len(self.peers)}"
+            )
+        if (self.dataset is None) == (self.dataset_size is None):
+            raise ConfigError(
+                "pass exactly one of --dataset MODULE:FACTORY (daemon-spawned producers) or "
+                "--dataset-size N (external producers connect to the socket)"
+            )
+        if self.dataset_size is not None and self.dataset_size < 0:
+            raise ConfigError(f"--dataset-size must be >= 0, got {self.dataset_size}")
+        if self.epochs < 0:
+            raise ConfigError(f"--epochs must be >= 0 (0 = endless), got {self.epochs}")
+        if self.workers < 0:
+            raise ConfigError(f"--workers must be >= 0, got {self.workers}")
+        if self.shm_size < (1 << 20):
+            raise ConfigError(f"--shm-size must be at least 1 MiB, got {self.shm_size} bytes")
+        self.planner(0)  # validates budget and buffer with the planner's own messages
+
+    def planner(self, dataset_size: int) -> PlannerConfig:
+        del dataset_size  # the planner does not depend on N; kept for a future bound
+        return PlannerConfig(
+            world=self.world,
+            token_budget=self.token_budget,
+            buffer_size=self.buffer,
+            grouping=self.grouping,
+            balance=self.balance,
+            loss_scaling=self.loss_scaling,
+            seed=self.seed,
+        )
+
+    @property
+    def local_ranks(self) -> range:
+        return self.world.ranks_of(self.node_rank)
+
+    def fingerprint(self, dataset_size: int) -> dict[str, str]:
+        """Settings every daemon of the job must share (compared at the peer handshake)."""
+        return {
+            "world": str(self.world.world_size),
+            "ranks_per_node": str(self.world.ranks_per_node),
+            "token_budget": str(self.token_budget),
+            "buffer": str(self.buffer),
+            "seed": str(self.seed),
+            "epochs": str(self.epochs),
+            "join": str(self.join).lower(),
+            "shuffle": str(self.shuffle).lower(),
+            "grouping": self.grouping.value,
+            "balance": self.balance.value,
+            "loss_scaling": self.loss_scaling.value,
+            "dataset_size": str(dataset_size),
+            "length_key": self.length_key,
+        }

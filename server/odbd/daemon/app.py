@@ -1,0 +1,314 @@
+"""The node daemon's life: startup -> round loop -> drain -> shutdown (uvicorn-style).
+
+startup: reclaim stale shm and create the arena, serve the unix socket (ingest, trainer,
+health), form the job with the peer daemons, spawn producers.
+main: the round loop until every epoch is planned (or the job fails).
+drain: wait until the local trainers received everything queued (bounded by a grace period).
+shutdown: stop producers, servers and the barrier; unlink the arena and the socket.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import socket as socketlib
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from odbclient.shm import SAMPLE_LAYOUT_VERSION
+from odbclient.wire.odbd.v1 import ingest_pb2, ingest_pb2_grpc, trainer_pb2, trainer_pb2_grpc
+from odbd.config import DaemonConfig
+from odbd.daemon.node_state import NodeState, Rejected
+from odbd.daemon.round_loop import RoundLoop
+from odbd.errors import ConfigError, OdbdError
+from odbd.ingest.arena import Arena
+from odbd.ingest.lanes import Lanes
+from odbd.ingest.service import IngestService
+from odbd.ingest.supervisor import ProducerSupervisor, SupervisorConfig
+from odbd.round import RoundBarrier, RoundConfig
+from odbd.serve.rank_queue import RankQueue
+from odbd.serve.trainer_service import TrainerService
+
+log = logging.getLogger("odbd")
+
+_MESSAGE_BYTES = 16 * 1024 * 1024  # local messages carry metadata only; bulk bytes are in shm
+_DRAIN_GRACE_S = 60.0
+_EXPIRY_PERIOD_S = 1.0
+
+
+class Daemon:
+    def __init__(self, config: DaemonConfig, dataset_size: int) -> None:
+        self.config = config
+        self.state = NodeState(config, dataset_size)
+        self.queues = {rank: RankQueue(rank) for rank in config.local_ranks}
+        self.arena: Arena | None = None
+        self.server: grpc.aio.Server | None = None
+        self.barrier: RoundBarrier | None = None
+        self.supervisor: ProducerSupervisor | None = None
+        self.health = health.aio.HealthServicer()
+        self.loop: RoundLoop | None = None
+        self.ingest: IngestService | None = None
+        self.exit_code = 0
+        self.rejections: list[Rejected] = []
+        self._stop = asyncio.Event()
+
+    # -- startup -----------------------------------------------------------------------------
+
+    async def startup(self) -> None:
+        config = self.config
+        self.arena = Arena.create(config.job_id, config.node_rank, config.shm_size)
+        lanes = Lanes(self.arena, self._lane_bytes())
+        self.ingest = IngestService(
+            state=self.state,
+            lanes=lanes,
+            welcome=self._ingest_welcome(),
+            lease_timeout_s=config.lease_timeout_s,
+            on_progress=self._on_progress,
+            on_rejected=self._on_rejected,
+        )
+        trainer = TrainerService(
+            job_id=config.job_id,
+            queues=self.queues,
+            welcome=self._trainer_welcome(),
+            on_free=lambda locations: self._free(lanes, locations),
+            on_delivered=lambda rank, delivered: self._on_progress(),
+        )
+        await self._serve_socket(trainer)
+        self.barrier = RoundBarrier(self._round_config())
+        await self.barrier.start()
+        self.loop = RoundLoop(
+            config=config,
+            state=self.state,
+            barrier=self.barrier,
+            queues=self.queues,
+            lanes=lanes,
+            read_sample=self._read_sample,
+            on_planned=lambda plan: self.ingest.pump_leases() if self.ingest else None,
+        )
+        if config.dataset is not None and config.workers > 0:
+            self.supervisor = ProducerSupervisor(
+                SupervisorConfig(
+                    socket=config.socket,
+                    dataset=config.dataset,
+                    dataset_args=config.dataset_args,
+                    workers=config.workers,
+                    job_id=config.job_id,
+                )
+            )
+            await self.supervisor.start()
+        await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
+        log.info(
+            "node %d of job %r serving ranks %d..%d on %s (peers: %s)",
+            config.node_rank,
+            config.job_id,
+            config.local_ranks[0],
+            config.local_ranks[-1],
+            config.socket,
+            self.barrier.listen_address or "single node",
+        )
+
+    def _lane_bytes(self) -> int:
+        # Room for every producer's lane plus slack, 64-byte aligned.
+        lanes = max(self.config.workers, 1) + 2
+        return (self.config.shm_size // lanes) // 64 * 64
+
+    def _ingest_welcome(self) -> ingest_pb2.IngestWelcome:
+        assert self.arena is not None
+        return ingest_pb2.IngestWelcome(
+            job_id=self.config.job_id,
+            segments=list(self.arena.segment_names),
+            layout_version=SAMPLE_LAYOUT_VERSION,
+            length_key=self.config.length_key,
+            labels_key=self.config.labels_key,
+            lease_timeout_s=self.config.lease_timeout_s,
+            dataset_size=self.state.dataset_size,
+        )
+
+    def _trainer_welcome(self) -> trainer_pb2.TrainerWelcome:
+        assert self.arena is not None
+        return trainer_pb2.TrainerWelcome(
+            job_id=self.config.job_id,
+            segments=list(self.arena.segment_names),
+            layout_version=SAMPLE_LAYOUT_VERSION,
+            world_size=self.config.world.world_size,
+            length_key=self.config.length_key,
+            pads=[trainer_pb2.PadValue(key=k, value=v) for k, v in self.config.pads],
+            loss_scaling=self.config.loss_scaling.value,
+        )
+
+    def _round_config(self) -> RoundConfig:
+        config = self.config
+        nodes = config.world.num_nodes
+        return RoundConfig(
+            job_id=config.job_id,
+            node_rank=config.node_rank,
+            num_nodes=nodes,
+            peers=config.peers if nodes > 1 else (),
+            listen=config.listen if nodes > 1 else "",
+            fingerprint=config.fingerprint(self.state.dataset_size),
+            job_token=config.job_token,
+            join_timeout_s=config.join_timeout_s,
+            round_timeout_s=config.round_timeout_s,
+        )
+
+    async def _serve_socket(self, trainer: TrainerService) -> None:
+        path = self.config.socket
+        _claim_socket_path(path)
+        options = [
+            ("grpc.max_receive_message_length", _MESSAGE_BYTES),
+            ("grpc.max_send_message_length", _MESSAGE_BYTES),
+        ]
+        server = grpc.aio.server(options=options)
+        assert self.ingest is not None
+        ingest_pb2_grpc.add_IngestServicer_to_server(self.ingest, server)
+        trainer_pb2_grpc.add_TrainerServicer_to_server(trainer, server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        old_umask = os.umask(0o177)  # the socket file is created 0600: only this user connects
+        try:
+            server.add_insecure_port(f"unix:{path}")
+            await server.start()
+        finally:
+            os.umask(old_umask)
+        os.chmod(path, 0o600)
+        self.server = server
+
+    # -- callbacks ---------------------------------------------------------------------------
+
+    def _on_progress(self) -> None:
+        if self.loop is not None:
+            self.loop.progress.set()
+
+    def _on_rejected(self, rejected: Rejected) -> None:
+        log.warning(
+            "rejected sample %d (view %d): %s: %s",
+            rejected.identity,
+            rejected.view_key,
+            rejected.reason,
+            rejected.detail,
+        )
+        self.rejections.append(rejected)
+
+    def _free(self, lanes: Lanes, locations: list) -> None:
+        if locations and self.ingest is not None:
+            self.ingest.give_back(lanes.free(locations))
+            self.ingest.pump_leases()
+            self._on_progress()
+
+    def _read_sample(self, segment: int, offset: int, nbytes: int) -> memoryview:
+        assert self.arena is not None
+        name = self.arena.segment_names[segment]
+        from odbclient.shm import Allocation
+
+        return self.arena.view(Allocation(name, offset, nbytes))
+
+    # -- main --------------------------------------------------------------------------------
+
+    async def run(self) -> int:
+        try:
+            await self.startup()
+            assert self.loop is not None
+            expiry = asyncio.ensure_future(self._expire_leases())
+            main = asyncio.ensure_future(self.loop.run())
+            stop = asyncio.ensure_future(self._stop.wait())
+            done, _ = await asyncio.wait({main, stop}, return_when=asyncio.FIRST_COMPLETED)
+            expiry.cancel()
+            if main in done:
+                main.result()  # raises the round error, if any
+                await self._drain()
+            else:
+                main.cancel()
+                self.loop.fail("the daemon was stopped (SIGTERM)")
+                await self._drain(grace_s=5.0)
+        except OdbdError as error:
+            log.error("%s", error)
+            if self.loop is not None:
+                self.loop.fail(str(error))
+                await self._drain(grace_s=5.0)
+            self.exit_code = 1
+        finally:
+            await self.shutdown()
+        return self.exit_code
+
+    async def _expire_leases(self) -> None:
+        while True:
+            await asyncio.sleep(_EXPIRY_PERIOD_S)
+            if self.ingest is not None:
+                self.ingest.expire_leases()
+
+    async def _drain(self, grace_s: float = _DRAIN_GRACE_S) -> None:
+        """Waits until local trainers took everything queued (JobEnd included), or the grace."""
+        deadline = asyncio.get_running_loop().time() + grace_s
+        while any(q.queued_steps() or q.attached for q in self.queues.values()):
+            if asyncio.get_running_loop().time() > deadline:
+                waiting = [r for r, q in self.queues.items() if q.queued_steps() or q.attached]
+                log.warning("stopping with ranks %s still attached or not drained", waiting)
+                return
+            await asyncio.sleep(0.05)
+
+    def request_stop(self) -> None:
+        self._stop.set()
+
+    async def shutdown(self) -> None:
+        await self.health.enter_graceful_shutdown()
+        if self.ingest is not None:
+            self.ingest.shutdown("the job is over")
+        if self.supervisor is not None:
+            await self.supervisor.stop()
+        if self.server is not None:
+            await self.server.stop(1.0)
+        if self.barrier is not None:
+            await self.barrier.close()
+        if self.arena is not None:
+            self.arena.close()
+        with contextlib.suppress(FileNotFoundError):
+            Path(self.config.socket).unlink()
+
+
+def _claim_socket_path(path: str) -> None:
+    """Removes a stale socket file of a dead daemon; refuses one a live daemon answers on."""
+    if not os.path.exists(path):
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        return
+    probe = socketlib.socket(socketlib.AF_UNIX, socketlib.SOCK_STREAM)
+    try:
+        probe.connect(path)
+    except OSError:
+        os.unlink(path)  # nobody listens: a dead daemon's leftover
+        return
+    finally:
+        probe.close()
+    raise ConfigError(f"another daemon is serving on {path}; stop it or pass a different --socket")
+
+
+def run_daemon(config: DaemonConfig, dataset_size: int) -> int:
+    """Runs one daemon to completion in its own event loop (uvloop when available)."""
+    try:
+        import uvloop
+
+        runner = uvloop.run
+    except ImportError:  # pragma: no cover - uvloop is a dependency; plain asyncio still works
+        runner = asyncio.run
+
+    async def main() -> int:
+        daemon = Daemon(config, dataset_size)
+        loop = asyncio.get_running_loop()
+        stops = {"count": 0}
+
+        def on_signal() -> None:
+            stops["count"] += 1
+            if stops["count"] > 1:
+                log.error("second signal: exiting now")
+                os._exit(130)
+            log.info("signal received: draining (send it again to force exit)")
+            daemon.request_stop()
+
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, on_signal)
+        return await daemon.run()
+
+    return runner(main())

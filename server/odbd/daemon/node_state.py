@@ -1,0 +1,333 @@
+"""A node's sample bookkeeping between ingest and the round barrier (pure state, no I/O).
+
+Every sampler view of this node's units moves pending -> leased -> buffered -> emitted (or
+rejected), tracked by one ViewLedger per sampler iteration. A view key is
+iteration * views_per_iteration + view, so chained iterations (non-join) and the next epoch's
+prefetch (join) never collide. The I/O layer (ingest/service.py, daemon/round_loop.py) calls
+these methods and performs what they return.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, deque
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from odbd.config import DaemonConfig
+from odbd.planner.ledger import ViewLedger
+from odbd.planner.sampler import num_views, sampler_identities, views_of_ranks
+from odbd.planner.types import IntArray, SampleTable, UnitOffer
+
+
+@dataclass(frozen=True, slots=True)
+class Location:
+    """Where a committed sample's bytes lie: inside a producer's lane of the arena."""
+
+    lane: int
+    offset: int  # byte offset inside the lane
+    nbytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class Rejected:
+    view_key: int
+    identity: int
+    reason: str
+    detail: str
+    location: Location | None  # to free, when the bytes were already written
+
+
+@dataclass(slots=True)
+class _Iteration:
+    identities: IntArray  # (M,) view -> dataset identity
+    ledger: ViewLedger
+
+
+@dataclass(slots=True)
+class _Unit:
+    """One planning unit of this node (the node itself, or one rank with --balance rank)."""
+
+    unit: int
+    views: IntArray  # this unit's views of one iteration, sampler order
+    iteration: int = 0  # the iteration `cursor` walks
+    cursor: int = 0
+    retry: deque[int] = field(default_factory=deque)  # released leases, re-leased first
+    leased: set[int] = field(default_factory=set)
+    buffers: dict[int, list[SampleTable]] = field(default_factory=dict)  # slot -> chunks
+
+    def buffered(self, slot: int) -> int:
+        return sum(len(t) for t in self.buffers.get(slot, ()))
+
+    def take_buffer(self, slot: int) -> SampleTable:
+        chunks = self.buffers.pop(slot, [])
+        table = SampleTable.empty()
+        for chunk in chunks:
+            table = table.concat(chunk)
+        return table
+
+
+class NodeState:
+    """Leases, commits and buffers of one node; offers for rounds; nothing here blocks."""
+
+    def __init__(self, config: DaemonConfig, dataset_size: int) -> None:
+        self.config = config
+        self.planner = config.planner(dataset_size)
+        self.dataset_size = dataset_size
+        self.views_per_iteration = num_views(dataset_size, config.world.world_size)
+        self.epoch = 0  # the epoch being planned (join) / trainer epoch (non-join)
+        self._iterations: dict[int, _Iteration] = {}
+        self._units = [self._new_unit(u) for u in self._local_units()]
+        self.locations: dict[int, Location] = {}
+        self.leases: dict[int, tuple[int, float]] = {}  # key -> (producer, deadline)
+        self.schema_hash: int | None = None
+        self.rejected: Counter[str] = Counter()  # since the last round's offer
+        self.rejected_total: Counter[str] = Counter()
+
+    # -- layout ------------------------------------------------------------------------------
+
+    def _local_units(self) -> range:
+        per_node = self.config.world.ranks_per_node // self.planner.ranks_per_unit
+        first = self.config.node_rank * per_node
+        return range(first, first + per_node)
+
+    def _new_unit(self, unit: int) -> _Unit:
+        ranks = self.planner.unit_ranks(unit)
+        world = self.config.world.world_size
+        return _Unit(unit, views_of_ranks(self.dataset_size, world, ranks))
+
+    def iteration(self, index: int) -> _Iteration:
+        if index not in self._iterations:
+            identities = sampler_identities(
+                self.dataset_size,
+                self.config.world.world_size,
+                seed=self.config.seed,
+                epoch=index,
+                shuffle=self.config.shuffle,
+            )
+            self._iterations[index] = _Iteration(identities, ViewLedger(self.views_per_iteration))
+        return self._iterations[index]
+
+    def identities_of(self, keys: IntArray) -> IntArray:
+        if keys.size == 0 or self.views_per_iteration == 0:
+            return np.zeros(0, dtype=np.int64)
+        its, views = np.divmod(keys, self.views_per_iteration)
+        out = np.empty_like(keys)
+        for it in np.unique(its).tolist():
+            mask = its == it
+            out[mask] = self.iteration(it).identities[views[mask]]
+        return out
+
+    def _split(self, key: int) -> tuple[_Iteration, int]:
+        it, view = divmod(key, self.views_per_iteration)
+        return self.iteration(it), view
+
+    def _slot(self, iteration: int) -> int:
+        """Buffer slot of an iteration: join keeps epochs apart, non-join chains them."""
+        return iteration if self.config.join else 0
+
+    def _unit_of(self, key: int) -> _Unit:
+        rank = (key % self.views_per_iteration) % self.config.world.world_size
+        unit = rank // self.planner.ranks_per_unit
+        return self._units[unit - self._units[0].unit]
+
+    # -- leasing -----------------------------------------------------------------------------
+
+    def _last_iteration(self) -> int | None:
+        """The last sampler iteration to lease from; None = endless."""
+        if self.config.epochs == 0 or not self.config.join:
+            return None  # non-join chains iterations until the trainers' quota is met
+        return self.config.epochs - 1
+
+    def _outstanding(self, unit: _Unit) -> int:
+        return len(unit.leased) + sum(unit.buffered(s) for s in unit.buffers)
+
+    def lease(self, producer: int, count: int, deadline: float) -> IntArray:
+        """Up to `count` view keys for a producer, keeping each unit within its buffer."""
+        keys: list[int] = []
+        for unit in sorted(self._units, key=self._outstanding):
+            room = self.planner.unit_capacity - self._outstanding(unit)
+            while room > 0 and len(keys) < count:
+                key = self._next_key(unit)
+                if key is None:
+                    break
+                keys.append(key)
+                unit.leased.add(key)
+                room -= 1
+        taken = np.asarray(keys, dtype=np.int64)
+        for key in keys:
+            it, view = self._split(key)
+            it.ledger.lease([view])
+            self.leases[key] = (producer, deadline)
+        return taken
+
+    def _next_key(self, unit: _Unit) -> int | None:
+        if unit.retry:
+            return unit.retry.popleft()
+        if unit.cursor == len(unit.views):
+            last = self._last_iteration()
+            ahead_limit = self.epoch + 1 if self.config.join else None
+            nxt = unit.iteration + 1
+            if (last is not None and nxt > last) or (ahead_limit is not None and nxt > ahead_limit):
+                return None
+            if len(unit.views) == 0:
+                return None
+            unit.iteration, unit.cursor = nxt, 0
+        view = int(unit.views[unit.cursor])
+        unit.cursor += 1
+        return unit.iteration * self.views_per_iteration + view
+
+    def release(self, keys: list[int]) -> None:
+        """Leases that will not be committed (producer gone, lease expired) go back to pending."""
+        for key in keys:
+            if self.leases.pop(key, None) is None:
+                continue
+            unit = self._unit_of(key)
+            unit.leased.discard(key)
+            unit.retry.append(key)
+            it, view = self._split(key)
+            it.ledger.release([view])
+
+    def expired(self, now: float) -> list[int]:
+        return [k for k, (_, deadline) in self.leases.items() if deadline <= now]
+
+    def leases_of(self, producer: int) -> list[int]:
+        return [k for k, (p, _) in self.leases.items() if p == producer]
+
+    # -- commits -----------------------------------------------------------------------------
+
+    def commit(
+        self,
+        producer: int,
+        keys: IntArray,
+        locations: list[Location],
+        lengths: IntArray,
+        loss_tokens: IntArray,
+        schema_hashes: IntArray,
+    ) -> tuple[int, list[Rejected], list[Location]]:
+        """Buffers committed samples. Returns (accepted, rejections, locations to free now).
+
+        A commit for a key this producer no longer holds (its lease expired and went to another
+        producer) is dropped and its bytes freed: the sample will be (or was) made again.
+        """
+        accepted = 0
+        rejections: list[Rejected] = []
+        stale: list[Location] = []
+        rows: dict[int, list[int]] = {}
+        for i, key in enumerate(keys.tolist()):
+            holder = self.leases.get(key)
+            if holder is None or holder[0] != producer:
+                stale.append(locations[i])
+                continue
+            reason = self._reason_to_reject(int(lengths[i]), int(schema_hashes[i]))
+            if reason is not None:
+                rejections.append(self._reject_leased(key, reason[0], reason[1], locations[i]))
+                continue
+            del self.leases[key]
+            unit = self._unit_of(key)
+            unit.leased.discard(key)
+            it, view = self._split(key)
+            it.ledger.buffer([view])
+            self.locations[key] = locations[i]
+            rows.setdefault(unit.unit, []).append(i)
+            accepted += 1
+        for unit_id, idx in rows.items():
+            unit = self._units[unit_id - self._units[0].unit]
+            chosen = np.asarray(idx)
+            by_slot = self._slot_array(keys[chosen])
+            for slot in np.unique(by_slot).tolist():
+                pick = chosen[by_slot == slot]
+                table = SampleTable.of(keys[pick], lengths[pick], loss_tokens[pick])
+                unit.buffers.setdefault(slot, []).append(table)
+        return accepted, rejections, stale
+
+    def _slot_array(self, keys: IntArray) -> IntArray:
+        if not self.config.join:
+            return np.zeros_like(keys)
+        return keys // self.views_per_iteration
+
+    def _reason_to_reject(self, length: int, schema: int) -> tuple[str, str] | None:
+        if length <= 0:
+            return "zero_length", f"{self.config.length_key} has length 0"
+        if self.schema_hash is None:
+            self.schema_hash = schema
+        elif schema != self.schema_hash:
+            return "schema_mismatch", "keys, dtypes or shapes differ from the first sample's"
+        return None
+
+    def reject(self, producer: int, key: int, reason: str, detail: str) -> Rejected | None:
+        """A producer could not make this sample; None if it no longer held the lease."""
+        holder = self.leases.get(key)
+        if holder is None or holder[0] != producer:
+            return None
+        return self._reject_leased(key, reason, detail, None)
+
+    def _reject_leased(
+        self, key: int, reason: str, detail: str, location: Location | None
+    ) -> Rejected:
+        del self.leases[key]
+        self._unit_of(key).leased.discard(key)
+        it, view = self._split(key)
+        it.ledger.reject([view])
+        self.rejected[reason] += 1
+        self.rejected_total[reason] += 1
+        return Rejected(key, int(it.identities[view]), reason, detail, location)
+
+    # -- rounds ------------------------------------------------------------------------------
+
+    def _plan_slot(self) -> int:
+        return self._slot(self.epoch)
+
+    def dry(self, unit: _Unit) -> bool:
+        """No view of the epoch being planned is pending or leased on this unit (join only)."""
+        if not self.config.join:
+            return False
+        e = self.epoch
+        exhausted = unit.iteration > e or (unit.iteration == e and unit.cursor == len(unit.views))
+        in_flight = any(k // max(self.views_per_iteration, 1) == e for k in unit.leased)
+        retrying = any(k // max(self.views_per_iteration, 1) == e for k in unit.retry)
+        return exhausted and not in_flight and not retrying
+
+    def units_ready(self) -> bool:
+        slot = self._plan_slot()
+        return all(
+            u.buffered(slot) >= self.planner.unit_capacity or self.dry(u) for u in self._units
+        )
+
+    def buffered_now(self) -> int:
+        slot = self._plan_slot()
+        return sum(u.buffered(slot) for u in self._units)
+
+    def offers(self) -> list[UnitOffer]:
+        """This node's units' offers for the next round (their buffers leave the state)."""
+        slot = self._plan_slot()
+        return [UnitOffer(u.unit, u.take_buffer(slot), self.dry(u)) for u in self._units]
+
+    def return_samples(self, unit: int, table: SampleTable) -> None:
+        """Recirculated (or not-run) samples go back into the unit's buffer."""
+        if len(table):
+            local = self._units[unit - self._units[0].unit]
+            local.buffers.setdefault(self._plan_slot(), []).insert(0, table)
+
+    def mark_emitted(self, keys: IntArray) -> None:
+        if keys.size == 0:
+            return
+        its, views = np.divmod(keys, self.views_per_iteration)
+        for it in np.unique(its).tolist():
+            self.iteration(it).ledger.emit(views[its == it])
+
+    def take_rejected_delta(self) -> dict[str, int]:
+        delta = dict(self.rejected)
+        self.rejected.clear()
+        return delta
+
+    def local_unit_ids(self) -> list[int]:
+        return [u.unit for u in self._units]
+
+    def ledger_counts(self) -> dict[str, int]:
+        """Views of this node's units by state, summed over live iterations (for status)."""
+        total: Counter[str] = Counter()
+        for it in self._iterations.values():
+            for state, n in it.ledger.counts().items():
+                total[state.name.lower()] += n
+        return dict(total)

@@ -1,0 +1,73 @@
+"""The round payload: one node's offers, encoded as bytes for the round barrier.
+
+Layout, version 1 (all integers little-endian):
+    u32 magic 0x4f444252 ("ODBR"), u16 version, u16 reserved, u32 header_bytes
+    header: UTF-8 JSON {"node", "epoch", "rejected": {reason: count}, "units": [[unit, dry, n]]}
+    then per unit, n rows each of: int64 views, int32 lengths, int32 tokens, int32 ages
+Every daemon decodes every node's payload and feeds the same UnitOffers to plan_round, so the
+encoding must be exact (no floats) and the unit order fixed.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass
+
+import numpy as np
+
+from odbd.errors import InvariantError
+from odbd.planner.types import SampleTable, UnitOffer
+
+_MAGIC = 0x4F444252
+_VERSION = 1
+_PREFIX = struct.Struct("<IHHI")
+_COLUMNS = (("views", "<i8"), ("lengths", "<i4"), ("tokens", "<i4"), ("ages", "<i4"))
+
+
+@dataclass(frozen=True, slots=True)
+class NodeOffer:
+    node: int
+    epoch: int  # the epoch this node is planning; must agree across nodes
+    units: tuple[UnitOffer, ...]
+    rejected: dict[str, int]  # samples rejected at ingest since the previous round, by reason
+
+
+def encode(offer: NodeOffer) -> bytes:
+    header = {
+        "node": offer.node,
+        "epoch": offer.epoch,
+        "rejected": offer.rejected,
+        "units": [[u.unit, u.dry, len(u.samples)] for u in offer.units],
+    }
+    head = json.dumps(header, separators=(",", ":")).encode()
+    parts = [_PREFIX.pack(_MAGIC, _VERSION, 0, len(head)), head]
+    for unit in offer.units:
+        for name, dtype in _COLUMNS:
+            parts.append(getattr(unit.samples, name).astype(dtype).tobytes())
+    return b"".join(parts)
+
+
+def decode(payload: bytes) -> NodeOffer:
+    magic, version, _, head_len = _PREFIX.unpack_from(payload, 0)
+    if magic != _MAGIC or version != _VERSION:
+        raise InvariantError(
+            f"round payload has magic {magic:#x} version {version}, expected {_MAGIC:#x} "
+            f"version {_VERSION}: every daemon of a job must run the same odbd release"
+        )
+    pos = _PREFIX.size
+    header = json.loads(payload[pos : pos + head_len])
+    pos += head_len
+    units = []
+    for unit, dry, n in header["units"]:
+        columns = []
+        for _, dtype in _COLUMNS:
+            width = np.dtype(dtype).itemsize * n
+            columns.append(
+                np.frombuffer(payload, dtype=dtype, count=n, offset=pos).astype(np.int64)
+            )
+            pos += width
+        units.append(UnitOffer(int(unit), SampleTable(*columns), bool(dry)))
+    if pos != len(payload):
+        raise InvariantError(f"round payload has {len(payload) - pos} trailing bytes")
+    return NodeOffer(int(header["node"]), int(header["epoch"]), tuple(units), header["rejected"])

@@ -1,0 +1,302 @@
+"""The round loop: wait until this node is ready, exchange offers, plan, queue the steps.
+
+1. wait: every local unit has a full buffer or is dry, and the trainers have at most
+   `steps_ahead` steps queued (so the exchange of round k+1 overlaps their consumption of k)
+2. exchange: this node's offers go through the round barrier; all nodes' offers come back
+3. plan: plan_round on every node's offers (the same inputs on every daemon, the same plan)
+4. apply: this node's ranks get their steps; recirculated samples return to the buffer;
+   epochs end (join: the flush round; non-join: the step that reaches the sample quota)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from odbclient.shm import read_meta
+from odbclient.wire.odbd.v1 import trainer_pb2
+from odbd.config import DaemonConfig
+from odbd.daemon import offer_codec
+from odbd.daemon.node_state import NodeState
+from odbd.errors import InvariantError
+from odbd.ingest.lanes import Lanes
+from odbd.planner.round import plan_round
+from odbd.planner.types import RoundPlan, UnitPlan
+from odbd.round import RoundBarrier
+from odbd.serve.rank_queue import QueuedItem, RankQueue
+
+log = logging.getLogger("odbd.round")
+
+_WAIT_LOG_S = 10.0
+
+
+@dataclass(slots=True)
+class EpochTally:
+    """Facts of the epoch being emitted, over every node (each daemon sees every offer)."""
+
+    steps: int = 0
+    samples: int = 0
+    seen: np.ndarray | None = None  # (N,) bool: identity emitted this epoch
+    rejected: Counter[str] | None = None
+
+
+class RoundLoop:
+    def __init__(
+        self,
+        *,
+        config: DaemonConfig,
+        state: NodeState,
+        barrier: RoundBarrier,
+        queues: dict[int, RankQueue],
+        lanes: Lanes,
+        read_sample: Callable[[int, int, int], memoryview],
+        on_planned: Callable[[RoundPlan], None],
+    ) -> None:
+        self.config = config
+        self.state = state
+        self.barrier = barrier
+        self.queues = queues
+        self.lanes = lanes
+        self.read_sample = read_sample
+        self.on_planned = on_planned
+        self.progress = asyncio.Event()
+        self.round_index = 0
+        self.done = False
+        self.quota_consumed = 0  # non-join: views emitted or rejected, over every node
+        self.filler_schema = ""
+        self.non_join_steps: Counter[int] = Counter()
+        self.tally = self._new_tally()
+        self.last_wait_log = time.monotonic()
+
+    def _new_tally(self) -> EpochTally:
+        return EpochTally(0, 0, np.zeros(self.state.dataset_size, dtype=bool), Counter())
+
+    async def run(self) -> None:
+        if self.config.epochs != 0 and self.state.dataset_size == 0:
+            self._end_job("the dataset is empty")
+            return
+        while not self.done:
+            await self._wait_ready()
+            offer = offer_codec.NodeOffer(
+                node=self.config.node_rank,
+                epoch=self.state.epoch,
+                units=tuple(self.state.offers()),
+                rejected=self.state.take_rejected_delta(),
+            )
+            payloads = await self.barrier.exchange(self.round_index, offer_codec.encode(offer))
+            offers = [offer_codec.decode(p) for p in payloads]
+            self._check_agreement(offers)
+            units = sorted((u for o in offers for u in o.units), key=lambda u: u.unit)
+            plan = plan_round(units, self.state.planner, self.round_index)
+            self._apply(plan, offers)
+            self.on_planned(plan)
+            self.round_index += 1
+
+    # -- 1. readiness ------------------------------------------------------------------------
+
+    def _queued_min(self) -> int:
+        return min(q.queued_steps() for q in self.queues.values())
+
+    async def _wait_ready(self) -> None:
+        while True:
+            room = self._queued_min() <= self.config.steps_ahead
+            if room and self.state.units_ready():
+                return
+            self.progress.clear()
+            try:
+                await asyncio.wait_for(self.progress.wait(), timeout=self.config.stall_s)
+            except TimeoutError:
+                # Producers made no progress for stall_s: rather than starve the trainers,
+                # plan with what is buffered once they are about to run dry.
+                if self._queued_min() <= 1 and self.state.buffered_now() > 0:
+                    return
+                self._log_waiting(room)
+
+    def _log_waiting(self, room: bool) -> None:
+        now = time.monotonic()
+        if now - self.last_wait_log < _WAIT_LOG_S:
+            return
+        self.last_wait_log = now
+        if room:
+            log.info(
+                "round %d waits for producers: %d samples buffered of %d per unit; leases: %d",
+                self.round_index,
+                self.state.buffered_now(),
+                self.state.planner.unit_capacity,
+                len(self.state.leases),
+            )
+
+    # -- 3. plan inputs ----------------------------------------------------------------------
+
+    def _check_agreement(self, offers: list[offer_codec.NodeOffer]) -> None:
+        epochs = {o.epoch for o in offers}
+        if len(epochs) != 1:
+            raise InvariantError(f"nodes disagree on the epoch being planned: {sorted(epochs)}")
+        assert self.tally.rejected is not None
+        for o in offers:
+            self.tally.rejected.update(o.rejected)
+            self.quota_consumed += sum(o.rejected.values()) if not self.config.join else 0
+
+    # -- 4. apply ----------------------------------------------------------------------------
+
+    def _apply(self, plan: RoundPlan, offers: list[offer_codec.NodeOffer]) -> None:
+        step_epochs = self._step_epochs(plan)
+        kept = len(step_epochs)
+        local = set(self.state.local_unit_ids())
+        for unit in plan.units:
+            self._tally_identities(unit, kept)
+            if unit.unit in local:
+                self._queue_unit(plan, unit, kept, step_epochs)
+        self._advance_epochs(plan, step_epochs)
+
+    def _step_epochs(self, plan: RoundPlan) -> list[int]:
+        if self.config.join:
+            return [self.state.epoch] * plan.num_steps
+        per_step = plan.stats.global_num_samples.tolist()
+        n = max(self.state.dataset_size, 1)
+        quota = self.config.epochs * self.state.dataset_size if self.config.epochs else None
+        epochs = []
+        for count in per_step:
+            if quota is not None and self.quota_consumed >= quota:
+                break
+            epochs.append(self.quota_consumed // n)
+            self.quota_consumed += count
+        return epochs
+
+    def _tally_identities(self, unit: UnitPlan, kept: int) -> None:
+        g = self.state.planner.ranks_per_unit
+        end = int(unit.slot_offsets[kept * g])
+        keys = unit.emitted.views[:end]
+        assert self.tally.seen is not None
+        self.tally.seen[self.state.identities_of(keys)] = True
+
+    def _queue_unit(
+        self, plan: RoundPlan, unit: UnitPlan, kept: int, step_epochs: list[int]
+    ) -> None:
+        g = self.state.planner.ranks_per_unit
+        ranks = self.state.planner.unit_ranks(unit.unit)
+        end = int(unit.slot_offsets[kept * g])
+        self.state.mark_emitted(unit.emitted.views[:end])
+        tail = unit.emitted.take(np.arange(end, len(unit.emitted)))  # past the quota: not run
+        self.state.return_samples(unit.unit, unit.leftover.concat(tail))
+        items: dict[int, list[QueuedItem]] = {r: [] for r in ranks}
+        step_base = self.tally.steps
+        for step in range(kept):
+            for local_rank, rank in enumerate(ranks):
+                rows = unit.slot(step, local_rank, g)
+                item = self._step_item(plan, unit, step, rank, rows, step_epochs[step], step_base)
+                items[rank].append(item)
+        for rank, queued in items.items():
+            self.queues[rank].push(queued)
+
+    def _step_item(
+        self,
+        plan: RoundPlan,
+        unit: UnitPlan,
+        step: int,
+        rank: int,
+        rows: slice,
+        epoch: int,
+        step_base: int,
+    ) -> QueuedItem:
+        keys = unit.emitted.views[rows]
+        locations = [self.state.locations.pop(int(k)) for k in keys.tolist()]
+        where = [self.lanes.resolve(loc) for loc in locations]
+        stats = plan.stats
+        idle = len(keys) == 0
+        batch = trainer_pb2.StepBatch(
+            epoch=epoch,
+            step=step_base + step if self.config.join else self._non_join_step(epoch),
+            is_idle=idle,
+            loss_scale=float(stats.loss_scale[step, rank]),
+            num_samples=int(stats.num_samples[step, rank]),
+            num_tokens=int(stats.num_tokens[step, rank]),
+            global_num_samples=int(stats.global_num_samples[step]),
+            global_num_tokens=int(stats.global_num_tokens[step]),
+            sample_ids=self.state.identities_of(keys).astype("<i8").tobytes(),
+            segments=np.asarray([s for s, _ in where], dtype="<u4").tobytes(),
+            offsets=np.asarray([o for _, o in where], dtype="<u8").tobytes(),
+            nbytes=np.asarray([loc.nbytes for loc in locations], dtype="<u8").tobytes(),
+            filler_schema=self._filler_schema() if idle else "",
+        )
+        if not idle and not self.filler_schema:
+            self._learn_schema(where[0], locations[0].nbytes)
+        return QueuedItem(epoch, batch.step, trainer_pb2.TrainerEvent(step=batch), locations)
+
+    def _non_join_step(self, epoch: int) -> int:
+        """Non-join step numbers restart at 0 when the quota crosses an epoch."""
+        step = self.non_join_steps[epoch]
+        self.non_join_steps[epoch] += 1
+        return step
+
+    def _learn_schema(self, where: tuple[int, int], nbytes: int) -> None:
+        meta = read_meta(self.read_sample(where[0], where[1], nbytes))
+        fields = [
+            [f.name, f.dtype, [] if len(f.shape) == 1 else list(f.shape)] for f in meta.fields
+        ]
+        self.filler_schema = json.dumps(fields)
+
+    def _filler_schema(self) -> str:
+        return self.filler_schema
+
+    def _advance_epochs(self, plan: RoundPlan, step_epochs: list[int]) -> None:
+        if self.config.join:
+            self.tally.steps += len(step_epochs)
+            self.tally.samples += int(plan.stats.global_num_samples[: len(step_epochs)].sum())
+            if plan.final:
+                self._end_epoch(self.state.epoch)
+                self.state.epoch += 1
+                if self.config.epochs and self.state.epoch >= self.config.epochs:
+                    self._end_job("all epochs done")
+            return
+        for i, epoch in enumerate(step_epochs):
+            if epoch > self.state.epoch:
+                self._end_epoch(self.state.epoch)
+                self.state.epoch = epoch
+            self.tally.steps += 1
+            self.tally.samples += int(plan.stats.global_num_samples[i])
+        quota = self.config.epochs * self.state.dataset_size
+        if self.config.epochs and self.quota_consumed >= quota:
+            self._end_epoch(self.state.epoch)
+            self._end_job("sample quota reached")
+
+    def _end_epoch(self, epoch: int) -> None:
+        tally = self.tally
+        assert tally.seen is not None and tally.rejected is not None
+        end = trainer_pb2.EpochEnd(
+            epoch=epoch,
+            num_steps=tally.steps,
+            global_num_samples=tally.samples,
+            rejected_by_reason=dict(tally.rejected),
+            num_identities=int(tally.seen.sum()),
+        )
+        log.info(
+            "epoch %d done: %d steps, %d samples, %d identities of %d, rejected %s",
+            epoch,
+            tally.steps,
+            tally.samples,
+            end.num_identities,
+            self.state.dataset_size,
+            dict(tally.rejected) or "none",
+        )
+        for queue in self.queues.values():
+            queue.push([QueuedItem(epoch, -1, trainer_pb2.TrainerEvent(epoch_end=end))])
+        self.tally = self._new_tally()
+
+    def _end_job(self, reason: str, failed: bool = False) -> None:
+        self.done = True
+        end = trainer_pb2.JobEnd(reason=reason, failed=failed)
+        for queue in self.queues.values():
+            queue.push([QueuedItem(self.state.epoch, -1, trainer_pb2.TrainerEvent(job_end=end))])
+
+    def fail(self, reason: str) -> None:
+        """The job cannot go on (peer lost, round timeout): tell every trainer why."""
+        if not self.done:
+            self._end_job(reason, failed=True)

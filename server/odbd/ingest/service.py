@@ -1,0 +1,219 @@
+"""The Ingest gRPC service: producers lease sample ids and commit samples in their lane."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+import grpc
+import numpy as np
+
+from odbclient.wire.odbd.v1 import ingest_pb2, ingest_pb2_grpc
+from odbd.daemon.node_state import Location, NodeState, Rejected
+from odbd.ingest.lanes import Lane, Lanes
+
+log = logging.getLogger("odbd.ingest")
+
+PROTOCOL_VERSION = 1
+
+
+@dataclass(slots=True)
+class ProducerSession:
+    producer: int
+    name: str
+    lane: Lane
+    outbox: asyncio.Queue[ingest_pb2.IngestMessage | None]
+    credit: int = 0
+
+
+class IngestService(ingest_pb2_grpc.IngestServicer):
+    """Translates producer streams into NodeState calls; every decision is NodeState's."""
+
+    def __init__(
+        self,
+        *,
+        state: NodeState,
+        lanes: Lanes,
+        welcome: ingest_pb2.IngestWelcome,
+        lease_timeout_s: float,
+        on_progress: Callable[[], None],
+        on_rejected: Callable[[Rejected], None],
+    ) -> None:
+        self._state = state
+        self._lanes = lanes
+        self._welcome = welcome
+        self._lease_timeout_s = lease_timeout_s
+        self._on_progress = on_progress
+        self._on_rejected = on_rejected
+        self.sessions: dict[int, ProducerSession] = {}
+        self._next_producer = 0
+        self.closing = False
+
+    async def Produce(  # noqa: N802 (gRPC method name)
+        self,
+        request_iterator: AsyncIterator[ingest_pb2.ProducerMessage],
+        context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[ingest_pb2.IngestMessage]:
+        session = await self._open(request_iterator, context)
+        reader = asyncio.ensure_future(self._read(session, request_iterator))
+        reader.add_done_callback(lambda _: session.outbox.put_nowait(None))
+        try:
+            welcome = ingest_pb2.IngestWelcome()
+            welcome.CopyFrom(self._welcome)
+            welcome.lane.CopyFrom(_lane_message(session.lane))
+            yield ingest_pb2.IngestMessage(welcome=welcome)
+            while (message := await session.outbox.get()) is not None:
+                yield message
+                if message.HasField("shutdown"):
+                    return
+        finally:
+            reader.cancel()
+            self._close(session)
+
+    async def _open(
+        self,
+        request_iterator: AsyncIterator[ingest_pb2.ProducerMessage],
+        context: grpc.aio.ServicerContext,
+    ) -> ProducerSession:
+        first = await anext(request_iterator, None)
+        if first is None or not first.HasField("hello"):
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, "the first message must be a ProducerHello"
+            )
+        hello = first.hello
+        if hello.protocol_version != PROTOCOL_VERSION:
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"producer protocol version {hello.protocol_version}, daemon speaks "
+                f"{PROTOCOL_VERSION}: install the same odbd release for producers and daemon",
+            )
+        if hello.job_id and hello.job_id != self._welcome.job_id:
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"this daemon serves job {self._welcome.job_id!r}, the producer asked for "
+                f"{hello.job_id!r}",
+            )
+        if self.closing:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the daemon is shutting down")
+        producer = self._next_producer
+        self._next_producer += 1
+        lane = self._lanes.open(producer)
+        if lane is None:
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"no room for another {self._lanes.lane_bytes}-byte producer lane in the "
+                "shared-memory arena; raise --shm-size or run fewer producers",
+            )
+        session = ProducerSession(
+            producer, hello.name or f"producer-{producer}", lane, asyncio.Queue()
+        )
+        self.sessions[producer] = session
+        log.info("producer %s attached (lane %d)", session.name, lane.lane_id)
+        return session
+
+    async def _read(
+        self, session: ProducerSession, request_iterator: AsyncIterator[ingest_pb2.ProducerMessage]
+    ) -> None:
+        async for message in request_iterator:
+            kind = message.WhichOneof("kind")
+            if kind == "lease":
+                session.credit += message.lease.count
+                self.pump_leases()
+            elif kind == "commit":
+                self._commit(session, message.commit)
+            elif kind == "reject":
+                for rejection in message.reject.rejections:
+                    rejected = self._state.reject(
+                        session.producer, rejection.view_key, rejection.reason, rejection.detail
+                    )
+                    if rejected is not None:
+                        self._on_rejected(rejected)
+                self._on_progress()
+
+    def _commit(self, session: ProducerSession, batch: ingest_pb2.CommitBatch) -> None:
+        keys = np.frombuffer(batch.view_keys, dtype="<i8").astype(np.int64)
+        offsets = np.frombuffer(batch.offsets, dtype="<u8").tolist()
+        nbytes = np.frombuffer(batch.nbytes, dtype="<u8").tolist()
+        lane = session.lane.lane_id
+        locations = [Location(lane, o, n) for o, n in zip(offsets, nbytes, strict=True)]
+        accepted, rejections, stale = self._state.commit(
+            session.producer,
+            keys,
+            locations,
+            np.frombuffer(batch.lengths, dtype="<u4").astype(np.int64),
+            np.frombuffer(batch.loss_tokens, dtype="<u4").astype(np.int64),
+            np.frombuffer(batch.schema_hashes, dtype="<u8").astype(np.uint64).view(np.int64),
+        )
+        rejected_at = {r.location for r in rejections}
+        for location in locations:
+            if location not in rejected_at and location not in stale:
+                self._lanes.hold(location)
+        for rejected in rejections:
+            self._on_rejected(rejected)
+        give_back = [r.location.offset for r in rejections if r.location] + [
+            s.offset for s in stale
+        ]
+        if give_back:
+            session.outbox.put_nowait(_free_message(give_back))
+        self._on_progress()
+
+    def pump_leases(self) -> None:
+        """Grants pending sample ids to producers with credit."""
+        deadline = asyncio.get_running_loop().time() + self._lease_timeout_s
+        for session in self.sessions.values():
+            if session.credit <= 0:
+                continue
+            keys = self._state.lease(session.producer, session.credit, deadline)
+            if keys.size == 0:
+                continue
+            session.credit -= int(keys.size)
+            identities = self._state.identities_of(keys)
+            grant = ingest_pb2.LeaseGrant(
+                view_keys=keys.astype("<i8").tobytes(),
+                identities=identities.astype("<i8").tobytes(),
+            )
+            session.outbox.put_nowait(ingest_pb2.IngestMessage(lease=grant))
+
+    def give_back(self, offsets_by_producer: dict[int, list[int]]) -> None:
+        for producer, offsets in offsets_by_producer.items():
+            session = self.sessions.get(producer)
+            if session is not None and offsets:
+                session.outbox.put_nowait(_free_message(offsets))
+
+    def expire_leases(self) -> int:
+        now = asyncio.get_running_loop().time()
+        expired = self._state.expired(now)
+        if expired:
+            log.warning("%d leases expired without a commit; re-leasing them", len(expired))
+            self._state.release(expired)
+            self.pump_leases()
+        return len(expired)
+
+    def shutdown(self, reason: str) -> None:
+        self.closing = True
+        for session in self.sessions.values():
+            message = ingest_pb2.IngestMessage(shutdown=ingest_pb2.Shutdown(reason=reason))
+            session.outbox.put_nowait(message)
+
+    def _close(self, session: ProducerSession) -> None:
+        if self.sessions.pop(session.producer, None) is None:
+            return
+        held = self._state.leases_of(session.producer)
+        self._state.release(held)
+        self._lanes.orphan(session.lane.lane_id)
+        log.info("producer %s detached; %d leases go back to the pool", session.name, len(held))
+        self.pump_leases()
+        self._on_progress()
+
+
+def _lane_message(lane: Lane) -> ingest_pb2.Lane:
+    return ingest_pb2.Lane(
+        segment=lane.segment_index, offset=lane.allocation.offset, size=lane.allocation.length
+    )
+
+
+def _free_message(offsets: list[int]) -> ingest_pb2.IngestMessage:
+    packed = np.asarray(offsets, dtype="<u8").tobytes()
+    return ingest_pb2.IngestMessage(free=ingest_pb2.FreeBatch(offsets=packed))

@@ -1,0 +1,99 @@
+"""Spawns and supervises the daemon's producer processes (`--dataset MODULE:FACTORY --workers K`).
+
+Each worker is `python -m odbclient.producer_main`, a plain odbclient Producer: the daemon
+treats it exactly like an external producer. A worker that dies is restarted (its leases went
+back to the pool when its stream broke); one that keeps dying is given up on with a clear log.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sys
+import time
+from dataclasses import dataclass, field
+
+log = logging.getLogger("odbd.producers")
+
+_MAX_RESTARTS = 5  # within _RESTART_WINDOW_S, then the worker is given up
+_RESTART_WINDOW_S = 60.0
+_STOP_GRACE_S = 5.0
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SupervisorConfig:
+    socket: str
+    dataset: str
+    dataset_args: tuple[tuple[str, str], ...]
+    workers: int
+    job_id: str
+
+
+@dataclass(slots=True)
+class _Worker:
+    name: str
+    process: asyncio.subprocess.Process | None = None
+    starts: list[float] = field(default_factory=list)
+
+
+class ProducerSupervisor:
+    def __init__(self, config: SupervisorConfig) -> None:
+        self.config = config
+        self._workers = [_Worker(f"worker-{i}") for i in range(config.workers)]
+        self._tasks: list[asyncio.Task[None]] = []
+        self._stopping = False
+        self.num_restarts = 0
+
+    def command(self, name: str) -> list[str]:
+        args = [sys.executable, "-m", "odbclient.producer_main", "--socket", self.config.socket]
+        args += ["--dataset", self.config.dataset, "--name", name, "--job-id", self.config.job_id]
+        for key, value in self.config.dataset_args:
+            args += ["--dataset-arg", f"{key}={value}"]
+        return args
+
+    async def start(self) -> None:
+        self._tasks = [asyncio.ensure_future(self._keep_running(w)) for w in self._workers]
+
+    async def _keep_running(self, worker: _Worker) -> None:
+        while not self._stopping:
+            now = time.monotonic()
+            worker.starts = [t for t in worker.starts if now - t < _RESTART_WINDOW_S] + [now]
+            if len(worker.starts) > _MAX_RESTARTS:
+                log.error(
+                    "producer %s died %d times within %.0f s; not restarting it. Run "
+                    "`python -m odbclient.producer_main --socket %s --dataset %s` by hand to "
+                    "see why",
+                    worker.name,
+                    _MAX_RESTARTS,
+                    _RESTART_WINDOW_S,
+                    self.config.socket,
+                    self.config.dataset,
+                )
+                return
+            worker.process = await asyncio.create_subprocess_exec(*self.command(worker.name))
+            code = await worker.process.wait()
+            if self._stopping or code == 0:
+                return
+            self.num_restarts += 1
+            log.warning("producer %s exited with status %s; restarting it", worker.name, code)
+            await asyncio.sleep(0.5)
+
+    def pids(self) -> list[int]:
+        return [w.process.pid for w in self._workers if w.process and w.process.returncode is None]
+
+    async def stop(self) -> None:
+        """Workers exit on the daemon's Shutdown message; stragglers are terminated."""
+        self._stopping = True
+        alive = [w.process for w in self._workers if w.process and w.process.returncode is None]
+        if alive:
+            done = asyncio.gather(*(p.wait() for p in alive))
+            try:
+                await asyncio.wait_for(done, _STOP_GRACE_S)
+            except TimeoutError:
+                for p in alive:
+                    if p.returncode is None:
+                        p.kill()
+                await asyncio.gather(*(p.wait() for p in alive))
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)

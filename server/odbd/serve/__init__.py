@@ -1,0 +1,1 @@
+"""Batch serving: per-rank step queues and the trainer service."""

@@ -1,0 +1,120 @@
+"""The Trainer gRPC service: one stream per rank pushes its planned steps ahead of time."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Callable
+
+import grpc
+
+from odbclient.wire.odbd.v1 import trainer_pb2, trainer_pb2_grpc
+from odbd.daemon.node_state import Location
+from odbd.serve.rank_queue import RankQueue
+
+log = logging.getLogger("odbd.serve")
+
+PROTOCOL_VERSION = 1
+DEFAULT_PREFETCH = 4
+MAX_PREFETCH = 64
+
+
+class TrainerService(trainer_pb2_grpc.TrainerServicer):
+    def __init__(
+        self,
+        *,
+        job_id: str,
+        queues: dict[int, RankQueue],
+        welcome: trainer_pb2.TrainerWelcome,
+        on_free: Callable[[list[Location]], None],
+        on_delivered: Callable[[int, trainer_pb2.Delivered], None],
+    ) -> None:
+        self._job_id = job_id
+        self._queues = queues
+        self._welcome = welcome
+        self._on_free = on_free
+        self._on_delivered = on_delivered
+
+    async def Train(  # noqa: N802 (gRPC method name)
+        self,
+        request_iterator: AsyncIterator[trainer_pb2.TrainerMessage],
+        context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[trainer_pb2.TrainerEvent]:
+        hello = await self._hello(request_iterator, context)
+        queue = self._queues[hello.rank]
+        queue.attached = True
+        if hello.resume:
+            self._on_free(queue.skip_before(hello.resume_epoch, hello.resume_step))
+        queue.rewind()
+        prefetch = min(hello.prefetch or DEFAULT_PREFETCH, MAX_PREFETCH)
+        reader = asyncio.ensure_future(self._read_deliveries(request_iterator, queue))
+        log.info("trainer rank %d attached (prefetch %d)", hello.rank, prefetch)
+        try:
+            yield trainer_pb2.TrainerEvent(welcome=self._welcome)
+            while True:
+                item = await _first(queue.next_to_send(prefetch), reader)
+                if item is None:
+                    return
+                yield item.event
+        finally:
+            reader.cancel()
+            queue.attached = False
+            queue.rewind()
+            log.info("trainer rank %d detached", hello.rank)
+
+    async def _hello(
+        self,
+        request_iterator: AsyncIterator[trainer_pb2.TrainerMessage],
+        context: grpc.aio.ServicerContext,
+    ) -> trainer_pb2.TrainerHello:
+        first = await anext(request_iterator, None)
+        if first is None or not first.HasField("hello"):
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, "the first message must be a TrainerHello"
+            )
+        hello = first.hello
+        if hello.protocol_version != PROTOCOL_VERSION:
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"trainer protocol version {hello.protocol_version}, daemon speaks "
+                f"{PROTOCOL_VERSION}: install the same odbd release for trainers and daemon",
+            )
+        if hello.job_id and hello.job_id != self._job_id:
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"this daemon serves job {self._job_id!r}, the client asked for "
+                f"{hello.job_id!r}: check ODBD_SOCKET / the socket path",
+            )
+        if hello.rank not in self._queues:
+            ranks = sorted(self._queues)
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"rank {hello.rank} is not served by this daemon (it serves ranks "
+                f"{ranks[0]}..{ranks[-1]}); connect to the socket of the node that runs it",
+            )
+        if self._queues[hello.rank].attached:
+            await context.abort(
+                grpc.StatusCode.ALREADY_EXISTS,
+                f"another client is already attached for rank {hello.rank}; each rank has "
+                "exactly one ODBClient (close the other, or check RANK)",
+            )
+        return hello
+
+    async def _read_deliveries(
+        self, request_iterator: AsyncIterator[trainer_pb2.TrainerMessage], queue: RankQueue
+    ) -> None:
+        async for message in request_iterator:
+            if message.HasField("delivered"):
+                delivered = message.delivered
+                self._on_free(queue.deliver(delivered.epoch, delivered.step))
+                self._on_delivered(queue.rank, delivered)
+
+
+async def _first(send: object, reader: asyncio.Future[None]) -> object | None:
+    """The next queue item, or None once the client's side of the stream ended."""
+    sender = asyncio.ensure_future(send)  # type: ignore[arg-type]
+    done, _ = await asyncio.wait({sender, reader}, return_when=asyncio.FIRST_COMPLETED)
+    if sender in done:
+        return sender.result()
+    sender.cancel()
+    return None
