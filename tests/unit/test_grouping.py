@@ -67,17 +67,22 @@ def test_zero_length_samples_never_reach_grouping(strategy):
 
 
 @pytest.mark.parametrize("strategy", list(Grouping))
-def test_ties_break_by_view_so_input_order_does_not_matter(strategy):
+def test_equal_lengths_keep_row_order(strategy):
+    table = make_table([50, 70, 50, 70, 50])
+    groups = group_buffer(table, 100, strategy)
+    assert table.views[groups.order].tolist() == [1, 3, 0, 2, 4]
+
+
+@pytest.mark.parametrize("strategy", list(Grouping))
+def test_lengths_past_16_bits_sort_the_same_way(strategy):
     rng = np.random.default_rng(1)
-    lengths = rng.integers(1, 50, size=200)
-    table = make_table(lengths.tolist())
-    perm = rng.permutation(200)
-    a = group_buffer(table, 120, strategy)
-    b = group_buffer(table.take(perm), 120, strategy)
-    views_a = [table.views[a.members(g)].tolist() for g in range(len(a))]
-    shuffled = table.take(perm)
-    views_b = [shuffled.views[b.members(g)].tolist() for g in range(len(b))]
-    assert views_a == views_b
+    short = rng.integers(1, 60_000, size=300)
+    table = make_table(short.tolist())
+    wide = make_table((short * 4).tolist())
+    a = group_buffer(table, 120_000, strategy)
+    b = group_buffer(wide, 480_000, strategy)
+    assert a.order.tolist() == b.order.tolist()
+    assert a.starts.tolist() == b.starts.tolist()
 
 
 def test_batch_size_rule():

@@ -64,7 +64,8 @@ class _Unit:
         table = SampleTable.empty()
         for chunk in chunks:
             table = table.concat(chunk)
-        return table
+        # Sorted by view, so the plan does not depend on the order producers committed in.
+        return table.take(np.argsort(table.views, kind="stable"))
 
 
 class NodeState:

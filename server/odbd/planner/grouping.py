@@ -7,6 +7,8 @@ except one sample longer than L, which is a group of one.
 
 from __future__ import annotations
 
+import array
+
 import numpy as np
 
 from odbd.errors import InvariantError
@@ -15,8 +17,16 @@ from odbd.planner.types import Groups, SampleTable
 
 
 def sort_longest_first(table: SampleTable) -> np.ndarray:
-    """Row order by length descending; ties broken by view id so every daemon agrees."""
-    return np.lexsort((table.views, -table.lengths))
+    """Row order by length descending; equal lengths keep their row order.
+
+    Rows arrive in the same order on every daemon (the round payload fixes it, and daemons
+    send their units sorted by view), so the order is the same everywhere. Lengths below 2^16
+    (nearly always) sort with numpy's O(n) radix sort, ~10x faster than a comparison sort.
+    """
+    lengths = table.lengths
+    if len(lengths) == 0 or int(lengths.max()) < (1 << 16):
+        return np.argsort((0xFFFF - lengths).astype(np.uint16), kind="stable")
+    return np.argsort(-lengths, kind="stable")
 
 
 def group_buffer(table: SampleTable, budget: int, strategy: Grouping) -> Groups:
@@ -24,9 +34,9 @@ def group_buffer(table: SampleTable, budget: int, strategy: Grouping) -> Groups:
     if len(table) and int(table.lengths.min()) < 1:
         raise InvariantError("0-length samples must be rejected at ingest, before grouping")
     order = sort_longest_first(table)
-    lengths = table.lengths[order].tolist()  # python ints: the walk below is scalar work
+    lengths = table.lengths[order]
     if strategy is Grouping.PAPER:
-        starts, ends = _paper_cuts(lengths, budget)
+        starts, ends = _paper_cuts(lengths.tolist(), budget)
     else:
         starts, ends = _fill_cuts(lengths, budget)
     return Groups(order, np.asarray(starts, dtype=np.int64), np.asarray(ends, dtype=np.int64))
@@ -37,22 +47,24 @@ def batch_size_for(length: int, budget: int) -> int:
     return max(budget // length, 1)
 
 
-def _fill_cuts(lengths: list[int], budget: int) -> tuple[list[int], list[int]]:
+def _fill_cuts(lengths: np.ndarray, budget: int) -> tuple[list[int], list[int]]:
     """min-time: each group takes as many of the next-longest samples as the budget admits.
 
     With lengths sorted descending, this greedy cut gives the fewest groups of any contiguous cut
     (each greedy group ends at or after any other cut's group), and fewest groups means the least
     per-step overhead; the sort keeps padding low because neighbours have similar lengths.
     """
+    n = int(lengths.shape[0])
+    # Where a group starting at i ends, for every i at once; the walk then only hops.
+    ends_at = np.minimum(np.arange(n) + np.maximum(budget // np.maximum(lengths, 1), 1), n)
+    jump = array.array("q")  # indexed lazily: only ~n / group size entries become ints
+    jump.frombytes(ends_at.astype(np.int64).tobytes())
     starts: list[int] = []
-    ends: list[int] = []
-    n = len(lengths)
     i = 0
     while i < n:
         starts.append(i)
-        i = min(n, i + batch_size_for(lengths[i], budget))
-        ends.append(i)
-    return starts, ends
+        i = jump[i]
+    return starts, starts[1:] + [n] if starts else []
 
 
 def _paper_cuts(lengths: list[int], budget: int) -> tuple[list[int], list[int]]:
