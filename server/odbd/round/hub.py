@@ -139,16 +139,26 @@ class Hub:
                 )
 
     async def _read(self, spoke: _Spoke, context: grpc.aio.ServicerContext) -> None:
+        _lost_without_leave = (
+            "its stream ended without a Leave (the daemon was killed, crashed, or its "
+            "connection broke)"
+        )
         try:
             while (msg := await context.read()) is not grpc.aio.EOF:
+                kind = msg.WhichOneof("kind")
+                if kind == "leave":
+                    self._left(spoke)
+                    return
                 contribution = msg.contribution
-                if msg.WhichOneof("kind") != "contribution" or contribution.node_rank != spoke.node:
+                if kind != "contribution" or contribution.node_rank != spoke.node:
                     raise ProtocolViolation(
-                        f"{spoke.name} sent a {msg.WhichOneof('kind')} for node "
-                        f"{contribution.node_rank} after its handshake"
+                        f"{spoke.name} sent a {kind} for node {contribution.node_rank} after "
+                        "its handshake"
                     )
                 self._contribute(spoke.node, contribution.round, contribution.payload)
-            self._left(spoke)
+            # A killed process reads as a plain end of stream here, which is why a deliberate
+            # shutdown says Leave first.
+            self._lost(spoke, _lost_without_leave)
         except ProtocolViolation as exc:
             self._refuse_stream(spoke, str(exc))
         except grpc.aio.AioRpcError as exc:
@@ -179,7 +189,7 @@ class Hub:
         self._abort(peer_pb2.ABORT_KIND_PEER_LOST, round_index, reason, [spoke.node], PeerLostError)
 
     def _left(self, spoke: _Spoke) -> None:
-        """The spoke closed its side (shutdown): fine, unless a round still needs it."""
+        """The spoke said Leave (shutdown): fine, unless a round still needs it."""
         if spoke.state != "active":
             return
         spoke.state = "left"
@@ -194,7 +204,7 @@ class Hub:
         for spoke in self._spokes.values():
             if spoke.state == "left" and self._table.next_round(spoke.node) <= round_index:
                 reason = (
-                    f"{spoke.name} closed its stream (shut down) before contributing round "
+                    f"{spoke.name} shut down (said Leave) before contributing round "
                     f"{round_index}; every node must run the same number of rounds. Restart "
                     "the job on all nodes"
                 )

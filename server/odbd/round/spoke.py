@@ -166,10 +166,13 @@ class Spoke:
             raise
 
     async def close(self) -> None:
-        """Closes this side of the stream and waits briefly for the hub to end it cleanly."""
+        """Says Leave, then waits briefly for the hub to end the stream cleanly."""
         self._fail(PeerLostError("the round barrier of this node was closed"))
+        leave = peer_pb2.PeerMessage(leave=peer_pb2.Leave(reason="shutdown"))
         with contextlib.suppress(Exception):
-            await asyncio.wait_for(self._call.done_writing(), 1.0)
+            async with self._write_lock, asyncio.timeout(1.0):
+                await self._call.write(leave)
+                await self._call.done_writing()
         if self._reader is not None:
             with contextlib.suppress(Exception, asyncio.CancelledError):
                 await asyncio.wait_for(self._reader, 1.0)

@@ -84,13 +84,21 @@ class Abort(_message.Message):
     missing: _containers.RepeatedCompositeFieldContainer[_common_pb2.NodeRef]
     def __init__(self, kind: _Optional[_Union[AbortKind, str]] = ..., round: _Optional[int] = ..., reason: _Optional[str] = ..., missing: _Optional[_Iterable[_Union[_common_pb2.NodeRef, _Mapping]]] = ...) -> None: ...
 
+class Leave(_message.Message):
+    __slots__ = ("reason",)
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    reason: str
+    def __init__(self, reason: _Optional[str] = ...) -> None: ...
+
 class PeerMessage(_message.Message):
-    __slots__ = ("hello", "contribution")
+    __slots__ = ("hello", "contribution", "leave")
     HELLO_FIELD_NUMBER: _ClassVar[int]
     CONTRIBUTION_FIELD_NUMBER: _ClassVar[int]
+    LEAVE_FIELD_NUMBER: _ClassVar[int]
     hello: Hello
     contribution: Contribution
-    def __init__(self, hello: _Optional[_Union[Hello, _Mapping]] = ..., contribution: _Optional[_Union[Contribution, _Mapping]] = ...) -> None: ...
+    leave: Leave
+    def __init__(self, hello: _Optional[_Union[Hello, _Mapping]] = ..., contribution: _Optional[_Union[Contribution, _Mapping]] = ..., leave: _Optional[_Union[Leave, _Mapping]] = ...) -> None: ...
 
 class HubMessage(_message.Message):
     __slots__ = ("welcome", "result", "abort")
