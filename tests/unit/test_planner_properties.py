@@ -135,7 +135,7 @@ def test_non_join_reaches_the_sample_quota(scenario, epochs):
 def check_budget_and_scaling(result, config, tokens):
     stats = result.stats()
     # 5. Budget: padded area <= L unless the group is one sample longer than L.
-    for _, _, views, lengths in groups_of(result):
+    for _, _, _views, lengths in groups_of(result):
         if len(lengths):
             assert lengths.max() * len(lengths) <= config.token_budget or len(lengths) == 1
     # 4. Exact loss scaling: sum_r scale_r * t_r / W == per-token total / total tokens == 1

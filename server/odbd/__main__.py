@@ -1,0 +1,5 @@
+import sys
+
+from odbd.cli import main
+
+sys.exit(main())
