@@ -1,1 +1,66 @@
-"""odbclient: trainer client and producer for odbd (no server dependencies)."""
+"""odbclient: trainer client and producer for odbd (no server dependencies).
+
+    from odbclient import ODBClient, Producer
+
+`ODBClient`, `Batch`, `Producer` and `DEFAULT_SOCKET` load on first use (PEP 562), so the
+daemon can import `odbclient.shm` without paying for torch and the gRPC stubs.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from odbclient.errors import (
+    CollateError,
+    DaemonConnectionError,
+    DaemonTimeoutError,
+    DaemonUnavailableError,
+    DatasetLoadError,
+    JobFailedError,
+    JobMismatchError,
+    ODBClientError,
+    ProtocolError,
+    RankInUseError,
+    RankRefusedError,
+    StateDictError,
+)
+
+if TYPE_CHECKING:
+    from odbclient.batch import Batch
+    from odbclient.client import DEFAULT_SOCKET, ODBClient
+    from odbclient.producer import Producer, RejectReason
+
+_LAZY = {
+    "ODBClient": "odbclient.client",
+    "DEFAULT_SOCKET": "odbclient.connect",
+    "Batch": "odbclient.batch",
+    "Producer": "odbclient.producer",
+    "RejectReason": "odbclient.samples",
+}
+
+__all__ = [
+    "DEFAULT_SOCKET",
+    "Batch",
+    "CollateError",
+    "DaemonConnectionError",
+    "DaemonTimeoutError",
+    "DaemonUnavailableError",
+    "DatasetLoadError",
+    "JobFailedError",
+    "JobMismatchError",
+    "ODBClient",
+    "ODBClientError",
+    "Producer",
+    "ProtocolError",
+    "RankInUseError",
+    "RankRefusedError",
+    "RejectReason",
+    "StateDictError",
+]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'odbclient' has no attribute {name!r}")

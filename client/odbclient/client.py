@@ -1,0 +1,201 @@
+"""ODBClient: one trainer rank's iterator over the step-aligned batches of its node's daemon.
+
+    client = ODBClient(rank=int(os.environ["RANK"]))
+    for batch in client:          # one epoch; iterate again for the next
+        ...
+
+Data path: the daemon pushes StepBatch events ahead of time over one bidi `Train` stream; a
+reader thread (`odbclient.stream`) collates each from shared memory into fresh tensors and
+queues the Batch, so next() only takes a ready batch from a queue. When next() hands a batch to
+the user it sends `Delivered`, which lets the daemon reuse the step's shared memory and measures
+the trainer's wait and compute time.
+"""
+
+from __future__ import annotations
+
+import queue
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from odbclient.batch import Batch
+from odbclient.connect import DEFAULT_SOCKET, Failure, StreamEnd, resolve_socket
+from odbclient.errors import (
+    DaemonConnectionError,
+    DaemonTimeoutError,
+    JobFailedError,
+    StateDictError,
+)
+from odbclient.stream import EpochEnd, JobEnd, TrainerStream
+
+__all__ = ["DEFAULT_SOCKET", "ODBClient"]
+
+STATE_VERSION = 1
+
+
+class ODBClient:
+    """The batches of one trainer rank, one epoch per iteration.
+
+    `socket`: the daemon's unix socket; else $ODBD_SOCKET, else `DEFAULT_SOCKET`.
+    `prefetch`: batches the daemon may push ahead of the one the trainer is on.
+    `connect_timeout_s`: how long the first iteration waits for the daemon to start and welcome.
+    `deadline_s`: the longest wait for any batch; past it DaemonTimeoutError names the socket.
+    """
+
+    def __init__(
+        self,
+        rank: int,
+        socket: str | None = None,
+        *,
+        job_id: str = "",
+        prefetch: int = 4,
+        connect_timeout_s: float = 60.0,
+        deadline_s: float = 600.0,
+    ) -> None:
+        if rank < 0 or prefetch < 1 or connect_timeout_s <= 0 or deadline_s <= 0:
+            raise ValueError(
+                f"ODBClient(rank={rank}, prefetch={prefetch}, connect_timeout_s="
+                f"{connect_timeout_s}, deadline_s={deadline_s}): rank must be >= 0, prefetch "
+                ">= 1 and timeouts > 0"
+            )
+        self.rank = rank
+        self.socket = resolve_socket(socket)
+        self._job_id = job_id
+        self._prefetch = prefetch
+        self._connect_timeout_s = connect_timeout_s
+        self._deadline_s = deadline_s
+        self._stream: TrainerStream | None = None
+        self._resume: tuple[int, int] | None = None  # (epoch, step) from load_state_dict
+        self._epoch, self._next_step = 0, 0  # the first step not yet delivered
+        self._last_return_s: float | None = None  # perf_counter when next() last returned
+        self._num_batches, self._num_idle = 0, 0  # delivered this epoch
+        self._summary: dict[str, Any] = {}
+        self._job_end: JobEnd | None = None
+        self._failure: Exception | None = None  # raised again by every later iteration
+
+    # --- iteration -----------------------------------------------------------------------------
+
+    def __iter__(self) -> Iterator[Batch]:
+        if self._failure is not None:
+            raise self._failure
+        if self._job_end is not None:
+            return iter(())  # the job is over: every further epoch is empty
+        return self._epoch_batches(self._connected())
+
+    def _epoch_batches(self, stream: TrainerStream) -> Iterator[Batch]:
+        while True:
+            called_s = time.perf_counter()
+            event = self._next_event(stream)
+            if isinstance(event, Batch):
+                self._deliver(stream, event, called_s)
+                yield event
+            elif isinstance(event, EpochEnd):
+                self._end_epoch(event)
+                return
+            elif isinstance(event, JobEnd):
+                self._job_end = event
+                if event.failed:
+                    self._fail(JobFailedError(f"odbd ended the job on an error: {event.reason}"))
+                return
+            elif isinstance(event, Failure):
+                self._fail(event.error)
+            else:
+                assert isinstance(event, StreamEnd), event
+                self._fail(
+                    DaemonConnectionError(
+                        f"odbd on unix:{self.socket} closed the stream of rank {self.rank} "
+                        "without ending the job; check the daemon log, then restart the trainer"
+                    )
+                )
+
+    def _next_event(self, stream: TrainerStream) -> object:
+        try:
+            return stream.inbox.get(timeout=self._deadline_s)
+        except queue.Empty:
+            raise DaemonTimeoutError(
+                f"no batch from odbd on unix:{self.socket} for rank {self.rank} in "
+                f"{self._deadline_s:g} s (epoch {self._epoch}, step {self._next_step}): the "
+                "daemon, its producers or a peer node is stalled; check `odbd status` and the "
+                "daemon log, or raise deadline_s for very slow preprocessing"
+            ) from None
+
+    def _deliver(self, stream: TrainerStream, batch: Batch, called_s: float) -> None:
+        now_s = time.perf_counter()
+        compute_s = 0.0 if self._last_return_s is None else called_s - self._last_return_s
+        stream.send_delivered(batch.epoch, batch.step, wait_s=now_s - called_s, compute_s=compute_s)
+        self._epoch, self._next_step = batch.epoch, batch.step + 1
+        self._num_batches += 1
+        self._num_idle += batch.is_idle
+        self._last_return_s = now_s
+
+    def _end_epoch(self, event: EpochEnd) -> None:
+        self._summary = {
+            "epoch": event.epoch,
+            "num_steps": event.num_steps,
+            "global_num_samples": event.global_num_samples,
+            "num_identities": event.num_identities,
+            "rejected_by_reason": dict(event.rejected_by_reason),
+            "num_batches": self._num_batches,  # this rank's, idle fillers included
+            "num_idle_batches": self._num_idle,
+        }
+        self._epoch, self._next_step = event.epoch + 1, 0
+        self._num_batches, self._num_idle = 0, 0
+
+    def _fail(self, error: Exception) -> None:
+        self._failure = error
+        raise error
+
+    def _connected(self) -> TrainerStream:
+        if self._stream is None:
+            self._stream = TrainerStream.open(
+                rank=self.rank,
+                socket=self.socket,
+                job_id=self._job_id,
+                prefetch=self._prefetch,
+                resume=self._resume,
+                connect_timeout_s=self._connect_timeout_s,
+            )
+        return self._stream
+
+    # --- state, summary, lifetime --------------------------------------------------------------
+
+    @property
+    def summary(self) -> dict[str, Any]:
+        """Facts of the last finished epoch (empty before the first EpochEnd)."""
+        return dict(self._summary)
+
+    @property
+    def job_ended(self) -> bool:
+        return self._job_end is not None
+
+    def state_dict(self) -> dict[str, int]:
+        """Where to resume: the first step of `epoch` not yet handed to the trainer."""
+        return {"version": STATE_VERSION, "epoch": self._epoch, "step": self._next_step}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume at `state` (from state_dict()); call before the first iteration."""
+        if self._stream is not None:
+            raise StateDictError(
+                "load_state_dict() after iteration started: the resume point is sent when "
+                "connecting; build a new ODBClient and load the state before iterating"
+            )
+        if state.get("version") != STATE_VERSION or not all(
+            isinstance(state.get(k), int) and state[k] >= 0 for k in ("epoch", "step")
+        ):
+            raise StateDictError(
+                f"not an ODBClient state dict of version {STATE_VERSION}: {state!r}; pass what "
+                "ODBClient.state_dict() returned"
+            )
+        self._resume = (state["epoch"], state["step"])
+        self._epoch, self._next_step = self._resume
+
+    def close(self) -> None:
+        """Ends the stream; the daemon re-sends undelivered steps to the rank's next client."""
+        if self._stream is not None:
+            self._stream.close()
+
+    def __enter__(self) -> ODBClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

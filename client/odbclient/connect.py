@@ -1,0 +1,140 @@
+"""Where the local daemon listens, how to reach it, and what its gRPC refusals mean to a user.
+
+Shared by the trainer client and the producer; imports grpc but no generated stubs.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+from odbclient.errors import (
+    DaemonConnectionError,
+    DaemonTimeoutError,
+    DaemonUnavailableError,
+    JobMismatchError,
+    ODBClientError,
+    RankInUseError,
+    RankRefusedError,
+)
+
+PROTOCOL_VERSION = 1  # odbd.v1 trainer and ingest services; the daemon refuses other versions
+SOCKET_ENV = "ODBD_SOCKET"
+DEFAULT_SOCKET = f"/tmp/odbd-{os.getuid()}.sock"
+
+_Refusal = tuple[type[ODBClientError], str]  # error class, the fix to append
+
+TRAINER_REFUSALS: Mapping[grpc.StatusCode, _Refusal] = {
+    grpc.StatusCode.INVALID_ARGUMENT: (
+        RankRefusedError,
+        "check RANK against the daemon's --world, --nproc-per-node and --node-rank, and that "
+        "a resumed state_dict was saved by this job",
+    ),
+    grpc.StatusCode.ALREADY_EXISTS: (
+        RankInUseError,
+        "run one ODBClient per rank: close the other client of this rank (client.close()) or "
+        "fix a duplicated RANK",
+    ),
+    grpc.StatusCode.FAILED_PRECONDITION: (
+        JobMismatchError,
+        "pass the daemon's --job-id as job_id (or leave it empty) and install the same odbd "
+        "release for the daemon and its clients",
+    ),
+}
+PRODUCER_REFUSALS: Mapping[grpc.StatusCode, _Refusal] = {
+    grpc.StatusCode.INVALID_ARGUMENT: (
+        RankRefusedError,
+        "the daemon does not accept this producer; check its --dataset-size and log",
+    ),
+    grpc.StatusCode.FAILED_PRECONDITION: TRAINER_REFUSALS[grpc.StatusCode.FAILED_PRECONDITION],
+}
+
+
+def resolve_socket(socket: str | None) -> str:
+    """The socket argument, else $ODBD_SOCKET, else the per-user default."""
+    return socket or os.environ.get(SOCKET_ENV) or DEFAULT_SOCKET
+
+
+def open_channel(socket: str, *, timeout_s: float) -> grpc.Channel:
+    """A channel to the daemon's unix socket, ready; waits up to `timeout_s` for it to start."""
+    channel = grpc.insecure_channel(f"unix:{socket}")
+    try:
+        grpc.channel_ready_future(channel).result(timeout=timeout_s)
+    except grpc.FutureTimeoutError:
+        channel.close()
+        raise DaemonUnavailableError(
+            f"no odbd daemon answered on unix:{socket} within {timeout_s:g} s; start odbd on "
+            f"this node, or point socket= / ${SOCKET_ENV} at the daemon's --socket"
+        ) from None
+    return channel
+
+
+def translate_rpc_error(
+    error: grpc.RpcError,
+    *,
+    socket: str,
+    who: str,
+    established: bool,
+    refusals: Mapping[grpc.StatusCode, _Refusal],
+) -> ODBClientError:
+    """The ODBClientError for a gRPC failure, with the daemon's message and the fix."""
+    code = error.code() if hasattr(error, "code") else grpc.StatusCode.UNKNOWN
+    details = (error.details() if hasattr(error, "details") else "") or str(code)
+    where = f"odbd on unix:{socket}"
+    if code in refusals:
+        cls, fix = refusals[code]
+        return cls(f"{where} refused {who}: {details}; {fix}")
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return DaemonTimeoutError(f"{where} did not answer {who} in time: {details}")
+    if code == grpc.StatusCode.UNAVAILABLE and not established:
+        return DaemonUnavailableError(
+            f"{where} is not reachable for {who}: {details}; start odbd on this node, or point "
+            f"socket= / ${SOCKET_ENV} at the daemon's --socket"
+        )
+    return DaemonConnectionError(
+        f"the stream between {who} and {where} broke ({code.name}: {details}); the daemon "
+        "exited or restarted; check its log, then restart this process"
+    )
+
+
+class Outbox:
+    """The request side of a bidi stream: messages put here are sent in order until close()."""
+
+    _END = object()
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+
+    def put(self, message: Any) -> None:
+        self._queue.put(message)
+
+    def close(self) -> None:
+        self._queue.put(self._END)
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self._queue.get, self._END)
+
+
+def start_reader(target: Any, *, name: str) -> threading.Thread:
+    """A daemon thread: it must never keep the trainer or producer process alive on exit."""
+    thread = threading.Thread(target=target, name=name, daemon=True)
+    thread.start()
+    return thread
+
+
+@dataclass(frozen=True, slots=True)
+class Failure:
+    """A reader thread's error, queued so the consuming thread raises it instead of hanging."""
+
+    error: Exception
+
+
+@dataclass(frozen=True, slots=True)
+class StreamEnd:
+    """The daemon closed the stream cleanly (status OK)."""

@@ -1,0 +1,300 @@
+"""Producer: leases sample ids from the node's daemon, runs the user's preprocessing
+(`dataset[identity]`) and writes each sample straight into its lane of shared memory.
+
+    Producer(MyDataset(...)).run()      # until the daemon sends Shutdown
+
+`ProducerCore` makes every decision (validate, allocate, batch commits, ask for credits) and
+is testable without a socket; `Producer` only moves messages. Loop, per iteration:
+  1. take the daemon's messages (grants, frees, shutdown); block only when no work can proceed;
+  2. make one sample (or retry the one waiting for lane space);
+  3. send due commits and rejections, and lease credits when half used.
+A full lane is backpressure: the producer waits for FreeBatch and never drops a sample.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Iterable
+from typing import Any
+
+import grpc
+import numpy as np
+
+from odbclient.connect import (
+    PRODUCER_REFUSALS,
+    PROTOCOL_VERSION,
+    Failure,
+    Outbox,
+    StreamEnd,
+    open_channel,
+    resolve_socket,
+    start_reader,
+    translate_rpc_error,
+)
+from odbclient.errors import DaemonTimeoutError, DatasetLoadError, ProtocolError
+from odbclient.lane import CommitBuffer, LaneAllocator, LeaseCredits
+from odbclient.samples import (
+    RejectReason,
+    SampleFacts,
+    SampleRejected,
+    fetch_sample,
+    inspect_sample,
+)
+from odbclient.shm import ArenaView, encode_into
+from odbclient.wire.odbd.v1 import ingest_pb2, ingest_pb2_grpc
+
+__all__ = ["Producer", "ProducerCore", "RejectReason"]
+
+log = logging.getLogger("odbclient.producer")
+_MAX_LOGGED_TRACEBACKS = 5  # then rejections are only counted by the daemon
+
+
+class ProducerCore:
+    """A producer's decisions over its lane buffer; no socket, no clock of its own."""
+
+    def __init__(
+        self,
+        dataset: Any,
+        *,
+        lane_buffer: memoryview,
+        lane_offset: int,
+        length_key: str,
+        labels_key: str,
+        lease_batch: int,
+        commit_batch: int,
+        commit_interval_s: float,
+    ) -> None:
+        self._dataset = dataset
+        self._lane_buffer = lane_buffer  # the lane's bytes: index 0 is lane offset 0
+        self.lane = LaneAllocator(lane_offset, len(lane_buffer))
+        self._length_key, self._labels_key = length_key, labels_key
+        self.commits = CommitBuffer(max_rows=commit_batch, interval_s=commit_interval_s)
+        self.credits = LeaseCredits(target=lease_batch)
+        self._work: deque[tuple[int, int]] = deque()  # (view_key, identity) granted, not made
+        self._stalled: tuple[int, Any, SampleFacts] | None = None  # waiting for lane space
+        self._num_tracebacks = 0
+
+    @property
+    def in_hand(self) -> int:
+        return len(self._work) + (self._stalled is not None)
+
+    def on_grant(self, view_keys: Iterable[int], identities: Iterable[int]) -> None:
+        granted = list(zip(view_keys, identities, strict=True))
+        self._work.extend(granted)
+        self.credits.granted(len(granted))
+
+    def on_free(self, offsets: Iterable[int]) -> None:
+        for offset in offsets:
+            self.lane.free(offset)
+
+    def can_work(self) -> bool:
+        if self._stalled is not None:
+            return self.lane.fits_now(self._stalled[2].nbytes)
+        return bool(self._work)
+
+    def work_one(self, now_s: float) -> None:
+        """Makes one sample: the stalled one if it fits now, else the next granted id."""
+        if self._stalled is not None:
+            view_key, sample, facts = self._stalled
+            self._stalled = None
+            self._place(view_key, sample, facts, now_s)
+            return
+        view_key, identity = self._work.popleft()
+        try:
+            sample = fetch_sample(self._dataset, identity)
+            facts = inspect_sample(sample, length_key=self._length_key, labels_key=self._labels_key)
+            if not self.lane.fits_ever(facts.nbytes):
+                raise SampleRejected(
+                    RejectReason.TOO_LARGE,
+                    f"sample {identity} encodes to {facts.nbytes} bytes but the producer lane "
+                    f"holds {self.lane.capacity_bytes}; raise the daemon's --shm-size",
+                )
+        except SampleRejected as rejected:
+            self._reject(view_key, rejected, now_s)
+            return
+        self._place(view_key, sample, facts, now_s)
+
+    def messages(self, now_s: float) -> list[ingest_pb2.ProducerMessage]:
+        """What to send now: due commits (all of them when no work can proceed), then credits."""
+        out = []
+        if self.commits.due(now_s) or (len(self.commits) and not self.can_work()):
+            out.extend(self.commits.take())
+        count = self.credits.request(self.in_hand)
+        if count:
+            out.append(ingest_pb2.ProducerMessage(lease=ingest_pb2.LeaseRequest(count=count)))
+        return out
+
+    def _place(self, view_key: int, sample: Any, facts: SampleFacts, now_s: float) -> None:
+        offset = self.lane.allocate(facts.nbytes)
+        if offset is None:
+            self._stalled = (view_key, sample, facts)  # backpressure: wait for a FreeBatch
+            return
+        try:
+            encode_into(self._lane_buffer[offset : offset + facts.nbytes], sample)
+        except Exception as exc:  # e.g. a tensor whose copy fails; inspect_sample passed it
+            self.lane.free(offset)
+            rejected = SampleRejected(RejectReason.PREPROCESS_ERROR, f"encoding raised {exc!r}")
+            self._reject(view_key, rejected, now_s)
+            return
+        self.commits.add(view_key, offset, facts, now_s)
+
+    def _reject(self, view_key: int, rejected: SampleRejected, now_s: float) -> None:
+        if rejected.__cause__ is not None and self._num_tracebacks < _MAX_LOGGED_TRACEBACKS:
+            self._num_tracebacks += 1
+            log.warning("rejected view %d: %s", view_key, rejected.detail, exc_info=rejected)
+        self.commits.reject(view_key, rejected.reason, rejected.detail, now_s)
+
+
+class Producer:
+    """Serves one map-style dataset to the node's daemon until it sends Shutdown."""
+
+    def __init__(
+        self,
+        dataset: Any,
+        socket: str | None = None,
+        *,
+        name: str | None = None,
+        job_id: str = "",
+        lease_batch: int = 32,
+        commit_batch: int = 32,
+        commit_interval_s: float = 0.002,
+        connect_timeout_s: float = 60.0,
+    ) -> None:
+        if lease_batch < 1 or commit_batch < 1 or commit_interval_s < 0:
+            raise ValueError(
+                f"Producer(lease_batch={lease_batch}, commit_batch={commit_batch}, "
+                f"commit_interval_s={commit_interval_s}): batches must be >= 1, interval >= 0"
+            )
+        self.dataset = dataset
+        self.socket = resolve_socket(socket)
+        self.name = name or f"external-{os.getpid()}"
+        self.job_id = job_id  # "" accepts the daemon's job
+        self._lease_batch, self._commit_batch = lease_batch, commit_batch
+        self._commit_interval_s = commit_interval_s
+        self._connect_timeout_s = connect_timeout_s
+        self.shutdown_reason: str | None = None  # set when the daemon sent Shutdown
+
+    def run(self) -> None:
+        """Produces until the daemon sends Shutdown or ends the stream; raises on failures."""
+        channel = open_channel(self.socket, timeout_s=self._connect_timeout_s)
+        outbox, inbox = Outbox(), queue.SimpleQueue[object]()
+        closing = threading.Event()
+        hello = ingest_pb2.ProducerHello(
+            protocol_version=PROTOCOL_VERSION, job_id=self.job_id, name=self.name, pid=os.getpid()
+        )
+        outbox.put(ingest_pb2.ProducerMessage(hello=hello))
+        call = ingest_pb2_grpc.IngestStub(channel).Produce(iter(outbox))
+        start_reader(lambda: self._read(call, inbox, closing), name=f"odbclient-{self.name}")
+        try:
+            core = self._core(self._await_welcome(inbox))
+            self._serve(core, inbox, outbox)
+        finally:
+            closing.set()
+            outbox.close()
+            call.cancel()
+            channel.close()
+
+    def _core(self, welcome: ingest_pb2.IngestWelcome) -> ProducerCore:
+        self._check_size(welcome.dataset_size)
+        # Mapped once for the process lifetime (shm.py): never unmapped under a view.
+        arena = ArenaView.attach(list(welcome.segments))
+        lane = welcome.lane
+        if lane.segment >= len(welcome.segments):
+            raise ProtocolError(f"odbd gave lane segment {lane.segment} of {len(welcome.segments)}")
+        return ProducerCore(
+            self.dataset,
+            lane_buffer=arena.buffer(welcome.segments[lane.segment], lane.offset, lane.size),
+            lane_offset=lane.offset,
+            length_key=welcome.length_key,
+            labels_key=welcome.labels_key,
+            lease_batch=self._lease_batch,
+            commit_batch=self._commit_batch,
+            commit_interval_s=self._commit_interval_s,
+        )
+
+    def _check_size(self, dataset_size: int) -> None:
+        size = len(self.dataset) if hasattr(self.dataset, "__len__") else None
+        if dataset_size and size is not None and size != dataset_size:
+            raise DatasetLoadError(
+                f"producer {self.name}'s dataset has {size} samples but the daemon serves "
+                f"{dataset_size} identities; every producer must load the same dataset "
+                "(check --dataset-arg / --dataset-size)"
+            )
+
+    def _serve(self, core: ProducerCore, inbox: queue.SimpleQueue[object], outbox: Outbox) -> None:
+        while True:
+            for item in _receive(inbox, block=not core.can_work()):  # 1. daemon messages
+                if isinstance(item, StreamEnd):
+                    return
+                if isinstance(item, Failure):
+                    raise item.error
+                assert isinstance(item, ingest_pb2.IngestMessage), item
+                if not self._apply(core, item):
+                    for message in core.commits.take():
+                        outbox.put(message)
+                    return
+            if core.can_work():  # 2. one sample
+                core.work_one(time.monotonic())
+            for message in core.messages(time.monotonic()):  # 3. commits, credits
+                outbox.put(message)
+
+    def _apply(self, core: ProducerCore, message: ingest_pb2.IngestMessage) -> bool:
+        """Applies one daemon message; False on Shutdown."""
+        kind = message.WhichOneof("kind")
+        if kind == "lease":
+            view_keys = np.frombuffer(message.lease.view_keys, "<i8").tolist()
+            core.on_grant(view_keys, np.frombuffer(message.lease.identities, "<i8").tolist())
+        elif kind == "free":
+            core.on_free(np.frombuffer(message.free.offsets, "<u8").tolist())
+        elif kind == "shutdown":
+            self.shutdown_reason = message.shutdown.reason
+            log.info("producer %s: daemon shutdown (%s)", self.name, message.shutdown.reason)
+            return False
+        return True
+
+    def _await_welcome(self, inbox: queue.SimpleQueue[object]) -> ingest_pb2.IngestWelcome:
+        try:
+            item = inbox.get(timeout=self._connect_timeout_s)
+        except queue.Empty:
+            raise DaemonTimeoutError(
+                f"odbd on unix:{self.socket} sent producer {self.name} no welcome within "
+                f"{self._connect_timeout_s:g} s; check the daemon log"
+            ) from None
+        if isinstance(item, Failure):
+            raise item.error
+        if not (isinstance(item, ingest_pb2.IngestMessage) and item.HasField("welcome")):
+            raise ProtocolError(f"odbd sent {item!r} before its welcome; versions differ")
+        return item.welcome
+
+    def _read(self, call: Any, inbox: queue.SimpleQueue[object], closing: threading.Event) -> None:
+        welcomed = False  # a refusal arrives before the welcome
+        try:
+            for message in call:
+                inbox.put(message)
+                welcomed = True
+            inbox.put(StreamEnd())
+        except grpc.RpcError as exc:
+            if not closing.is_set():
+                error = translate_rpc_error(
+                    exc,
+                    socket=self.socket,
+                    who=f"producer {self.name}",
+                    established=welcomed,
+                    refusals=PRODUCER_REFUSALS,
+                )
+                inbox.put(Failure(error))
+
+
+def _receive(inbox: queue.SimpleQueue[object], *, block: bool) -> list[object]:
+    """Every queued item; when `block`, waits for at least one."""
+    items = [inbox.get()] if block else []
+    while True:
+        try:
+            items.append(inbox.get_nowait())
+        except queue.Empty:
+            return items

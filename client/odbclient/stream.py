@@ -1,0 +1,264 @@
+"""The trainer side of one `Train` stream: hello, welcome, and a reader thread that turns
+StepBatch events into ready Batch objects (collated out of shared memory) in an inbox queue.
+
+Threads: grpc consumes the request side (`Outbox`) on its own thread; `_read` runs on a reader
+thread and is the only user of the arena views; the trainer thread only takes from `inbox` and
+puts Delivered into the outbox. Every failure on the reader thread reaches the trainer as a
+`Failure` item, so a broken stream or bad data raises in next() instead of hanging it.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+import numpy as np
+
+from odbclient.batch import Batch
+from odbclient.collate import KeySchema, collate, filler_tensors, parse_filler_schema
+from odbclient.connect import (
+    PROTOCOL_VERSION,
+    TRAINER_REFUSALS,
+    Failure,
+    Outbox,
+    StreamEnd,
+    open_channel,
+    start_reader,
+    translate_rpc_error,
+)
+from odbclient.errors import DaemonTimeoutError, ProtocolError
+from odbclient.shm import ArenaView, decode, read_meta
+from odbclient.wire.odbd.v1 import trainer_pb2, trainer_pb2_grpc
+
+
+@dataclass(frozen=True, slots=True)
+class Welcome:
+    job_id: str
+    world_size: int
+    length_key: str
+    loss_scaling: str
+
+
+@dataclass(frozen=True, slots=True)
+class EpochEnd:
+    epoch: int
+    num_steps: int
+    global_num_samples: int
+    num_identities: int
+    rejected_by_reason: dict[str, int]
+
+
+@dataclass(frozen=True, slots=True)
+class JobEnd:
+    reason: str
+    failed: bool
+
+
+class TrainerStream:
+    """One rank's connection; `inbox` yields Batch, EpochEnd, JobEnd, Failure or StreamEnd."""
+
+    def __init__(self, *, rank: int, socket: str, channel: grpc.Channel, prefetch: int) -> None:
+        self.rank, self.socket = rank, socket
+        self.inbox: queue.Queue[object] = queue.Queue(maxsize=prefetch + 4)
+        self.welcome: Welcome | None = None
+        self._channel = channel
+        self._outbox = Outbox()
+        self._closing = threading.Event()
+        self._arena: ArenaView | None = None
+        self._segment_names: list[str] = []
+        self._pads: dict[str, float] = {}
+        self._last_schema: tuple[KeySchema, ...] = ()  # of the last real batch: idle fillers
+        self._call: Any = None
+        self._reader: threading.Thread | None = None
+
+    @classmethod
+    def open(
+        cls,
+        *,
+        rank: int,
+        socket: str,
+        job_id: str,
+        prefetch: int,
+        resume: tuple[int, int] | None,
+        connect_timeout_s: float,
+    ) -> TrainerStream:
+        """Connects, sends the hello and waits for the welcome (or raises the refusal)."""
+        stream = cls(
+            rank=rank,
+            socket=socket,
+            channel=open_channel(socket, timeout_s=connect_timeout_s),
+            prefetch=prefetch,
+        )
+        hello = trainer_pb2.TrainerHello(
+            protocol_version=PROTOCOL_VERSION, job_id=job_id, rank=rank, prefetch=prefetch
+        )
+        if resume is not None:
+            hello.resume, (hello.resume_epoch, hello.resume_step) = True, resume
+        stream._outbox.put(trainer_pb2.TrainerMessage(hello=hello))
+        stream._call = trainer_pb2_grpc.TrainerStub(stream._channel).Train(iter(stream._outbox))
+        stream._reader = start_reader(stream._read, name=f"odbclient-rank{rank}")
+        try:
+            stream._await_welcome(connect_timeout_s)
+        except BaseException:
+            stream.close()
+            raise
+        return stream
+
+    def send_delivered(self, epoch: int, step: int, *, wait_s: float, compute_s: float) -> None:
+        delivered = trainer_pb2.Delivered(
+            epoch=epoch, step=step, wait_s=wait_s, compute_s=compute_s
+        )
+        self._outbox.put(trainer_pb2.TrainerMessage(delivered=delivered))
+
+    def close(self) -> None:
+        """Ends the stream and the reader thread (idempotent); arena mappings stay (shm.py)."""
+        if self._closing.is_set():
+            return
+        self._closing.set()
+        self._outbox.close()
+        if self._call is not None:
+            self._call.cancel()
+        self._channel.close()
+        if self._reader is not None and self._reader is not threading.current_thread():
+            self._reader.join(timeout=5.0)
+
+    def _await_welcome(self, timeout_s: float) -> None:
+        try:
+            item = self.inbox.get(timeout=timeout_s)
+        except queue.Empty:
+            raise DaemonTimeoutError(
+                f"odbd on unix:{self.socket} accepted the connection of rank {self.rank} but "
+                f"sent no welcome within {timeout_s:g} s; the daemon is stuck starting; check "
+                "its log"
+            ) from None
+        if isinstance(item, Failure):
+            raise item.error
+        if not isinstance(item, Welcome):
+            raise ProtocolError(f"odbd sent {item!r} before its welcome; versions differ")
+
+    # --- reader thread -------------------------------------------------------------------------
+
+    def _read(self) -> None:
+        try:
+            for event in self._call:
+                item = self._handle(event)
+                if item is not None:
+                    self._put(item)
+            self._put(StreamEnd())
+        except grpc.RpcError as exc:
+            if not self._closing.is_set():
+                error = translate_rpc_error(
+                    exc,
+                    socket=self.socket,
+                    who=f"trainer rank {self.rank}",
+                    established=self.welcome is not None,
+                    refusals=TRAINER_REFUSALS,
+                )
+                self._put(Failure(error))
+        except Exception as exc:  # bad data or a bug: the trainer must see it, not hang
+            self._put(Failure(exc))
+            self._call.cancel()
+
+    def _put(self, item: object) -> None:
+        """Blocks while the inbox is full (the daemon pushed more than prefetch), until close."""
+        while not self._closing.is_set():
+            try:
+                self.inbox.put(item, timeout=0.1)
+                return
+            except queue.Full:
+                continue
+
+    def _handle(self, event: trainer_pb2.TrainerEvent) -> object | None:
+        kind = event.WhichOneof("kind")
+        if kind == "step":
+            return self._batch(event.step)
+        if kind == "welcome":
+            return self._on_welcome(event.welcome)
+        if kind == "epoch_end":
+            end = event.epoch_end
+            return EpochEnd(
+                epoch=end.epoch,
+                num_steps=end.num_steps,
+                global_num_samples=end.global_num_samples,
+                num_identities=end.num_identities,
+                rejected_by_reason=dict(end.rejected_by_reason),
+            )
+        if kind == "job_end":
+            return JobEnd(reason=event.job_end.reason, failed=event.job_end.failed)
+        return None  # an event kind from a newer daemon: nothing to do with it
+
+    def _on_welcome(self, welcome: trainer_pb2.TrainerWelcome) -> Welcome:
+        # Mapped once for the process lifetime (shm.py): batches are copied out, never viewed.
+        self._arena = ArenaView.attach(list(welcome.segments))
+        self._segment_names = list(welcome.segments)
+        self._pads = {pad.key: pad.value for pad in welcome.pads}
+        self.welcome = Welcome(
+            job_id=welcome.job_id,
+            world_size=welcome.world_size,
+            length_key=welcome.length_key,
+            loss_scaling=welcome.loss_scaling,
+        )
+        return self.welcome
+
+    def _batch(self, step: trainer_pb2.StepBatch) -> Batch:
+        if step.is_idle:
+            tensors, sample_ids = filler_tensors(self._filler_schema(step)), ()
+        else:
+            samples, bfloat16_keys = self._samples(step)
+            collated = collate(samples, pads=self._pads, bfloat16_keys=bfloat16_keys)
+            self._last_schema = collated.schema
+            tensors = collated.tensors
+            sample_ids = tuple(np.frombuffer(step.sample_ids, "<i8").tolist())
+        return Batch(
+            tensors=tensors,
+            epoch=step.epoch,
+            step=step.step,
+            num_samples=step.num_samples,
+            num_tokens=step.num_tokens,
+            global_num_samples=step.global_num_samples,
+            global_num_tokens=step.global_num_tokens,
+            sample_ids=sample_ids,
+            is_idle=step.is_idle,
+            loss_scale=step.loss_scale,
+        )
+
+    def _filler_schema(self, step: trainer_pb2.StepBatch) -> tuple[KeySchema, ...]:
+        # This rank's own last batch gives exact shapes (fixed-shape keys included); the
+        # daemon's schema covers a rank that has not seen a real batch yet.
+        if self._last_schema:
+            return self._last_schema
+        if step.filler_schema:
+            return parse_filler_schema(step.filler_schema)
+        raise ProtocolError(
+            f"odbd sent rank {self.rank} an idle filler for epoch {step.epoch} step {step.step} "
+            "without filler_schema before any real batch, so its tensors are unknown; the "
+            "daemon and odbclient versions differ"
+        )
+
+    def _samples(
+        self, step: trainer_pb2.StepBatch
+    ) -> tuple[list[dict[str, np.ndarray]], frozenset[str]]:
+        """Zero-copy views of the step's samples, and which keys hold bfloat16 bits."""
+        segments = np.frombuffer(step.segments, "<u4").tolist()
+        offsets = np.frombuffer(step.offsets, "<u8").tolist()
+        nbytes = np.frombuffer(step.nbytes, "<u8").tolist()
+        count = len(step.sample_ids) // 8
+        if not count or not len(segments) == len(offsets) == len(nbytes) == count:
+            raise ProtocolError(
+                f"odbd sent step {step.step} of epoch {step.epoch} with {count} sample ids, "
+                f"{len(segments)} segments, {len(offsets)} offsets and {len(nbytes)} sizes"
+            )
+        if max(segments) >= len(self._segment_names) or self._arena is None:
+            raise ProtocolError(f"step {step.step} names shm segment {max(segments)}, unknown")
+        buffers = [
+            self._arena.buffer(self._segment_names[s], o, n)
+            for s, o, n in zip(segments, offsets, nbytes, strict=True)
+        ]
+        # The daemon checked schema hashes (dtypes included), so sample 0 speaks for all.
+        bfloat16_keys = frozenset(
+            f.name for f in read_meta(buffers[0]).fields if f.dtype == "bfloat16"
+        )
+        return [decode(buf) for buf in buffers], bfloat16_keys

@@ -1,0 +1,360 @@
+"""Producer decisions without a daemon: sample facts, rejections, lane bookkeeping, commit
+batching and credits; plus one run against a scripted fake daemon over a real unix socket."""
+
+from __future__ import annotations
+
+import queue
+import threading
+import uuid
+from collections.abc import Iterator
+from concurrent import futures
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+import pytest
+import torch
+
+from odbclient import Producer, RejectReason
+from odbclient.errors import ProtocolError
+from odbclient.lane import CommitBuffer, LaneAllocator, LeaseCredits
+from odbclient.producer import ProducerCore
+from odbclient.samples import (
+    SampleFacts,
+    SampleRejected,
+    count_loss_tokens,
+    fetch_sample,
+    inspect_sample,
+    schema_hash,
+)
+from odbclient.shm import ArenaView, decode, encoded_size
+from odbclient.wire.odbd.v1 import ingest_pb2, ingest_pb2_grpc
+from odbd.ingest.arena import Arena
+
+
+def make_sample(n: int, *, ignored: int = 0, seed: int = 0) -> dict[str, np.ndarray]:
+    labels = np.arange(n, dtype=np.int64) + seed
+    labels[:ignored] = -100
+    return {"input_ids": np.arange(n, dtype=np.int64) + seed, "labels": labels}
+
+
+# --- sample facts and rejections ---------------------------------------------------------------
+
+
+def test_schema_hash_is_stable_across_runs_and_libraries() -> None:
+    numpy_sample = make_sample(3)
+    torch_sample = {k: torch.from_numpy(v.copy()) for k, v in reversed(numpy_sample.items())}
+    assert schema_hash(numpy_sample) == 12697642536378583829  # pinned: same in every process
+    assert schema_hash(torch_sample) == schema_hash(numpy_sample)  # key order, library ignored
+    assert schema_hash(make_sample(50)) == schema_hash(numpy_sample)  # first dim is padded
+
+
+@pytest.mark.parametrize(
+    "other",
+    [
+        {"input_ids": np.zeros(3, np.int32), "labels": np.zeros(3, np.int64)},  # dtype
+        {"input_ids": np.zeros((3, 2), np.int64), "labels": np.zeros(3, np.int64)},  # ndim
+        {"input_ids": np.zeros(3, np.int64), "target": np.zeros(3, np.int64)},  # key
+        {"input_ids": np.zeros(3, np.int64)},  # missing key
+    ],
+)
+def test_schema_hash_differs_when_structure_differs(other: dict[str, np.ndarray]) -> None:
+    assert schema_hash(other) != schema_hash(make_sample(3))
+
+
+def test_schema_hash_includes_trailing_dimensions() -> None:
+    assert schema_hash({"x": np.zeros((2, 3))}) != schema_hash({"x": np.zeros((2, 4))})
+    assert schema_hash({"x": np.zeros((2, 3))}) == schema_hash({"x": np.zeros((7, 3))})
+
+
+def test_loss_tokens_count_labels_other_than_minus_100() -> None:
+    assert count_loss_tokens(np.array([-100, -100, 5, 0, -1])) == 3
+    assert count_loss_tokens(torch.tensor([[-100, 1], [2, -100]])) == 2
+    facts = inspect_sample(make_sample(6, ignored=4), length_key="input_ids", labels_key="labels")
+    assert (facts.length, facts.loss_tokens) == (6, 2)
+    assert facts.nbytes == encoded_size(make_sample(6))
+
+
+@pytest.mark.parametrize("labels_key", ["", "target"])
+def test_loss_tokens_are_the_length_without_a_labels_key(labels_key: str) -> None:
+    facts = inspect_sample(make_sample(6, ignored=4), length_key="input_ids", labels_key=labels_key)
+    assert facts.loss_tokens == 6
+
+
+@pytest.mark.parametrize(
+    ("sample", "reason", "detail"),
+    [
+        ([1, 2, 3], RejectReason.NOT_A_DICT, "returned a list"),
+        ({"input_ids": [1, 2]}, RejectReason.NOT_A_DICT, "'input_ids' holds a list"),
+        ({"labels": np.zeros(2, np.int64)}, RejectReason.MISSING_LENGTH_KEY, "'input_ids'"),
+        ({"input_ids": np.int64(3)}, RejectReason.MISSING_LENGTH_KEY, "scalar"),
+        ({"input_ids": np.zeros(2, np.uint16)}, RejectReason.UNSUPPORTED_DTYPE, "uint16"),
+        ({"input_ids": np.zeros(2, np.complex64)}, RejectReason.UNSUPPORTED_DTYPE, "complex64"),
+    ],
+)
+def test_bad_samples_are_rejected_with_a_reason(sample: Any, reason: str, detail: str) -> None:
+    with pytest.raises(SampleRejected) as info:
+        inspect_sample(sample, length_key="input_ids", labels_key="labels")
+    assert info.value.reason == reason and detail in info.value.detail
+    assert "\n" not in info.value.detail
+
+
+def test_dataset_errors_become_preprocess_error_rejections() -> None:
+    class Broken:
+        def __getitem__(self, i: int) -> None:
+            raise ValueError(f"bad\nrow {i}")
+
+    with pytest.raises(SampleRejected) as info:
+        fetch_sample(Broken(), 4)
+    assert info.value.reason == RejectReason.PREPROCESS_ERROR
+    assert info.value.detail == "dataset[4] raised ValueError: bad row 4"
+
+
+# --- lane, commits, credits --------------------------------------------------------------------
+
+
+def test_lane_offsets_are_aligned_in_the_segment_even_for_a_misaligned_lane() -> None:
+    lane = LaneAllocator(lane_offset=4100, lane_size=1000)
+    assert lane.capacity_bytes == (1000 - 60) & -64
+    first, second = lane.allocate(10), lane.allocate(100)
+    assert first is not None and second is not None
+    assert (4100 + first) % 64 == 0 and (4100 + second) % 64 == 0 and second - first == 64
+
+
+def test_lane_fills_up_frees_and_reuses() -> None:
+    lane = LaneAllocator(lane_offset=0, lane_size=256)
+    offsets = [lane.allocate(64) for _ in range(4)]
+    assert offsets == [0, 64, 128, 192] and lane.allocate(1) is None and not lane.fits_now(1)
+    assert lane.fits_ever(256) and not lane.fits_ever(257)
+    lane.free(64)
+    assert lane.fits_now(64) and not lane.fits_now(65)
+    assert lane.allocate(60) == 64 and lane.used_bytes == 256 and lane.num_live == 4
+
+
+def test_lane_refuses_to_free_what_it_did_not_allocate() -> None:
+    lane = LaneAllocator(lane_offset=0, lane_size=256)
+    offset = lane.allocate(64)
+    assert offset is not None
+    lane.free(offset)
+    with pytest.raises(ProtocolError, match="lane offset 0"):
+        lane.free(offset)
+
+
+def test_commits_flush_by_count_and_by_age() -> None:
+    facts = SampleFacts(nbytes=100, length=7, loss_tokens=5, schema_hash=2**64 - 1)
+    commits = CommitBuffer(max_rows=3, interval_s=0.01)
+    assert not commits.due(0.0)
+    commits.add(10, 0, facts, now_s=1.0)
+    commits.reject(11, RejectReason.TOO_LARGE, "big", now_s=1.001)
+    assert not commits.due(1.005) and commits.due(1.01)
+    commits.add(12, 128, facts, now_s=1.002)
+    assert commits.due(1.002)  # three rows
+    commit, reject = commits.take()
+    assert np.frombuffer(commit.commit.view_keys, "<i8").tolist() == [10, 12]
+    assert np.frombuffer(commit.commit.offsets, "<u8").tolist() == [0, 128]
+    assert np.frombuffer(commit.commit.nbytes, "<u8").tolist() == [100, 100]
+    assert np.frombuffer(commit.commit.lengths, "<u4").tolist() == [7, 7]
+    assert np.frombuffer(commit.commit.loss_tokens, "<u4").tolist() == [5, 5]
+    assert np.frombuffer(commit.commit.schema_hashes, "<u8").tolist() == [2**64 - 1] * 2
+    assert [(r.view_key, r.reason) for r in reject.reject.rejections] == [(11, "too_large")]
+    assert len(commits) == 0 and commits.take() == [] and not commits.due(9.0)
+
+
+def test_credits_keep_about_the_target_in_hand() -> None:
+    credits = LeaseCredits(target=8)
+    assert credits.request(in_hand=0) == 8
+    assert credits.request(in_hand=0) == 0  # all 8 outstanding
+    credits.granted(8)
+    assert credits.request(in_hand=5) == 0  # more than half in hand
+    assert credits.request(in_hand=4) == 4
+    credits.granted(2)
+    assert credits.outstanding == 2
+
+
+# --- the producer core over a plain buffer -----------------------------------------------------
+
+
+class ListDataset:
+    def __init__(self, samples: list[Any]) -> None:
+        self.samples = samples
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, i: int) -> Any:
+        sample = self.samples[i]
+        if isinstance(sample, Exception):
+            raise sample
+        return sample
+
+
+def make_core(samples: list[Any], lane_size: int = 1 << 16, **kwargs: Any) -> ProducerCore:
+    options: dict[str, Any] = dict(lease_batch=8, commit_batch=4, commit_interval_s=10.0)
+    options.update(kwargs)
+    return ProducerCore(
+        ListDataset(samples),
+        lane_buffer=memoryview(bytearray(lane_size)),
+        lane_offset=4096,
+        length_key="input_ids",
+        labels_key="labels",
+        **options,
+    )
+
+
+def run_until_idle(core: ProducerCore) -> list[ingest_pb2.ProducerMessage]:
+    sent = core.messages(0.0)
+    while core.can_work():
+        core.work_one(0.0)
+        sent += core.messages(0.0)
+    return sent
+
+
+def commits_of(sent: list[ingest_pb2.ProducerMessage]) -> dict[str, list[int]]:
+    rows: dict[str, list[int]] = {"view_keys": [], "offsets": [], "lengths": [], "loss": []}
+    for message in sent:
+        if message.HasField("commit"):
+            rows["view_keys"] += np.frombuffer(message.commit.view_keys, "<i8").tolist()
+            rows["offsets"] += np.frombuffer(message.commit.offsets, "<u8").tolist()
+            rows["lengths"] += np.frombuffer(message.commit.lengths, "<u4").tolist()
+            rows["loss"] += np.frombuffer(message.commit.loss_tokens, "<u4").tolist()
+    return rows
+
+
+def test_core_writes_granted_samples_into_its_lane_and_commits_them() -> None:
+    samples = [make_sample(n, ignored=1, seed=n) for n in (3, 9, 1, 4, 6)]
+    core = make_core(samples)
+    assert [m.lease.count for m in core.messages(0.0)] == [8]
+    core.on_grant([100, 101, 102, 103, 104], [0, 1, 2, 3, 4])
+    sent = run_until_idle(core)
+    rows = commits_of(sent)
+    assert rows["view_keys"] == [100, 101, 102, 103, 104]
+    assert rows["lengths"] == [3, 9, 1, 4, 6] and rows["loss"] == [2, 8, 0, 3, 5]
+    assert sum(m.HasField("commit") for m in sent) == 2  # 4 by count, then the rest when idle
+    lane = core._lane_buffer  # the bytes the daemon and trainers read
+    for offset, sample in zip(rows["offsets"], samples, strict=True):
+        decoded = decode(lane[offset : offset + encoded_size(sample)])
+        np.testing.assert_array_equal(decoded["input_ids"], sample["input_ids"])
+        np.testing.assert_array_equal(decoded["labels"], sample["labels"])
+
+
+def test_core_rejects_bad_samples_and_keeps_going() -> None:
+    samples = [RuntimeError("tokenizer crashed"), "text", make_sample(2), make_sample(5000)]
+    core = make_core(samples, lane_size=8192)
+    core.messages(0.0)
+    core.on_grant([1, 2, 3, 4], [0, 1, 2, 3])
+    sent = run_until_idle(core)
+    rejections = [r for m in sent if m.HasField("reject") for r in m.reject.rejections]
+    assert [(r.view_key, r.reason) for r in rejections] == [
+        (1, "preprocess_error"),
+        (2, "not_a_dict"),
+        (4, "too_large"),
+    ]
+    assert "tokenizer crashed" in rejections[0].detail
+    assert commits_of(sent)["view_keys"] == [3]
+
+
+def test_full_lane_is_backpressure_until_the_daemon_frees() -> None:
+    sample = make_sample(8)
+    size = encoded_size(sample)
+    assert size <= 256
+    core = make_core([sample] * 3, lane_size=512)  # room for two samples of <= 256 bytes
+    core.messages(0.0)
+    core.on_grant([0, 1, 2], [0, 1, 2])
+    sent = run_until_idle(core)
+    assert commits_of(sent)["view_keys"] == [0, 1]  # flushed because no work can proceed
+    assert not core.can_work() and core.in_hand == 1
+    core.on_free([commits_of(sent)["offsets"][0]])
+    sent = run_until_idle(core)
+    assert commits_of(sent)["view_keys"] == [2]
+    assert commits_of(sent)["offsets"] == [0]
+
+
+def test_credits_are_requested_again_once_half_are_used() -> None:
+    core = make_core([make_sample(2)] * 8, lease_batch=8)
+    assert [m.lease.count for m in core.messages(0.0)] == [8]
+    core.on_grant(range(8), range(8))
+    counts = []
+    while core.can_work():
+        core.work_one(0.0)
+        counts += [m.lease.count for m in core.messages(0.0) if m.HasField("lease")]
+    assert counts == [4, 4]
+
+
+# --- one Producer.run against a scripted daemon ------------------------------------------------
+
+
+class FakeIngest(ingest_pb2_grpc.IngestServicer):
+    """Welcome, one grant of `identities`, frees what was committed, then Shutdown."""
+
+    def __init__(self, arena: Arena, identities: list[int]) -> None:
+        self.arena = arena
+        self.lane = arena.allocate(1 << 16)
+        self.identities = identities
+        self.hello: ingest_pb2.ProducerHello | None = None
+        self.requests: queue.Queue[ingest_pb2.ProducerMessage] = queue.Queue()
+        self.commits: list[ingest_pb2.CommitBatch] = []
+
+    def Produce(  # noqa: N802
+        self, request_iterator: Iterator[ingest_pb2.ProducerMessage], context: Any
+    ) -> Iterator[ingest_pb2.IngestMessage]:
+        self.hello = next(request_iterator).hello
+        threading.Thread(target=self._drain, args=(request_iterator,), daemon=True).start()
+        assert self.lane is not None
+        lane = ingest_pb2.Lane(segment=0, offset=self.lane.offset, size=self.lane.length)
+        welcome = ingest_pb2.IngestWelcome(
+            segments=self.arena.segment_names, length_key="input_ids", labels_key="labels",
+            lane=lane, dataset_size=len(self.identities),
+        )  # fmt: skip
+        yield ingest_pb2.IngestMessage(welcome=welcome)
+        identities = np.array(self.identities, "<i8")
+        grant = ingest_pb2.LeaseGrant(
+            view_keys=(identities + 1000).tobytes(), identities=identities.tobytes()
+        )
+        yield ingest_pb2.IngestMessage(lease=grant)
+        offsets: list[int] = []
+        while len(offsets) < len(self.identities):
+            message = self.requests.get(timeout=30)
+            if message.HasField("commit"):
+                self.commits.append(message.commit)
+                offsets += np.frombuffer(message.commit.offsets, "<u8").tolist()
+        packed = np.array(offsets, "<u8").tobytes()
+        yield ingest_pb2.IngestMessage(free=ingest_pb2.FreeBatch(offsets=packed))
+        yield ingest_pb2.IngestMessage(shutdown=ingest_pb2.Shutdown(reason="all epochs done"))
+
+    def _drain(self, request_iterator: Iterator[ingest_pb2.ProducerMessage]) -> None:
+        for message in request_iterator:
+            self.requests.put(message)
+
+
+@pytest.mark.timeout(60)
+def test_producer_run_commits_into_shared_memory_until_shutdown(tmp_path: Path) -> None:
+    samples = [make_sample(n, seed=n) for n in (5, 2, 7)]
+    with Arena.create(f"test-prod-{uuid.uuid4().hex[:8]}", 0, 1 << 20) as arena:
+        servicer = FakeIngest(arena, [0, 1, 2])
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+        ingest_pb2_grpc.add_IngestServicer_to_server(servicer, server)
+        socket = str(tmp_path / "odbd.sock")
+        server.add_insecure_port(f"unix:{socket}")
+        server.start()
+        try:
+            producer = Producer(ListDataset(samples), socket, name="worker-3", job_id="j")
+            producer.run()
+        finally:
+            server.stop(grace=None)
+        assert producer.shutdown_reason == "all epochs done"
+        assert servicer.hello is not None and servicer.hello.name == "worker-3"
+        assert servicer.hello.job_id == "j" and servicer.hello.protocol_version == 1
+        view = ArenaView.attach(arena.segment_names)
+        assert servicer.lane is not None
+        for commit in servicer.commits:
+            rows = zip(
+                np.frombuffer(commit.view_keys, "<i8").tolist(),
+                np.frombuffer(commit.offsets, "<u8").tolist(),
+                np.frombuffer(commit.nbytes, "<u8").tolist(),
+                strict=True,
+            )
+            for key, offset, nbytes in rows:
+                buf = view.buffer(arena.segment_names[0], servicer.lane.offset + offset, nbytes)
+                expected = samples[key - 1000]["input_ids"]
+                np.testing.assert_array_equal(decode(buf)["input_ids"], expected)
