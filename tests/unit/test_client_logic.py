@@ -1,0 +1,369 @@
+"""ODBClient against a scripted fake daemon (real gRPC on a unix socket, real shm arena):
+iteration per epoch, Delivered, EpochEnd/JobEnd, idle fillers, resume, timeouts, refusals."""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from concurrent import futures
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+import pytest
+import torch
+
+from odbclient import ODBClient
+from odbclient.client import DEFAULT_SOCKET
+from odbclient.errors import (
+    DaemonConnectionError,
+    DaemonTimeoutError,
+    DaemonUnavailableError,
+    JobFailedError,
+    JobMismatchError,
+    RankInUseError,
+    RankRefusedError,
+    StateDictError,
+)
+from odbclient.shm import ShmLayoutError, encode_into, encoded_size
+from odbclient.wire.odbd.v1 import trainer_pb2, trainer_pb2_grpc
+from odbd.ingest.arena import Arena
+
+Event = trainer_pb2.TrainerEvent
+Script = Callable[[trainer_pb2.TrainerHello, Any], Iterator[Event]]
+
+
+@dataclass
+class FakeDaemon:
+    socket: str
+    arena: Arena
+    script: Script | None = None
+    hellos: list[trainer_pb2.TrainerHello] = field(default_factory=list)
+    delivered: queue.Queue[trainer_pb2.Delivered] = field(default_factory=queue.Queue)
+
+    def place(self, sample: dict[str, np.ndarray]) -> tuple[int, int, int]:
+        """Writes a sample into the arena like a producer: (segment index, offset, nbytes)."""
+        allocation = self.arena.allocate(encoded_size(sample))
+        assert allocation is not None
+        encode_into(self.arena.view(allocation), sample)
+        return 0, allocation.offset, allocation.length
+
+    def welcome(self, **pads: float) -> Event:
+        return Event(
+            welcome=trainer_pb2.TrainerWelcome(
+                job_id="test",
+                segments=self.arena.segment_names,
+                world_size=2,
+                length_key="input_ids",
+                pads=[trainer_pb2.PadValue(key=k, value=v) for k, v in pads.items()],
+            )
+        )
+
+    def step(self, epoch: int, step: int, lengths: list[int], *, ids_from: int = 0) -> Event:
+        ids = list(range(ids_from, ids_from + len(lengths)))
+        placed = [self.place(make_sample(n, seed=i)) for i, n in zip(ids, lengths, strict=True)]
+        return Event(
+            step=trainer_pb2.StepBatch(
+                epoch=epoch,
+                step=step,
+                loss_scale=0.5,
+                num_samples=len(lengths),
+                num_tokens=sum(lengths),
+                global_num_samples=2 * len(lengths),
+                global_num_tokens=2 * sum(lengths),
+                sample_ids=np.array(ids, "<i8").tobytes(),
+                segments=np.array([p[0] for p in placed], "<u4").tobytes(),
+                offsets=np.array([p[1] for p in placed], "<u8").tobytes(),
+                nbytes=np.array([p[2] for p in placed], "<u8").tobytes(),
+            )
+        )
+
+
+def make_sample(n: int, *, seed: int = 0) -> dict[str, np.ndarray]:
+    return {"input_ids": np.arange(n, dtype=np.int64) + seed, "labels": np.full(n, 1, np.int64)}
+
+
+def idle(epoch: int, step: int, schema: str = "") -> Event:
+    return Event(
+        step=trainer_pb2.StepBatch(epoch=epoch, step=step, is_idle=True, filler_schema=schema)
+    )
+
+
+def epoch_end(epoch: int, num_steps: int) -> Event:
+    end = trainer_pb2.EpochEnd(
+        epoch=epoch, num_steps=num_steps, global_num_samples=8, num_identities=8,
+        rejected_by_reason={"preprocess_error": 2},
+    )  # fmt: skip
+    return Event(epoch_end=end)
+
+
+def job_end(reason: str = "all epochs done", failed: bool = False) -> Event:
+    return Event(job_end=trainer_pb2.JobEnd(reason=reason, failed=failed))
+
+
+def wait_until_cancelled(context: Any) -> None:
+    while context.is_active():
+        time.sleep(0.02)
+
+
+class FakeTrainerService(trainer_pb2_grpc.TrainerServicer):
+    def __init__(self, daemon: FakeDaemon) -> None:
+        self.daemon = daemon
+
+    def Train(self, request_iterator: Iterator[Any], context: Any) -> Iterator[Event]:  # noqa: N802
+        hello = next(request_iterator).hello
+        self.daemon.hellos.append(hello)
+        threading.Thread(target=self._drain, args=(request_iterator,), daemon=True).start()
+        assert self.daemon.script is not None
+        yield from self.daemon.script(hello, context)
+
+    def _drain(self, request_iterator: Iterator[trainer_pb2.TrainerMessage]) -> None:
+        try:
+            for message in request_iterator:
+                self.daemon.delivered.put(message.delivered)
+        except grpc.RpcError:
+            pass  # the client went away
+
+
+@pytest.fixture
+def daemon(tmp_path: Path) -> Iterator[FakeDaemon]:
+    with Arena.create(f"test-client-{uuid.uuid4().hex[:8]}", 0, 1 << 20) as arena:
+        fake = FakeDaemon(str(tmp_path / "odbd.sock"), arena)
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+        trainer_pb2_grpc.add_TrainerServicer_to_server(FakeTrainerService(fake), server)
+        server.add_insecure_port(f"unix:{fake.socket}")
+        server.start()
+        try:
+            yield fake
+        finally:
+            server.stop(grace=None)
+
+
+def client_for(daemon: FakeDaemon, **kwargs: Any) -> ODBClient:
+    options: dict[str, Any] = dict(connect_timeout_s=10.0, deadline_s=10.0)
+    options.update(kwargs)
+    return ODBClient(rank=0, socket=daemon.socket, **options)
+
+
+def delivered(daemon: FakeDaemon, count: int) -> list[tuple[int, int]]:
+    messages = [daemon.delivered.get(timeout=10) for _ in range(count)]
+    assert all(m.wait_s >= 0 and m.compute_s >= 0 for m in messages)
+    return [(m.epoch, m.step) for m in messages]
+
+
+@pytest.mark.timeout(60)
+def test_each_iteration_is_one_epoch_and_every_batch_is_delivered(daemon: FakeDaemon) -> None:
+    def script(hello: Any, context: Any) -> Iterator[Event]:
+        yield daemon.welcome(input_ids=-1)
+        yield daemon.step(0, 0, [3, 1])
+        yield daemon.step(0, 1, [2], ids_from=2)
+        yield epoch_end(0, num_steps=2)
+        yield daemon.step(1, 0, [4])
+        yield epoch_end(1, num_steps=1)
+        yield job_end()
+        wait_until_cancelled(context)  # keep reading Delivered until the client closes
+
+    daemon.script = script
+    with client_for(daemon, prefetch=3) as client:
+        first = list(client)
+        assert [(b.epoch, b.step) for b in first] == [(0, 0), (0, 1)]
+        assert first[0]["input_ids"].tolist() == [[0, 1, 2], [1, -1, -1]]
+        assert first[0]["labels"].tolist() == [[1, 1, 1], [1, -100, -100]]
+        assert first[0].sample_ids == (0, 1) and first[0].loss_scale == 0.5
+        assert (first[0].num_samples, first[0].num_tokens, first[0].global_num_tokens) == (2, 4, 8)
+        assert client.summary == {
+            "epoch": 0, "num_steps": 2, "global_num_samples": 8, "num_identities": 8,
+            "rejected_by_reason": {"preprocess_error": 2}, "num_batches": 2,
+            "num_idle_batches": 0,
+        }  # fmt: skip
+        assert client.state_dict() == {"version": 1, "epoch": 1, "step": 0}
+        assert [(b.epoch, b.step) for b in client] == [(1, 0)]
+        assert list(client) == [] and client.job_ended
+    assert delivered(daemon, 3) == [(0, 0), (0, 1), (1, 0)]
+    assert daemon.hellos[0].rank == 0 and daemon.hellos[0].prefetch == 3
+    assert not daemon.hellos[0].resume
+
+
+@pytest.mark.timeout(60)
+def test_state_dict_tracks_the_next_undelivered_step(daemon: FakeDaemon) -> None:
+    def script(hello: Any, context: Any) -> Iterator[Event]:
+        yield daemon.welcome()
+        for step in range(3):
+            yield daemon.step(0, step, [2])
+        wait_until_cancelled(context)
+
+    daemon.script = script
+    with client_for(daemon) as client:
+        assert client.state_dict() == {"version": 1, "epoch": 0, "step": 0}
+        batches = iter(client)
+        next(batches)
+        assert client.state_dict() == {"version": 1, "epoch": 0, "step": 1}
+        next(batches)
+        assert client.state_dict() == {"version": 1, "epoch": 0, "step": 2}
+        with pytest.raises(StateDictError, match="after iteration started"):
+            client.load_state_dict(client.state_dict())
+
+
+@pytest.mark.timeout(60)
+def test_load_state_dict_resumes_with_the_hello(daemon: FakeDaemon) -> None:
+    def script(hello: Any, context: Any) -> Iterator[Event]:
+        yield daemon.welcome()
+        yield daemon.step(hello.resume_epoch, hello.resume_step, [2])
+        yield epoch_end(hello.resume_epoch, num_steps=hello.resume_step + 1)
+        yield job_end()
+
+    daemon.script = script
+    with client_for(daemon) as client:
+        client.load_state_dict({"version": 1, "epoch": 2, "step": 5})
+        assert client.state_dict() == {"version": 1, "epoch": 2, "step": 5}
+        assert [(b.epoch, b.step) for b in client] == [(2, 5)]
+    hello = daemon.hellos[0]
+    assert (hello.resume, hello.resume_epoch, hello.resume_step) == (True, 2, 5)
+
+
+@pytest.mark.parametrize("state", [{}, {"version": 2, "epoch": 0, "step": 0}, {"version": 1}])
+def test_malformed_state_dict_is_refused(state: dict[str, Any]) -> None:
+    with pytest.raises(StateDictError, match="state dict"):
+        ODBClient(rank=0, socket="/nonexistent").load_state_dict(state)
+
+
+@pytest.mark.timeout(60)
+def test_idle_fillers_follow_the_last_batch_or_the_daemon_schema(daemon: FakeDaemon) -> None:
+    schema = '[["input_ids", "int64", []], ["pixels", "float32", [3, 2]]]'
+
+    def script(hello: Any, context: Any) -> Iterator[Event]:
+        yield daemon.welcome()
+        yield idle(0, 0, schema)
+        yield daemon.step(0, 1, [3])
+        yield idle(0, 2)
+        yield epoch_end(0, num_steps=3)
+        yield job_end()
+
+    daemon.script = script
+    with client_for(daemon) as client:
+        from_schema, real, from_last = list(client)
+    assert from_schema.is_idle and from_schema.loss_scale == 0 and from_schema.sample_ids == ()
+    assert from_schema["pixels"].shape == (1, 3, 2) and from_schema["input_ids"].shape == (1, 1)
+    assert not real.is_idle
+    assert from_last.is_idle and set(from_last.tensors) == {"input_ids", "labels"}
+    assert from_last["labels"].shape == (1, 1) and from_last["labels"].dtype == torch.int64
+    assert client.summary["num_idle_batches"] == 2
+
+
+@pytest.mark.timeout(60)
+def test_failed_job_end_raises_job_failed_error_every_time(daemon: FakeDaemon) -> None:
+    def script(hello: Any, context: Any) -> Iterator[Event]:
+        yield daemon.welcome()
+        yield daemon.step(0, 0, [2])
+        yield job_end("peer node 1 missed round 7", failed=True)
+
+    daemon.script = script
+    with client_for(daemon) as client:
+        batches = iter(client)
+        next(batches)
+        with pytest.raises(JobFailedError, match="peer node 1 missed round 7"):
+            next(batches)
+        with pytest.raises(JobFailedError):
+            iter(client)
+
+
+@pytest.mark.timeout(60)
+def test_no_event_within_the_deadline_raises_naming_socket_and_rank(daemon: FakeDaemon) -> None:
+    def script(hello: Any, context: Any) -> Iterator[Event]:
+        yield daemon.welcome()
+        wait_until_cancelled(context)
+
+    daemon.script = script
+    with client_for(daemon, deadline_s=0.2) as client:
+        with pytest.raises(DaemonTimeoutError, match=f"unix:{daemon.socket} for rank 0 in 0.2 s"):
+            list(client)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    ("code", "error", "fix"),
+    [
+        (grpc.StatusCode.ALREADY_EXISTS, RankInUseError, "one ODBClient per rank"),
+        (grpc.StatusCode.INVALID_ARGUMENT, RankRefusedError, "check RANK"),
+        (grpc.StatusCode.FAILED_PRECONDITION, JobMismatchError, "--job-id"),
+    ],
+)
+def test_refusals_become_client_errors_with_the_daemon_message_and_fix(
+    daemon: FakeDaemon, code: grpc.StatusCode, error: type[Exception], fix: str
+) -> None:
+    def script(hello: Any, context: Any) -> Iterator[Event]:
+        context.abort(code, "the daemon's own words")
+        yield daemon.welcome()  # never reached
+
+    daemon.script = script
+    with client_for(daemon) as client:
+        with pytest.raises(error, match=f"the daemon's own words; .*{fix}"):
+            list(client)
+
+
+@pytest.mark.timeout(60)
+def test_broken_stream_after_welcome_is_a_connection_error(daemon: FakeDaemon) -> None:
+    def script(hello: Any, context: Any) -> Iterator[Event]:
+        yield daemon.welcome()
+        context.abort(grpc.StatusCode.UNAVAILABLE, "daemon draining")
+
+    daemon.script = script
+    with client_for(daemon) as client:
+        with pytest.raises(DaemonConnectionError, match="daemon draining"):
+            list(client)
+
+
+@pytest.mark.timeout(60)
+def test_stream_closed_without_job_end_is_a_connection_error(daemon: FakeDaemon) -> None:
+    def script(hello: Any, context: Any) -> Iterator[Event]:
+        yield daemon.welcome()
+
+    daemon.script = script
+    with client_for(daemon) as client:
+        with pytest.raises(DaemonConnectionError, match="without ending the job"):
+            list(client)
+
+
+@pytest.mark.timeout(60)
+def test_corrupt_sample_reference_raises_instead_of_hanging(daemon: FakeDaemon) -> None:
+    def script(hello: Any, context: Any) -> Iterator[Event]:
+        yield daemon.welcome()
+        bad = daemon.step(0, 0, [2])
+        bad.step.offsets = np.array([1 << 40], "<u8").tobytes()
+        yield bad
+        wait_until_cancelled(context)
+
+    daemon.script = script
+    with client_for(daemon) as client:
+        with pytest.raises(ShmLayoutError, match="outside the allocatable region"):
+            list(client)
+
+
+@pytest.mark.timeout(30)
+def test_no_daemon_is_unavailable_naming_the_socket(tmp_path: Path) -> None:
+    socket = str(tmp_path / "absent.sock")
+    with ODBClient(rank=0, socket=socket, connect_timeout_s=0.2) as client:
+        with pytest.raises(DaemonUnavailableError, match=f"unix:{socket} within 0.2 s"):
+            list(client)
+
+
+def test_socket_comes_from_argument_then_environment_then_default(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("ODBD_SOCKET", "/run/odbd/env.sock")
+    assert ODBClient(rank=0, socket="/arg.sock").socket == "/arg.sock"
+    assert ODBClient(rank=0).socket == "/run/odbd/env.sock"
+    monkeypatch.delenv("ODBD_SOCKET")
+    assert (
+        ODBClient(rank=0).socket == DEFAULT_SOCKET == f"/tmp/odbd-{__import__('os').getuid()}.sock"
+    )
+
+
+def test_invalid_constructor_arguments_are_refused() -> None:
+    with pytest.raises(ValueError, match="rank must be >= 0"):
+        ODBClient(rank=-1)
