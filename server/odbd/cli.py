@@ -159,10 +159,11 @@ def dataset_size_of(config: DaemonConfig) -> int:
     """--dataset-size, or len() of the dataset the producers will import."""
     if config.dataset_size is not None:
         return config.dataset_size
-    from odbclient.dataset import load_dataset
+    from odbclient.dataset import load_dataset, parse_dataset_args
 
     assert config.dataset is not None
-    return len(load_dataset(config.dataset, dict(config.dataset_args)))
+    args = parse_dataset_args([f"{k}={v}" for k, v in config.dataset_args])
+    return len(load_dataset(config.dataset, args))
 
 
 def run_daemon_command(argv: Sequence[str]) -> int:

@@ -1,0 +1,99 @@
+"""Runs a real local cluster (daemons, producers, trainer processes) and reads what trainers got."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from odbd.demo.cluster import ClusterSpec, LocalCluster
+
+
+@dataclass
+class RunResult:
+    cluster: LocalCluster
+    records: dict[int, list[dict]]  # rank -> report lines
+    daemon_codes: list[int | None]
+    trainer_codes: list[int | None]
+
+    def steps(self, rank: int, epoch: int | None = None) -> list[dict]:
+        return [
+            r
+            for r in self.records[rank]
+            if "step" in r and (epoch is None or r["epoch"] == epoch)
+        ]
+
+    def epoch_ends(self, rank: int) -> list[dict]:
+        return [r for r in self.records[rank] if "epoch_end" in r]
+
+    def emitted_ids(self, epoch: int) -> list[int]:
+        return [i for rank in self.records for r in self.steps(rank, epoch) for i in r["ids"]]
+
+
+def synthetic_args(size: int, *, workers: int = 1, dist: str = "llava", **extra: object) -> list[str]:
+    args = ["--dataset", "odbd.demo.dataset:synthetic", "--workers", str(workers)]
+    args += ["--dataset-arg", f"size={size}", "--dataset-arg", f"dist={dist}"]
+    for key, value in extra.items():
+        args += ["--dataset-arg", f"{key}={value}"]
+    return args
+
+
+def run_cluster(
+    *,
+    nodes: int,
+    ranks_per_node: int,
+    daemon_args: Sequence[str],
+    per_node_args: Sequence[Sequence[str]] = (),
+    epochs: int = 1,
+    timeout_s: float = 120.0,
+    trainer_args: dict[int, Sequence[str]] | None = None,
+) -> RunResult:
+    spec = ClusterSpec(
+        nodes=nodes,
+        ranks_per_node=ranks_per_node,
+        daemon_args=["--shm-size", "64M", "--epochs", str(epochs), *daemon_args],
+        per_node_args=per_node_args,
+    )
+    cluster = LocalCluster(spec)
+    trainers: list[subprocess.Popen[bytes]] = []
+    reports = [cluster.tmp / f"rank{r}.jsonl" for r in range(cluster.world)]
+    try:
+        cluster.start()
+        cluster.wait_sockets(timeout_s)
+        for rank in range(cluster.world):
+            cmd = [sys.executable, "-m", "odbd.demo.trainer", "--rank", str(rank)]
+            cmd += ["--socket", cluster.sockets[cluster.node_of(rank)]]
+            cmd += ["--report", str(reports[rank]), "--epochs", str(epochs)]
+            cmd += list((trainer_args or {}).get(rank, ()))
+            log = open(cluster.tmp / f"trainer{rank}.log", "ab")  # noqa: SIM115
+            trainers.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT))
+            log.close()
+        for t in trainers:
+            t.wait(timeout=timeout_s)
+        codes = cluster.wait(timeout_s)
+    finally:
+        for t in trainers:
+            if t.poll() is None:
+                t.kill()
+        cluster.stop()
+    records = {r: _read(p) for r, p in enumerate(reports)}
+    return RunResult(cluster, records, codes, [t.poll() for t in trainers])
+
+
+def _read(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def describe(result: RunResult) -> str:
+    """Logs of every process, for assertion messages."""
+    parts = []
+    for node in range(result.cluster.spec.nodes):
+        parts.append(f"--- daemon {node}\n{result.cluster.log(node)}")
+    for path in sorted(result.cluster.tmp.glob("trainer*.log")):
+        parts.append(f"--- {path.name}\n{path.read_text(errors='replace')[-2000:]}")
+    return "\n".join(parts)

@@ -1,0 +1,127 @@
+"""Real daemons, producers and trainer processes on loopback (issue: the daemon)."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from tests.integration.harness import RunResult, describe, run_cluster, synthetic_args
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def assert_ok(result: RunResult) -> None:
+    assert result.daemon_codes == [0] * len(result.daemon_codes), describe(result)
+    assert result.trainer_codes == [0] * len(result.trainer_codes), describe(result)
+    assert result.cluster.leftover_segments() == [], "shared memory left behind"
+
+
+def assert_aligned(result: RunResult, epochs: int) -> None:
+    world = result.cluster.world
+    for epoch in range(epochs):
+        counts = {len(result.steps(rank, epoch)) for rank in range(world)}
+        assert len(counts) == 1, f"epoch {epoch}: ranks got different step counts {counts}"
+        steps = [[r["step"] for r in result.steps(rank, epoch)] for rank in range(world)]
+        assert all(s == list(range(len(s))) for s in steps), "steps out of order"
+
+
+def assert_join_coverage(result: RunResult, size: int, epochs: int, rejected: int = 0) -> None:
+    world = result.cluster.world
+    tail = world * math.ceil(size / world) - size
+    for epoch in range(epochs):
+        ids = result.emitted_ids(epoch)
+        counts = Counter(ids)
+        assert len(counts) == size - rejected, f"epoch {epoch}: identities missing"
+        assert len(ids) == size + tail - rejected or rejected, "extra or missing views"
+        assert sum(c - 1 for c in counts.values()) <= tail, "identities emitted twice"
+
+
+def test_one_node_two_ranks_join_covers_every_identity():
+    size = 203  # not divisible by the world
+    result = run_cluster(
+        nodes=1, ranks_per_node=2, daemon_args=[*synthetic_args(size), "--buffer", "16"]
+    )
+    assert_ok(result)
+    assert_aligned(result, 1)
+    assert_join_coverage(result, size, 1)
+    end = result.epoch_ends(0)[-1]["summary"]
+    assert end["num_identities"] == size
+
+
+def test_two_nodes_two_ranks_several_epochs():
+    size = 157
+    result = run_cluster(
+        nodes=2,
+        ranks_per_node=2,
+        epochs=2,
+        daemon_args=[*synthetic_args(size), "--buffer", "8"],
+    )
+    assert_ok(result)
+    assert_aligned(result, 2)
+    assert_join_coverage(result, size, 2)
+    first = sorted(result.emitted_ids(0))
+    assert first == sorted(result.emitted_ids(1))  # same multiset, reshuffled order
+
+
+def test_four_nodes_non_join_reaches_the_quota_every_epoch():
+    size = 120
+    result = run_cluster(
+        nodes=4,
+        ranks_per_node=2,
+        epochs=2,
+        daemon_args=[*synthetic_args(size), "--buffer", "8", "--no-join"],
+    )
+    assert_ok(result)
+    assert_aligned(result, 2)
+    cumulative = 0
+    for epoch in range(2):
+        steps = [r for rank in range(8) for r in result.steps(rank, epoch)]
+        cumulative += sum(len(r["ids"]) for r in steps)
+        largest_step = max(r["global_num_samples"] for r in steps)
+        # Theorem 2: the quota closes at the step that crosses it, overshooting by < one step.
+        assert (epoch + 1) * size <= cumulative < (epoch + 1) * size + largest_step
+
+
+def test_uneven_producers_and_fewer_samples_than_ranks():
+    size = 3  # N < W: most ranks get only idle fillers
+    result = run_cluster(
+        nodes=2,
+        ranks_per_node=2,
+        daemon_args=[*synthetic_args(size), "--buffer", "4"],
+        per_node_args=[["--dataset-arg", "delay_s=0.2"], []],
+    )
+    assert_ok(result)
+    assert_aligned(result, 1)
+    assert_join_coverage(result, size, 1)
+    idle = [r for rank in range(4) for r in result.steps(rank) if r["idle"]]
+    assert idle and all(r["loss_scale"] == 0 for r in idle)
+
+
+def test_bad_samples_are_rejected_counted_and_the_epoch_completes():
+    size = 40
+    dataset = Path(__file__).with_name("bad_dataset.py")
+    result = run_cluster(
+        nodes=1,
+        ranks_per_node=2,
+        daemon_args=[
+            "--dataset", f"{dataset}:make", "--dataset-arg", f"size={size}",
+            "--workers", "1", "--buffer", "4", "--token-budget", "64",
+        ],
+    )  # fmt: skip
+    assert_ok(result)
+    assert_aligned(result, 1)
+    rejected = {
+        "missing_length_key": 5,
+        "zero_length": 5,
+        "unsupported_dtype": 5,
+        "schema_mismatch": 5,
+        "preprocess_error": 5,
+    }
+    summary = result.epoch_ends(0)[-1]["summary"]
+    assert summary["rejected"] == rejected, describe(result)
+    assert_join_coverage(result, size, 1, rejected=sum(rejected.values()))
+    log = result.cluster.log(0)
+    assert "rejected sample 9 " in log and "missing_length_key" in log
