@@ -5,9 +5,10 @@
 
 `ProducerCore` makes every decision (validate, allocate, batch commits, ask for credits) and
 is testable without a socket; `Producer` only moves messages. Loop, per iteration:
-  1. take the daemon's messages (grants, frees, shutdown); block only when no work can proceed;
-  2. make one sample (or retry the one waiting for lane space);
-  3. send due commits and rejections, and lease credits when half used.
+  1. send due commits and rejections (all of them when no work can proceed), and lease
+     credits when half are used; this runs before blocking, so nothing waits unsent;
+  2. take the daemon's messages (grants, frees, shutdown); block only when no work can proceed;
+  3. make one sample (or retry the one waiting for lane space).
 A full lane is backpressure: the producer waits for FreeBatch and never drops a sample.
 """
 
@@ -228,7 +229,9 @@ class Producer:
 
     def _serve(self, core: ProducerCore, inbox: queue.SimpleQueue[object], outbox: Outbox) -> None:
         while True:
-            for item in _receive(inbox, block=not core.can_work()):  # 1. daemon messages
+            for message in core.messages(time.monotonic()):  # 1. commits, credits
+                outbox.put(message)
+            for item in _receive(inbox, block=not core.can_work()):  # 2. daemon messages
                 if isinstance(item, StreamEnd):
                     return
                 if isinstance(item, Failure):
@@ -238,10 +241,8 @@ class Producer:
                     for message in core.commits.take():
                         outbox.put(message)
                     return
-            if core.can_work():  # 2. one sample
+            if core.can_work():  # 3. one sample
                 core.work_one(time.monotonic())
-            for message in core.messages(time.monotonic()):  # 3. commits, credits
-                outbox.put(message)
 
     def _apply(self, core: ProducerCore, message: ingest_pb2.IngestMessage) -> bool:
         """Applies one daemon message; False on Shutdown."""

@@ -3,6 +3,7 @@ iteration per epoch, Delivered, EpochEnd/JobEnd, idle fillers, resume, timeouts,
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
 import time
@@ -359,9 +360,7 @@ def test_socket_comes_from_argument_then_environment_then_default(
     assert ODBClient(rank=0, socket="/arg.sock").socket == "/arg.sock"
     assert ODBClient(rank=0).socket == "/run/odbd/env.sock"
     monkeypatch.delenv("ODBD_SOCKET")
-    assert (
-        ODBClient(rank=0).socket == DEFAULT_SOCKET == f"/tmp/odbd-{__import__('os').getuid()}.sock"
-    )
+    assert ODBClient(rank=0).socket == DEFAULT_SOCKET == f"/tmp/odbd-{os.getuid()}.sock"
 
 
 def test_invalid_constructor_arguments_are_refused() -> None:

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from odbclient import Producer, RejectReason
+from odbclient import Producer, RejectReason, producer_main
 from odbclient.errors import ProtocolError
 from odbclient.lane import CommitBuffer, LaneAllocator, LeaseCredits
 from odbclient.producer import ProducerCore
@@ -307,6 +307,8 @@ class FakeIngest(ingest_pb2_grpc.IngestServicer):
             lane=lane, dataset_size=len(self.identities),
         )  # fmt: skip
         yield ingest_pb2.IngestMessage(welcome=welcome)
+        credit = self.requests.get(timeout=30)  # grants only against credit, like odbd
+        assert credit.lease.count >= len(self.identities), credit
         identities = np.array(self.identities, "<i8")
         grant = ingest_pb2.LeaseGrant(
             view_keys=(identities + 1000).tobytes(), identities=identities.tobytes()
@@ -323,13 +325,15 @@ class FakeIngest(ingest_pb2_grpc.IngestServicer):
         yield ingest_pb2.IngestMessage(shutdown=ingest_pb2.Shutdown(reason="all epochs done"))
 
     def _drain(self, request_iterator: Iterator[ingest_pb2.ProducerMessage]) -> None:
-        for message in request_iterator:
-            self.requests.put(message)
+        try:
+            for message in request_iterator:
+                self.requests.put(message)
+        except grpc.RpcError:
+            pass  # the producer went away
 
 
-@pytest.mark.timeout(60)
-def test_producer_run_commits_into_shared_memory_until_shutdown(tmp_path: Path) -> None:
-    samples = [make_sample(n, seed=n) for n in (5, 2, 7)]
+@pytest.fixture
+def ingest_daemon(tmp_path: Path) -> Iterator[tuple[FakeIngest, str]]:
     with Arena.create(f"test-prod-{uuid.uuid4().hex[:8]}", 0, 1 << 20) as arena:
         servicer = FakeIngest(arena, [0, 1, 2])
         server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
@@ -338,23 +342,58 @@ def test_producer_run_commits_into_shared_memory_until_shutdown(tmp_path: Path) 
         server.add_insecure_port(f"unix:{socket}")
         server.start()
         try:
-            producer = Producer(ListDataset(samples), socket, name="worker-3", job_id="j")
-            producer.run()
+            yield servicer, socket
         finally:
             server.stop(grace=None)
-        assert producer.shutdown_reason == "all epochs done"
-        assert servicer.hello is not None and servicer.hello.name == "worker-3"
-        assert servicer.hello.job_id == "j" and servicer.hello.protocol_version == 1
-        view = ArenaView.attach(arena.segment_names)
-        assert servicer.lane is not None
-        for commit in servicer.commits:
-            rows = zip(
-                np.frombuffer(commit.view_keys, "<i8").tolist(),
-                np.frombuffer(commit.offsets, "<u8").tolist(),
-                np.frombuffer(commit.nbytes, "<u8").tolist(),
-                strict=True,
-            )
-            for key, offset, nbytes in rows:
-                buf = view.buffer(arena.segment_names[0], servicer.lane.offset + offset, nbytes)
-                expected = samples[key - 1000]["input_ids"]
-                np.testing.assert_array_equal(decode(buf)["input_ids"], expected)
+
+
+def committed_input_ids(servicer: FakeIngest) -> dict[int, list[int]]:
+    """view key -> input_ids read back from shared memory, as a trainer would."""
+    view = ArenaView.attach(servicer.arena.segment_names)
+    assert servicer.lane is not None
+    out = {}
+    for commit in servicer.commits:
+        rows = zip(
+            np.frombuffer(commit.view_keys, "<i8").tolist(),
+            np.frombuffer(commit.offsets, "<u8").tolist(),
+            np.frombuffer(commit.nbytes, "<u8").tolist(),
+            strict=True,
+        )
+        for key, offset, nbytes in rows:
+            segment = servicer.arena.segment_names[0]
+            buf = view.buffer(segment, servicer.lane.offset + offset, nbytes)
+            out[key] = decode(buf)["input_ids"].tolist()
+    return out
+
+
+@pytest.mark.timeout(60)
+def test_producer_run_commits_into_shared_memory_until_shutdown(
+    ingest_daemon: tuple[FakeIngest, str],
+) -> None:
+    servicer, socket = ingest_daemon
+    samples = [make_sample(n, seed=n) for n in (5, 2, 7)]
+    producer = Producer(ListDataset(samples), socket, name="worker-3", job_id="j")
+    producer.run()
+    assert producer.shutdown_reason == "all epochs done"
+    assert servicer.hello is not None and servicer.hello.name == "worker-3"
+    assert servicer.hello.job_id == "j" and servicer.hello.protocol_version == 1
+    assert committed_input_ids(servicer) == {
+        1000 + i: sample["input_ids"].tolist() for i, sample in enumerate(samples)
+    }
+
+
+@pytest.mark.timeout(60)
+def test_producer_main_exits_0_on_shutdown(
+    ingest_daemon: tuple[FakeIngest, str], tmp_path: Path
+) -> None:
+    servicer, socket = ingest_daemon
+    module = tmp_path / "tiny_dataset.py"
+    module.write_text(
+        "import numpy as np\n"
+        "def build(n, offset):\n"
+        "    return [{'input_ids': np.arange(i + 1) + offset} for i in range(n)]\n"
+    )
+    argv = ["--socket", socket, "--dataset", f"{module}:build", "--dataset-arg", "n=3"]
+    argv += ["--dataset-arg", "offset=10", "--name", "worker-0"]
+    assert producer_main.main(argv) == 0
+    assert committed_input_ids(servicer) == {1000: [10], 1001: [10, 11], 1002: [10, 11, 12]}
