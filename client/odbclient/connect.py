@@ -53,6 +53,10 @@ PRODUCER_REFUSALS: Mapping[grpc.StatusCode, _Refusal] = {
         "the daemon does not accept this producer; check its --dataset-size and log",
     ),
     grpc.StatusCode.FAILED_PRECONDITION: TRAINER_REFUSALS[grpc.StatusCode.FAILED_PRECONDITION],
+    grpc.StatusCode.RESOURCE_EXHAUSTED: (
+        ODBClientError,
+        "run fewer producers (--workers) or give the daemon a larger --shm-size",
+    ),
 }
 
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from odbclient import Producer, RejectReason, producer_main
-from odbclient.errors import ProtocolError
+from odbclient.errors import DaemonUnavailableError, ODBClientError, ProtocolError
 from odbclient.lane import CommitBuffer, LaneAllocator, LeaseCredits
 from odbclient.producer import ProducerCore
 from odbclient.samples import (
@@ -397,3 +397,33 @@ def test_producer_main_exits_0_on_shutdown(
     argv += ["--dataset-arg", "offset=10", "--name", "worker-0"]
     assert producer_main.main(argv) == 0
     assert committed_input_ids(servicer) == {1000: [10], 1001: [10, 11], 1002: [10, 11, 12]}
+
+
+class RefusingIngest(ingest_pb2_grpc.IngestServicer):
+    def Produce(  # noqa: N802
+        self, request_iterator: Iterator[ingest_pb2.ProducerMessage], context: Any
+    ) -> Iterator[ingest_pb2.IngestMessage]:
+        next(request_iterator)
+        context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "no room for another lane")
+        yield ingest_pb2.IngestMessage()  # never reached
+
+
+@pytest.mark.timeout(60)
+def test_producer_refusal_carries_the_daemon_message_and_fix(tmp_path: Path) -> None:
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    ingest_pb2_grpc.add_IngestServicer_to_server(RefusingIngest(), server)
+    socket = str(tmp_path / "odbd.sock")
+    server.add_insecure_port(f"unix:{socket}")
+    server.start()
+    try:
+        with pytest.raises(ODBClientError, match="no room for another lane; run fewer producers"):
+            Producer(ListDataset([]), socket, name="worker-1").run()
+    finally:
+        server.stop(grace=None)
+
+
+@pytest.mark.timeout(30)
+def test_producer_without_a_daemon_is_unavailable(tmp_path: Path) -> None:
+    producer = Producer(ListDataset([]), str(tmp_path / "absent.sock"), connect_timeout_s=0.2)
+    with pytest.raises(DaemonUnavailableError, match="absent.sock within 0.2 s"):
+        producer.run()
