@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field, replace
 from multiprocessing.connection import Connection, wait
-from typing import Any
+from typing import Any, cast
 
 import grpc
 import pytest
@@ -144,12 +144,13 @@ def run_job(
             ready = wait(pipes, timeout=max(0.0, deadline - time.monotonic()))
             if not ready:
                 raise AssertionError(f"daemons did not finish in {timeout_s} s: {outcomes}")
-            for pipe in ready:
+            for pipe in cast(list[Connection], ready):
                 try:
-                    node, kind, detail = pipe.recv()  # type: ignore[union-attr]
+                    message: tuple[int, str, Any] = pipe.recv()
                 except EOFError:
-                    pipes.remove(pipe)  # type: ignore[arg-type]
+                    pipes.remove(pipe)
                     continue
+                node, kind, detail = message
                 if kind == "address":
                     for n, plan in enumerate(plans[1:], start=1):
                         proc, spoke_pipe = _spawn(n, plan, detail)
@@ -308,6 +309,29 @@ def test_pipelined_rounds_in_one_loop_return_in_node_order() -> None:
             for got in await asyncio.gather(*round_tasks):
                 assert got == [payload(n, k) for n in range(3)]
         assert barriers[1].last_round is not None and barriers[1].last_round.round_index == 3
+        await close_all(barriers)
+
+    run(scenario())
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("last", [0, 1, 2])
+def test_whoever_contributes_last_every_node_gets_the_same_result(last: int) -> None:
+    # A spoke that contributes last got its result early, before it asked (peer.proto).
+    async def scenario() -> None:
+        barriers = await start_cluster(3)
+        for k in range(3):
+            first = [
+                asyncio.create_task(b.exchange(k, payload(n, k)))
+                for n, b in enumerate(barriers)
+                if n != last
+            ]
+            await asyncio.sleep(0.05)
+            got = await barriers[last].exchange(k, payload(last, k))
+            assert got == [payload(n, k) for n in range(3)]
+            assert all(r == got for r in await asyncio.gather(*first))
+            assert barriers[last].last_round is not None
+            assert barriers[last].last_round.last_node == last
         await close_all(barriers)
 
     run(scenario())

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+from typing import Any
 
 import grpc
 import pytest
@@ -182,6 +183,19 @@ def test_oversized_payload_is_a_protocol_violation() -> None:
         RoundTable(2, max_payload_bytes=100).add(0, 0, b"x" * 101)
 
 
+def test_the_one_missing_node_is_the_straggler_once_it_owes_only_this_round() -> None:
+    table = RoundTable(3, max_payload_bytes=100)
+    table.add(0, 0, b"a")
+    assert table.straggler(0) is None  # two nodes still missing
+    table.add(2, 0, b"c")
+    assert table.straggler(0) == 1 and table.partial(0) == (b"a", b"", b"c")
+    table.add(0, 1, b"a1")
+    table.add(2, 1, b"c1")
+    assert table.straggler(1) is None  # node 1 still owes round 0: its round-1 result must wait
+    table.add(1, 0, b"b")
+    assert table.straggler(1) == 1
+
+
 def test_missing_of_an_unstarted_round_is_every_node_not_past_it() -> None:
     assert RoundTable(3, max_payload_bytes=1).missing(0) == [0, 1, 2]
 
@@ -200,7 +214,7 @@ def test_missing_of_an_unstarted_round_is_every_node_not_past_it() -> None:
         ({"node_rank": 1, "peers": ("127.0.0.1:0",) * 4}, "port 0"),
     ],
 )
-def test_invalid_round_config_is_a_config_error(overrides: dict[str, object], needle: str) -> None:
+def test_invalid_round_config_is_a_config_error(overrides: dict[str, Any], needle: str) -> None:
     with pytest.raises(ConfigError, match=needle):
         make_config(**overrides)
 

@@ -53,6 +53,7 @@ class Hub:
         self._refusals: dict[int, str] = {}  # node -> why its last Hello was refused
         self._waiters: dict[int, asyncio.Future[CompletedRound]] = {}  # the hub's own rounds
         self._timers: dict[int, asyncio.TimerHandle] = {}  # round -> its deadline
+        self._sent_early: dict[int, int] = {}  # round -> the spoke that got its result early
         self._failure: OdbdError | None = None
         self._loop = asyncio.get_running_loop()
         self._formed: asyncio.Future[None] = self._loop.create_future()
@@ -236,6 +237,7 @@ class Hub:
                     self._config.round_timeout_s, self._round_expired, round_index
                 )
             self._check_departed(round_index)
+            self._send_early(round_index)
             return
         timer = self._timers.pop(round_index, None)
         if timer is not None:
@@ -244,12 +246,30 @@ class Hub:
             round=round_index, payloads=done.payloads, last_node_rank=done.last_node
         )
         data = peer_pb2.HubMessage(result=result).SerializeToString()
+        has_it = self._sent_early.pop(round_index, None)
         for spoke in self._spokes.values():
-            if spoke.state == "active":
+            if spoke.state == "active" and spoke.node != has_it:
                 spoke.outbox.put_nowait(data)
         waiter = self._waiters.pop(round_index, None)
         if waiter is not None and not waiter.done():
             waiter.set_result(done)
+        # The node that just completed this round may be the only one missing from the next.
+        self._send_early(round_index + 1)
+
+    def _send_early(self, round_index: int) -> None:
+        """Sends a round's result to its one missing spoke before it contributes (peer.proto)."""
+        node = self._table.straggler(round_index)
+        spoke = self._spokes.get(node) if node else None  # never node 0: the hub itself
+        if spoke is None or spoke.state != "active" or round_index in self._sent_early:
+            return
+        result = peer_pb2.RoundResult(
+            round=round_index,
+            payloads=self._table.partial(round_index),
+            last_node_rank=spoke.node,
+            recipient_payload_omitted=True,
+        )
+        spoke.outbox.put_nowait(peer_pb2.HubMessage(result=result).SerializeToString())
+        self._sent_early[round_index] = spoke.node
 
     def _round_expired(self, round_index: int) -> None:
         self._timers.pop(round_index, None)

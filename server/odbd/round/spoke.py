@@ -59,7 +59,8 @@ class Spoke:
         # wait_for_ready: daemons start in any order, so keep trying until the hub listens.
         self._call = join(wait_for_ready=True)
         self._write_lock = asyncio.Lock()  # FIFO, so contributions leave in call order
-        self._waiters: dict[int, asyncio.Future[CompletedRound]] = {}
+        self._waiters: dict[int, asyncio.Future[peer_pb2.RoundResult]] = {}  # round -> result
+        self._early: dict[int, peer_pb2.RoundResult] = {}  # results sent before we asked
         self._failure: OdbdError | None = None
         self._reader: asyncio.Task[None] | None = None
 
@@ -123,9 +124,11 @@ class Spoke:
 
     def _deliver(self, result: peer_pb2.RoundResult) -> None:
         waiter = self._waiters.pop(result.round, None)
-        if waiter is not None and not waiter.done():
-            done = CompletedRound(result.round, tuple(result.payloads), result.last_node_rank)
-            waiter.set_result(done)
+        if waiter is None:
+            # An early result (peer.proto): this node has not asked for the round yet.
+            self._early[result.round] = result
+        elif not waiter.done():
+            waiter.set_result(result)
 
     def _fail(self, error: OdbdError) -> None:
         if self._failure is not None:
@@ -142,8 +145,12 @@ class Spoke:
 
     async def exchange(self, round_index: int, payload: bytes) -> CompletedRound:
         self.raise_failure()
-        waiter: asyncio.Future[CompletedRound] = asyncio.get_running_loop().create_future()
-        self._waiters[round_index] = waiter
+        waiter: asyncio.Future[peer_pb2.RoundResult] = asyncio.get_running_loop().create_future()
+        early = self._early.pop(round_index, None)
+        if early is not None:
+            waiter.set_result(early)
+        else:
+            self._waiters[round_index] = waiter
         contribution = peer_pb2.Contribution(
             round=round_index, node_rank=self._config.node_rank, payload=payload
         )
@@ -154,7 +161,7 @@ class Spoke:
         timeout = self._config.round_timeout_s
         try:
             async with asyncio.timeout(timeout + grace_s(timeout)):
-                return await waiter
+                result = await waiter
         except TimeoutError:
             self._fail(
                 RoundTimeoutError(
@@ -164,6 +171,10 @@ class Spoke:
             )
             self.raise_failure()
             raise
+        payloads = list(result.payloads)
+        if result.recipient_payload_omitted:
+            payloads[self._config.node_rank] = payload
+        return CompletedRound(round_index, tuple(payloads), result.last_node_rank)
 
     async def close(self) -> None:
         """Says Leave, then waits briefly for the hub to end the stream cleanly."""

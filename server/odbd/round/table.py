@@ -42,6 +42,22 @@ class RoundTable:
             return [n for n in range(self._num_nodes) if self._next[n] <= round_index]
         return [n for n, payload in enumerate(slots) if payload is None]
 
+    def straggler(self, round_index: int) -> int | None:
+        """The one node an open round still waits for, if it has contributed every earlier round.
+
+        Its result can be sent before it contributes: every other payload is known, and its
+        own contributions so far leave no earlier round open for it.
+        """
+        slots = self._open.get(round_index)
+        if slots is None or self._arrived.get(round_index, 0) != self._num_nodes - 1:
+            return None
+        node = slots.index(None)
+        return node if self._next[node] == round_index else None
+
+    def partial(self, round_index: int) -> tuple[bytes, ...]:
+        """node -> payload of an open round, b"" for the nodes that have not contributed."""
+        return tuple(p if p is not None else b"" for p in self._open[round_index])
+
     def add(self, node: int, round_index: int, payload: bytes) -> CompletedRound | None:
         """Records one contribution; returns the round once every node has contributed it."""
         expected = self._next[node]

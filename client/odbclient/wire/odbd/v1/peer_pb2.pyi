@@ -63,14 +63,16 @@ class Contribution(_message.Message):
     def __init__(self, round: _Optional[int] = ..., node_rank: _Optional[int] = ..., payload: _Optional[bytes] = ...) -> None: ...
 
 class RoundResult(_message.Message):
-    __slots__ = ("round", "payloads", "last_node_rank")
+    __slots__ = ("round", "payloads", "last_node_rank", "recipient_payload_omitted")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     PAYLOADS_FIELD_NUMBER: _ClassVar[int]
     LAST_NODE_RANK_FIELD_NUMBER: _ClassVar[int]
+    RECIPIENT_PAYLOAD_OMITTED_FIELD_NUMBER: _ClassVar[int]
     round: int
     payloads: _containers.RepeatedScalarFieldContainer[bytes]
     last_node_rank: int
-    def __init__(self, round: _Optional[int] = ..., payloads: _Optional[_Iterable[bytes]] = ..., last_node_rank: _Optional[int] = ...) -> None: ...
+    recipient_payload_omitted: bool
+    def __init__(self, round: _Optional[int] = ..., payloads: _Optional[_Iterable[bytes]] = ..., last_node_rank: _Optional[int] = ..., recipient_payload_omitted: _Optional[bool] = ...) -> None: ...
 
 class Abort(_message.Message):
     __slots__ = ("kind", "round", "reason", "missing")
