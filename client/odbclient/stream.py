@@ -33,6 +33,8 @@ from odbclient.errors import DaemonTimeoutError, ProtocolError
 from odbclient.shm import ArenaView, decode, read_meta
 from odbclient.wire.odbd.v1 import trainer_pb2, trainer_pb2_grpc
 
+_CLOSE_GRACE_S = 2.0  # how long close() lets the daemon read our last messages
+
 
 @dataclass(frozen=True, slots=True)
 class Welcome:
@@ -118,7 +120,12 @@ class TrainerStream:
         if self._closing.is_set():
             return
         self._closing.set()
+        # Half-close first: gRPC sends the queued Delivered messages before the end of the
+        # stream, and the daemon ends its side once it read them. Cancelling right away could
+        # drop the last Delivered, leaving the daemon waiting for a step that was trained.
         self._outbox.close()
+        if self._reader is not None and self._reader is not threading.current_thread():
+            self._reader.join(timeout=_CLOSE_GRACE_S)
         if self._call is not None:
             self._call.cancel()
         self._channel.close()

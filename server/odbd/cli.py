@@ -192,7 +192,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return simulate_main(argv[1:])
     if argv and argv[0] == "demo":
-        from odbd.demo import main as demo_main
+        from odbd.demo.command import main as demo_main
 
         return demo_main(argv[1:])
     if argv and argv[0] == "status":

@@ -21,9 +21,7 @@ class RunResult:
 
     def steps(self, rank: int, epoch: int | None = None) -> list[dict]:
         return [
-            r
-            for r in self.records[rank]
-            if "step" in r and (epoch is None or r["epoch"] == epoch)
+            r for r in self.records[rank] if "step" in r and (epoch is None or r["epoch"] == epoch)
         ]
 
     def epoch_ends(self, rank: int) -> list[dict]:
@@ -33,7 +31,9 @@ class RunResult:
         return [i for rank in self.records for r in self.steps(rank, epoch) for i in r["ids"]]
 
 
-def synthetic_args(size: int, *, workers: int = 1, dist: str = "llava", **extra: object) -> list[str]:
+def synthetic_args(
+    size: int, *, workers: int = 1, dist: str = "llava", **extra: object
+) -> list[str]:
     args = ["--dataset", "odbd.demo.dataset:synthetic", "--workers", str(workers)]
     args += ["--dataset-arg", f"size={size}", "--dataset-arg", f"dist={dist}"]
     for key, value in extra.items():

@@ -137,6 +137,7 @@ def run_job(
     hub, hub_pipe = _spawn(0, plans[0], "")
     procs: list[Any] = [hub]
     pipes: list[Connection] = [hub_pipe]
+    paused: list[Any] = []
     outcomes: dict[int, tuple[str, Any]] = {}
     deadline = time.monotonic() + timeout_s
     try:
@@ -157,13 +158,14 @@ def run_job(
                         procs.append(proc)
                         pipes.append(spoke_pipe)
                 elif kind == "paused":
+                    paused.append(procs[node])
                     if on_pause is not None and (outcome := on_pause(node, procs)) is not None:
                         outcomes[node] = outcome
                 else:
                     outcomes[node] = (kind, detail)
     finally:
         for proc in procs:
-            proc.join(timeout=5)
+            proc.join(timeout=0 if proc in paused else 5)  # a paused daemon sleeps on
             if proc.is_alive():
                 proc.kill()
     return outcomes
@@ -210,8 +212,8 @@ def test_wrong_token_is_refused() -> None:
 def test_a_peer_that_never_contributes_makes_everyone_time_out_naming_it() -> None:
     config = {"round_timeout_s": 2.0}
     plans = [Plan(3, rounds=10, config=config) for _ in range(3)]
-    plans[2] = replace(plans[2], pause_after=2, pause_s=3.0)
-    outcomes = run_job(plans)
+    plans[2] = replace(plans[2], pause_after=2, pause_s=60.0)  # stalls for good
+    outcomes = run_job(plans, on_pause=lambda node, procs: ("stalled", None))
     for node in (0, 1):
         kind, message = outcomes[node]
         assert kind == "RoundTimeoutError", outcomes

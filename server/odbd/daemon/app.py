@@ -245,8 +245,13 @@ class Daemon:
         deadline = asyncio.get_running_loop().time() + grace_s
         while any(q.queued_steps() or q.attached for q in self.queues.values()):
             if asyncio.get_running_loop().time() > deadline:
-                waiting = [r for r, q in self.queues.items() if q.queued_steps() or q.attached]
-                log.warning("stopping with ranks %s still attached or not drained", waiting)
+                waiting = {
+                    r: f"{q.queued_steps()} steps from {q.first_undelivered()} undelivered"
+                    + (", client attached" if q.attached else "")
+                    for r, q in self.queues.items()
+                    if q.queued_steps() or q.attached
+                }
+                log.warning("stopping before trainers took everything: %s", waiting)
                 return
             await asyncio.sleep(0.05)
 

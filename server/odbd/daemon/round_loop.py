@@ -71,7 +71,7 @@ class RoundLoop:
         self.done = False
         self.quota_consumed = 0  # non-join: views emitted or rejected, over every node
         self.filler_schema = ""
-        self.non_join_steps: Counter[int] = Counter()
+        self.steps_in_epoch: Counter[int] = Counter()
         self.tally = self._new_tally()
         self.last_wait_log = time.monotonic()
 
@@ -149,12 +149,21 @@ class RoundLoop:
     def _apply(self, plan: RoundPlan, offers: list[offer_codec.NodeOffer]) -> None:
         step_epochs = self._step_epochs(plan)
         kept = len(step_epochs)
+        step_numbers = self._number_steps(step_epochs)
         local = set(self.state.local_unit_ids())
         for unit in plan.units:
             self._tally_identities(unit, kept)
             if unit.unit in local:
-                self._queue_unit(plan, unit, kept, step_epochs)
+                self._queue_unit(plan, unit, step_epochs, step_numbers)
         self._advance_epochs(plan, step_epochs)
+
+    def _number_steps(self, step_epochs: list[int]) -> list[int]:
+        """Step index within its epoch, identical on every rank and daemon."""
+        numbers = []
+        for epoch in step_epochs:
+            numbers.append(self.steps_in_epoch[epoch])
+            self.steps_in_epoch[epoch] += 1
+        return numbers
 
     def _step_epochs(self, plan: RoundPlan) -> list[int]:
         if self.config.join:
@@ -178,23 +187,24 @@ class RoundLoop:
         self.tally.seen[self.state.identities_of(keys)] = True
 
     def _queue_unit(
-        self, plan: RoundPlan, unit: UnitPlan, kept: int, step_epochs: list[int]
+        self, plan: RoundPlan, unit: UnitPlan, step_epochs: list[int], step_numbers: list[int]
     ) -> None:
         g = self.state.planner.ranks_per_unit
         ranks = self.state.planner.unit_ranks(unit.unit)
+        kept = len(step_epochs)
         end = int(unit.slot_offsets[kept * g])
         self.state.mark_emitted(unit.emitted.views[:end])
         tail = unit.emitted.take(np.arange(end, len(unit.emitted)))  # past the quota: not run
         self.state.return_samples(unit.unit, unit.leftover.concat(tail))
-        items: dict[int, list[QueuedItem]] = {r: [] for r in ranks}
-        step_base = self.tally.steps
-        for step in range(kept):
-            for local_rank, rank in enumerate(ranks):
-                rows = unit.slot(step, local_rank, g)
-                item = self._step_item(plan, unit, step, rank, rows, step_epochs[step], step_base)
-                items[rank].append(item)
-        for rank, queued in items.items():
-            self.queues[rank].push(queued)
+        for local_rank, rank in enumerate(ranks):
+            items = [
+                self._step_item(
+                    plan, unit, step, rank, unit.slot(step, local_rank, g),
+                    step_epochs[step], step_numbers[step],
+                )
+                for step in range(kept)
+            ]  # fmt: skip
+            self.queues[rank].push(items)
 
     def _step_item(
         self,
@@ -204,16 +214,18 @@ class RoundLoop:
         rank: int,
         rows: slice,
         epoch: int,
-        step_base: int,
+        number: int,
     ) -> QueuedItem:
         keys = unit.emitted.views[rows]
         locations = [self.state.locations.pop(int(k)) for k in keys.tolist()]
         where = [self.lanes.resolve(loc) for loc in locations]
         stats = plan.stats
         idle = len(keys) == 0
+        if not idle and not self.filler_schema:
+            self._learn_schema(where[0], locations[0].nbytes)
         batch = trainer_pb2.StepBatch(
             epoch=epoch,
-            step=step_base + step if self.config.join else self._non_join_step(epoch),
+            step=number,
             is_idle=idle,
             loss_scale=float(stats.loss_scale[step, rank]),
             num_samples=int(stats.num_samples[step, rank]),
@@ -224,17 +236,9 @@ class RoundLoop:
             segments=np.asarray([s for s, _ in where], dtype="<u4").tobytes(),
             offsets=np.asarray([o for _, o in where], dtype="<u8").tobytes(),
             nbytes=np.asarray([loc.nbytes for loc in locations], dtype="<u8").tobytes(),
-            filler_schema=self._filler_schema() if idle else "",
+            filler_schema=self.filler_schema if idle else "",
         )
-        if not idle and not self.filler_schema:
-            self._learn_schema(where[0], locations[0].nbytes)
-        return QueuedItem(epoch, batch.step, trainer_pb2.TrainerEvent(step=batch), locations)
-
-    def _non_join_step(self, epoch: int) -> int:
-        """Non-join step numbers restart at 0 when the quota crosses an epoch."""
-        step = self.non_join_steps[epoch]
-        self.non_join_steps[epoch] += 1
-        return step
+        return QueuedItem(epoch, number, trainer_pb2.TrainerEvent(step=batch), locations)
 
     def _learn_schema(self, where: tuple[int, int], nbytes: int) -> None:
         meta = read_meta(self.read_sample(where[0], where[1], nbytes))
@@ -242,9 +246,6 @@ class RoundLoop:
             [f.name, f.dtype, [] if len(f.shape) == 1 else list(f.shape)] for f in meta.fields
         ]
         self.filler_schema = json.dumps(fields)
-
-    def _filler_schema(self) -> str:
-        return self.filler_schema
 
     def _advance_epochs(self, plan: RoundPlan, step_epochs: list[int]) -> None:
         if self.config.join:

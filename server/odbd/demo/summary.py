@@ -60,7 +60,9 @@ def summarize_demo(
     for recs in reports.values():
         for x in recs:
             if "epoch_end" in x:
-                rejected = {k: int(v) for k, v in x["summary"].get("rejected", {}).items()}
+                rejected = {
+                    k: int(v) for k, v in x["summary"].get("rejected_by_reason", {}).items()
+                }
     num_steps = len(by_step)
     sim_time = num_steps * cost.c + sum(by_step.values())
     fixed = summarize(

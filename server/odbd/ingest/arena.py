@@ -177,8 +177,11 @@ def reclaim_stale(
 ) -> list[str]:
     """Unlinks the job's segments whose owner daemon is dead; returns their names.
 
-    With `node_rank`, a segment of that node rank owned by a live daemon raises
-    ArenaInUseError; live segments of other node ranks (a local multi-node demo) are left alone.
+    With `node_rank`, only that node rank's segments are considered, and one owned by a live
+    daemon raises ArenaInUseError. Other node ranks' segments are never touched: on a shared
+    host (a local multi-node demo) another daemon may be creating its segment right now, and
+    one whose header is not written yet would look stale. A dead daemon's segments are
+    reclaimed when a daemon of its node rank starts again.
     """
     pattern = re.compile(rf"odbd-{re.escape(job_id)}-(\d+)-\d+")
     reclaimed = []
@@ -186,6 +189,8 @@ def reclaim_stale(
         match = pattern.fullmatch(path.name)
         if match is None:
             continue  # another job whose id extends ours, e.g. "a-1" for "a"
+        if node_rank is not None and int(match.group(1)) != node_rank:
+            continue
         try:
             owner = _live_owner(str(path))
         except PermissionError:

@@ -179,6 +179,10 @@ class Spoke:
     async def close(self) -> None:
         """Says Leave, then waits briefly for the hub to end the stream cleanly."""
         self._fail(PeerLostError("the round barrier of this node was closed"))
+        if self._reader is None:  # never joined: nothing to say goodbye to
+            self._call.cancel()
+            await self._channel.close()
+            return
         leave = peer_pb2.PeerMessage(leave=peer_pb2.Leave(reason="shutdown"))
         with contextlib.suppress(Exception):
             async with self._write_lock, asyncio.timeout(1.0):
