@@ -16,9 +16,11 @@ import os
 import signal
 import socket as socketlib
 from pathlib import Path
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from prometheus_client import CollectorRegistry, start_http_server
 
 from odbclient.shm import SAMPLE_LAYOUT_VERSION
 from odbclient.wire.odbd.v1 import ingest_pb2, ingest_pb2_grpc, trainer_pb2, trainer_pb2_grpc
@@ -30,6 +32,8 @@ from odbd.ingest.arena import Arena
 from odbd.ingest.lanes import Lanes
 from odbd.ingest.service import IngestService
 from odbd.ingest.supervisor import ProducerSupervisor, SupervisorConfig
+from odbd.metrics.collector import DaemonCollector
+from odbd.metrics.stats import DaemonStats
 from odbd.round import RoundBarrier, RoundConfig
 from odbd.serve.rank_queue import RankQueue
 from odbd.serve.trainer_service import TrainerService
@@ -55,6 +59,9 @@ class Daemon:
         self.ingest: IngestService | None = None
         self.exit_code = 0
         self.rejections: list[Rejected] = []
+        self.stats = DaemonStats(node_rank=config.node_rank, dataset_size=dataset_size)
+        self.metrics_address = ""
+        self._metrics_server: Any = None
         self._stop = asyncio.Event()
 
     # -- startup -----------------------------------------------------------------------------
@@ -70,13 +77,14 @@ class Daemon:
             lease_timeout_s=config.lease_timeout_s,
             on_progress=self._on_progress,
             on_rejected=self._on_rejected,
+            stats=self.stats,
         )
         trainer = TrainerService(
             job_id=config.job_id,
             queues=self.queues,
             welcome=self._trainer_welcome(),
             on_free=lambda locations: self._free(lanes, locations),
-            on_delivered=lambda rank, delivered: self._on_progress(),
+            on_delivered=self._on_delivered,
         )
         await self._serve_socket(trainer)
         self.barrier = RoundBarrier(self._round_config())
@@ -89,7 +97,9 @@ class Daemon:
             lanes=lanes,
             read_sample=self._read_sample,
             on_planned=lambda plan: self.ingest.pump_leases() if self.ingest else None,
+            stats=self.stats,
         )
+        self._serve_metrics(lanes)
         if config.dataset is not None and config.workers > 0:
             self.supervisor = ProducerSupervisor(
                 SupervisorConfig(
@@ -98,7 +108,8 @@ class Daemon:
                     dataset_args=config.dataset_args,
                     workers=config.workers,
                     job_id=config.job_id,
-                )
+                ),
+                on_restart=self._on_producer_restart,
             )
             await self.supervisor.start()
         await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
@@ -177,7 +188,46 @@ class Daemon:
         os.chmod(path, 0o600)
         self.server = server
 
+    def _serve_metrics(self, lanes: Lanes) -> None:
+        if self.config.metrics_port is None:
+            return
+        registry = CollectorRegistry(auto_describe=False)
+        registry.register(DaemonCollector(self.stats, lambda: self._live_gauges(lanes)))
+        try:
+            server, _ = start_http_server(self.config.metrics_port, "127.0.0.1", registry)
+        except OSError as error:
+            raise ConfigError(
+                f"cannot serve /metrics on 127.0.0.1:{self.config.metrics_port}: {error}; "
+                "pick a free --metrics-port"
+            ) from None
+        self._metrics_server = server
+        self.metrics_address = f"127.0.0.1:{server.server_port}"
+        log.info("serving Prometheus metrics on http://%s/metrics", self.metrics_address)
+
+    def _live_gauges(self, lanes: Lanes) -> dict[str, float]:
+        # Runs on the metrics thread: reads only plain attributes (a torn read is harmless).
+        assert self.arena is not None
+        return {
+            "buffered_samples": self.state.buffered_now(),
+            "leased_samples": len(self.state.leases),
+            "queued_steps": sum(q.queued_steps() for q in self.queues.values()),
+            "shm_used_bytes": self.arena.used_bytes,
+            "shm_capacity_bytes": self.arena.capacity_bytes,
+            "producers": len(self.ingest.sessions) if self.ingest else 0,
+            "trainers": sum(q.attached for q in self.queues.values()),
+        }
+
     # -- callbacks ---------------------------------------------------------------------------
+
+    def _on_producer_restart(self) -> None:
+        self.stats.producers_restarted += 1
+
+    def _on_delivered(self, rank: int, delivered: trainer_pb2.Delivered) -> None:
+        rank_stats = self.stats.rank(rank)
+        rank_stats.wait_s += delivered.wait_s
+        rank_stats.compute_s += delivered.compute_s
+        rank_stats.delivered_steps += 1
+        self._on_progress()
 
     def _on_progress(self) -> None:
         if self.loop is not None:
@@ -192,6 +242,7 @@ class Daemon:
             rejected.detail,
         )
         self.rejections.append(rejected)
+        self.stats.rejected[rejected.reason] += 1
 
     def _free(self, lanes: Lanes, locations: list) -> None:
         if locations and self.ingest is not None:
@@ -268,6 +319,9 @@ class Daemon:
             await self.server.stop(1.0)
         if self.barrier is not None:
             await self.barrier.close()
+        if self._metrics_server is not None:
+            self._metrics_server.shutdown()
+            self._metrics_server.server_close()
         if self.arena is not None:
             self.arena.close()
         with contextlib.suppress(FileNotFoundError):

@@ -27,6 +27,7 @@ from odbd.daemon import offer_codec
 from odbd.daemon.node_state import NodeState
 from odbd.errors import InvariantError
 from odbd.ingest.lanes import Lanes
+from odbd.metrics.stats import DaemonStats
 from odbd.planner.round import plan_round
 from odbd.planner.types import RoundPlan, UnitPlan
 from odbd.round import RoundBarrier
@@ -58,6 +59,7 @@ class RoundLoop:
         lanes: Lanes,
         read_sample: Callable[[int, int, int], memoryview],
         on_planned: Callable[[RoundPlan], None],
+        stats: DaemonStats,
     ) -> None:
         self.config = config
         self.state = state
@@ -66,6 +68,7 @@ class RoundLoop:
         self.lanes = lanes
         self.read_sample = read_sample
         self.on_planned = on_planned
+        self.stats = stats
         self.progress = asyncio.Event()
         self.round_index = 0
         self.done = False
@@ -96,6 +99,7 @@ class RoundLoop:
             units = sorted((u for o in offers for u in o.units), key=lambda u: u.unit)
             plan = plan_round(units, self.state.planner, self.round_index)
             self._apply(plan, offers)
+            self._record_round(plan)
             self.on_planned(plan)
             self.round_index += 1
 
@@ -155,7 +159,41 @@ class RoundLoop:
             self._tally_identities(unit, kept)
             if unit.unit in local:
                 self._queue_unit(plan, unit, step_epochs, step_numbers)
+        self._record_steps(plan, kept)
         self._advance_epochs(plan, step_epochs)
+
+    def _record_round(self, plan: RoundPlan) -> None:
+        """Round facts for /metrics; every daemon records the same global numbers."""
+        s = self.stats
+        s.rounds += 1
+        record = self.barrier.last_round
+        if record is not None:
+            s.round_duration.observe(record.duration_s)
+            s.last_peer[record.last_node] += 1
+        s.splits += sum(u.num_splits for u in plan.units)
+        s.recirculated += sum(len(u.leftover) for u in plan.units)
+        s.epoch = self.state.epoch
+        assert self.tally.seen is not None
+        s.epoch_samples = self.tally.samples
+        s.epoch_identities = int(self.tally.seen.sum())
+
+    def _record_steps(self, plan: RoundPlan, kept: int) -> None:
+        stats, s = plan.stats, self.stats
+        work = stats.work[:kept]
+        s.global_steps += kept
+        s.global_samples += int(stats.num_samples[:kept].sum())
+        s.global_tokens += int(stats.num_tokens[:kept].sum())
+        s.step_max_work += float(work.max(axis=1).sum()) if kept else 0.0
+        s.step_mean_work += float(work.mean(axis=1).sum()) if kept else 0.0
+        for rank in self.queues:
+            rs = s.rank(rank)
+            samples = stats.num_samples[:kept, rank]
+            rs.steps += kept
+            rs.idle_steps += int((samples == 0).sum())
+            rs.samples += int(samples.sum())
+            rs.real_tokens += int(stats.real_tokens[:kept, rank].sum())
+            rs.padded_tokens += int(stats.padded_tokens[:kept, rank].sum())
+            rs.loss_tokens += int(stats.num_tokens[:kept, rank].sum())
 
     def _number_steps(self, step_epochs: list[int]) -> list[int]:
         """Step index within its epoch, identical on every rank and daemon."""
@@ -290,6 +328,7 @@ class RoundLoop:
         for queue in self.queues.values():
             queue.push([QueuedItem(epoch, -1, trainer_pb2.TrainerEvent(epoch_end=end))])
         self.tally = self._new_tally()
+        self.stats.epochs_done += 1
 
     def _end_job(self, reason: str, failed: bool = False) -> None:
         self.done = True

@@ -13,6 +13,7 @@ import numpy as np
 from odbclient.wire.odbd.v1 import ingest_pb2, ingest_pb2_grpc
 from odbd.daemon.node_state import Location, NodeState, Rejected
 from odbd.ingest.lanes import Lane, Lanes
+from odbd.metrics.stats import DaemonStats
 
 log = logging.getLogger("odbd.ingest")
 
@@ -40,6 +41,7 @@ class IngestService(ingest_pb2_grpc.IngestServicer):
         lease_timeout_s: float,
         on_progress: Callable[[], None],
         on_rejected: Callable[[Rejected], None],
+        stats: DaemonStats,
     ) -> None:
         self._state = state
         self._lanes = lanes
@@ -47,6 +49,7 @@ class IngestService(ingest_pb2_grpc.IngestServicer):
         self._lease_timeout_s = lease_timeout_s
         self._on_progress = on_progress
         self._on_rejected = on_rejected
+        self._stats = stats
         self.sessions: dict[int, ProducerSession] = {}
         self._next_producer = 0
         self.closing = False
@@ -150,6 +153,8 @@ class IngestService(ingest_pb2_grpc.IngestServicer):
         for location in locations:
             if location not in rejected_at and location not in stale:
                 self._lanes.hold(location)
+                self._stats.ingest_bytes += location.nbytes
+        self._stats.ingest_samples += accepted
         for rejected in rejections:
             self._on_rejected(rejected)
         give_back = [r.location.offset for r in rejections if r.location] + [
@@ -187,6 +192,7 @@ class IngestService(ingest_pb2_grpc.IngestServicer):
         expired = self._state.expired(now)
         if expired:
             log.warning("%d leases expired without a commit; re-leasing them", len(expired))
+            self._stats.expired_leases += len(expired)
             self._state.release(expired)
             self.pump_leases()
         return len(expired)

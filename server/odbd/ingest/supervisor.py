@@ -11,6 +11,7 @@ import asyncio
 import logging
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 log = logging.getLogger("odbd.producers")
@@ -37,8 +38,9 @@ class _Worker:
 
 
 class ProducerSupervisor:
-    def __init__(self, config: SupervisorConfig) -> None:
+    def __init__(self, config: SupervisorConfig, on_restart: Callable[[], None]) -> None:
         self.config = config
+        self._on_restart = on_restart
         self._workers = [_Worker(f"worker-{i}") for i in range(config.workers)]
         self._tasks: list[asyncio.Task[None]] = []
         self._stopping = False
@@ -75,6 +77,7 @@ class ProducerSupervisor:
             if self._stopping or code == 0:
                 return
             self.num_restarts += 1
+            self._on_restart()
             log.warning("producer %s exited with status %s; restarting it", worker.name, code)
             await asyncio.sleep(0.5)
 

@@ -1,0 +1,1 @@
+"""Metrics: plain stats updated on the hot path, turned into Prometheus families at scrape time."""

@@ -1,0 +1,130 @@
+"""One Prometheus collector rendering DaemonStats and live gauges at scrape time.
+
+Names follow Prometheus conventions: prefix odbd_, base units, counters end in _total, labels
+limited to rank, peer and reason. The three numbers an operator reads first (ops/README.md):
+    padding   1 - rate(odbd_real_tokens_total) / rate(odbd_padded_tokens_total)
+    overlap   rate(odbd_trainer_compute_seconds_total) /
+              (rate(odbd_trainer_compute_seconds_total) + rate(odbd_trainer_wait_seconds_total))
+    quota     odbd_epoch_emitted_samples / odbd_epoch_quota_samples
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.registry import Collector
+
+from odbd.metrics.stats import DaemonStats
+
+VERSION = "0.1.0"
+
+
+class DaemonCollector(Collector):
+    def __init__(self, stats: DaemonStats, live: Callable[[], dict[str, float]]) -> None:
+        self._stats = stats
+        self._live = live  # buffered, leased, shm bytes...: read when scraped
+
+    def collect(self) -> Iterator[Metric]:
+        s = self._stats
+        info = GaugeMetricFamily("odbd_build_info", "odbd build", labels=["version", "node"])
+        info.add_metric([VERSION, str(s.node_rank)], 1)
+        yield info
+        yield from self._rank_families(s)
+        yield from self._global_families(s)
+        yield from self._ingest_families(s)
+        for name, value in self._live().items():
+            yield GaugeMetricFamily(f"odbd_{name}", _LIVE_HELP.get(name, name), value=value)
+
+    def _rank_families(self, s: DaemonStats) -> Iterator[Metric]:
+        fields = (
+            ("steps_total", "steps served to the rank", "steps"),
+            ("idle_steps_total", "alignment fillers served to the rank", "idle_steps"),
+            ("emitted_samples_total", "samples served to the rank", "samples"),
+            ("real_tokens_total", "real (unpadded) tokens served", "real_tokens"),
+            ("padded_tokens_total", "padded tokens (max length x count) served", "padded_tokens"),
+            ("loss_tokens_total", "loss-bearing tokens served", "loss_tokens"),
+            ("trainer_wait_seconds_total", "time the trainer blocked in next()", "wait_s"),
+            ("trainer_compute_seconds_total", "time the trainer spent between next()", "compute_s"),
+        )
+        for suffix, help_text, attr in fields:
+            family = CounterMetricFamily(
+                f"odbd_{suffix.removesuffix('_total')}", help_text, labels=["rank"]
+            )
+            for rank, rs in sorted(s.ranks.items()):
+                family.add_metric([str(rank)], getattr(rs, attr))
+            yield family
+
+    def _global_families(self, s: DaemonStats) -> Iterator[Metric]:
+        counters = (
+            ("global_steps", "aligned steps planned (every rank runs each)", s.global_steps),
+            ("global_samples", "samples planned over every rank", s.global_samples),
+            ("global_tokens", "loss tokens planned over every rank", s.global_tokens),
+            ("step_max_work", "sum over steps of the slowest rank's cost", s.step_max_work),
+            ("step_mean_work", "sum over steps of the mean rank cost", s.step_mean_work),
+            ("rounds", "alignment rounds completed", s.rounds),
+            ("alignment_splits", "groups split to reach a round's step count", s.splits),
+            ("recirculated_samples", "samples returned to the buffer by alignment", s.recirculated),
+            ("epochs", "epochs completed", s.epochs_done),
+        )
+        for name, help_text, value in counters:
+            yield CounterMetricFamily(f"odbd_{name}", help_text, value=value)
+        yield GaugeMetricFamily("odbd_epoch", "epoch being served", value=s.epoch)
+        yield GaugeMetricFamily(
+            "odbd_epoch_quota_samples", "samples per epoch (dataset size N)", value=s.dataset_size
+        )
+        yield GaugeMetricFamily(
+            "odbd_epoch_emitted_samples",
+            "samples emitted this epoch, every rank",
+            value=s.epoch_samples,
+        )
+        yield GaugeMetricFamily(
+            "odbd_epoch_identities_covered",
+            "distinct dataset identities emitted this epoch",
+            value=s.epoch_identities,
+        )
+        hist = HistogramMetricFamily("odbd_round_duration_seconds", "round barrier exchange time")
+        hist.add_metric([], s.round_duration.cumulative(), sum_value=s.round_duration.total)
+        yield hist
+        last = CounterMetricFamily(
+            "odbd_round_last_peer",
+            "rounds in which this peer's offer arrived last",
+            labels=["peer"],
+        )
+        for node, n in sorted(s.last_peer.items()):
+            last.add_metric([str(node)], n)
+        yield last
+
+    def _ingest_families(self, s: DaemonStats) -> Iterator[Metric]:
+        yield CounterMetricFamily(
+            "odbd_ingest_samples", "samples committed", value=s.ingest_samples
+        )
+        yield CounterMetricFamily(
+            "odbd_ingest_bytes", "sample bytes committed", value=s.ingest_bytes
+        )
+        yield CounterMetricFamily("odbd_expired_leases", "leases re-leased", value=s.expired_leases)
+        yield CounterMetricFamily(
+            "odbd_producer_restarts", "producer processes restarted", value=s.producers_restarted
+        )
+        rejected = CounterMetricFamily(
+            "odbd_rejected_samples", "samples rejected at ingest", labels=["reason"]
+        )
+        for reason, n in sorted(s.rejected.items()):
+            rejected.add_metric([reason], n)
+        yield rejected
+
+
+_LIVE_HELP = {
+    "buffered_samples": "samples buffered for the next round",
+    "leased_samples": "sample ids leased to producers, not yet committed",
+    "queued_steps": "planned steps not yet delivered, summed over local ranks",
+    "shm_used_bytes": "shared-memory arena bytes in use",
+    "shm_capacity_bytes": "shared-memory arena capacity",
+    "producers": "connected producers",
+    "trainers": "attached trainer clients",
+}

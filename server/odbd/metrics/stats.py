@@ -1,0 +1,89 @@
+"""The daemon's statistics: plain numbers, cheap to update from the event loop.
+
+Nothing here touches prometheus_client; collector.py renders these at scrape time, so the hot
+path pays an integer add, never a lock or a label lookup.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+
+# Round latencies on loopback are ~1 ms; a slow peer can take seconds.
+LATENCY_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
+
+
+@dataclass(slots=True)
+class Histogram:
+    buckets: tuple[float, ...]
+    counts: list[int] = field(default_factory=list)  # per bucket, not cumulative; +Inf last
+    total: float = 0.0
+    count: int = 0
+
+    def __post_init__(self) -> None:
+        self.counts = [0] * (len(self.buckets) + 1)
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.buckets, value)] += 1
+        self.total += value
+        self.count += 1
+
+    def cumulative(self) -> list[tuple[str, int]]:
+        out, running = [], 0
+        for bound, n in zip((*self.buckets, float("inf")), self.counts, strict=True):
+            running += n
+            out.append(("+Inf" if bound == float("inf") else repr(bound), running))
+        return out
+
+
+@dataclass(slots=True)
+class RankStats:
+    """One local rank's totals (counters)."""
+
+    steps: int = 0
+    idle_steps: int = 0
+    samples: int = 0
+    real_tokens: int = 0
+    padded_tokens: int = 0
+    loss_tokens: int = 0
+    wait_s: float = 0.0  # trainer blocked in next()
+    compute_s: float = 0.0  # trainer busy between next() calls
+    delivered_steps: int = 0
+
+
+@dataclass(slots=True)
+class DaemonStats:
+    node_rank: int
+    dataset_size: int
+    ranks: dict[int, RankStats] = field(default_factory=dict)
+    # Global facts every daemon computes from the same plans (so any daemon can be scraped).
+    global_steps: int = 0
+    global_samples: int = 0
+    global_tokens: int = 0
+    step_max_work: float = 0.0  # sum over steps of max_r work
+    step_mean_work: float = 0.0  # sum over steps of mean_r work
+    epoch: int = 0
+    epoch_samples: int = 0  # emitted this epoch, every rank
+    epoch_identities: int = 0
+    epochs_done: int = 0
+    rounds: int = 0
+    round_duration: Histogram = field(default_factory=lambda: Histogram(LATENCY_BUCKETS_S))
+    last_peer: Counter[int] = field(default_factory=Counter)  # node whose offer came last
+    splits: int = 0
+    recirculated: int = 0
+    # This node's ingest.
+    ingest_samples: int = 0
+    ingest_bytes: int = 0
+    expired_leases: int = 0
+    rejected: Counter[str] = field(default_factory=Counter)
+    producers_restarted: int = 0
+
+    def rank(self, rank: int) -> RankStats:
+        if rank not in self.ranks:
+            self.ranks[rank] = RankStats()
+        return self.ranks[rank]
+
+
+def by_reason(counts: Counter[str]) -> dict[str, int]:
+    return dict(defaultdict(int, counts))
