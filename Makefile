@@ -2,8 +2,10 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+BENCH := $(PY) -m pytest -q -m bench -s
 
-.PHONY: venv demo test bench lint format clean
+.PHONY: venv demo test test-fast bench bench-planner bench-round bench-shm bench-datapath \
+	bench-metrics bench-training soak lint format proto proto-check clean
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -19,17 +21,47 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q
 
-bench: $(STAMP)
-	$(PY) -m pytest -q -m bench -s tests/bench
+test-fast: $(STAMP)  # unit tests only (seconds)
+	$(PY) -m pytest -q tests/unit
+
+bench: $(STAMP)  # every benchmark; results land in docs/bench/
+	$(BENCH) tests/bench
+
+bench-planner: $(STAMP)
+	$(BENCH) tests/bench/test_bench_planner.py
+
+bench-round: $(STAMP)
+	$(BENCH) tests/bench/test_bench_round.py
+
+bench-shm: $(STAMP)
+	$(BENCH) tests/bench/test_bench_shm.py
+
+bench-datapath: $(STAMP)
+	$(BENCH) tests/bench/test_bench_datapath.py
+
+bench-metrics: $(STAMP)
+	$(BENCH) tests/bench/test_bench_metrics.py
+
+bench-training: $(STAMP)
+	$(BENCH) tests/bench/test_bench_training.py
+
+soak: $(STAMP)  # long fault and load runs (marker `soak`)
+	$(PY) -m pytest -q -m soak -s tests
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check server client tests
-	$(VENV)/bin/ruff format --check server client tests
+	$(VENV)/bin/ruff check server client tests proto
+	$(VENV)/bin/ruff format --check server client tests proto
 	$(VENV)/bin/mypy server/odbd client/odbclient
 
 format: $(STAMP)
-	$(VENV)/bin/ruff format server client tests
-	$(VENV)/bin/ruff check --fix server client tests
+	$(VENV)/bin/ruff format server client tests proto
+	$(VENV)/bin/ruff check --fix server client tests proto
+
+proto: $(STAMP)
+	$(PY) proto/gen.py
+
+proto-check: $(STAMP)
+	$(PY) proto/gen.py --check
 
 clean:
 	rm -rf $(VENV) build *.egg-info
