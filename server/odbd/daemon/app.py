@@ -15,6 +15,7 @@ import logging
 import os
 import signal
 import socket as socketlib
+import time
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +24,14 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry, start_http_server
 
 from odbclient.shm import SAMPLE_LAYOUT_VERSION
-from odbclient.wire.odbd.v1 import ingest_pb2, ingest_pb2_grpc, trainer_pb2, trainer_pb2_grpc
+from odbclient.wire.odbd.v1 import (
+    admin_pb2,
+    admin_pb2_grpc,
+    ingest_pb2,
+    ingest_pb2_grpc,
+    trainer_pb2,
+    trainer_pb2_grpc,
+)
 from odbd.config import DaemonConfig
 from odbd.daemon.node_state import NodeState, Rejected
 from odbd.daemon.round_loop import RoundLoop
@@ -35,6 +43,7 @@ from odbd.ingest.supervisor import ProducerSupervisor, SupervisorConfig
 from odbd.metrics.collector import DaemonCollector
 from odbd.metrics.stats import DaemonStats
 from odbd.round import RoundBarrier, RoundConfig
+from odbd.serve.admin_service import AdminService
 from odbd.serve.rank_queue import RankQueue
 from odbd.serve.trainer_service import TrainerService
 
@@ -61,6 +70,9 @@ class Daemon:
         self.rejections: list[Rejected] = []
         self.stats = DaemonStats(node_rank=config.node_rank, dataset_size=dataset_size)
         self.metrics_address = ""
+        self.phase = "starting"
+        self.last_error = ""
+        self.started_s = time.monotonic()
         self._metrics_server: Any = None
         self._stop = asyncio.Event()
 
@@ -179,6 +191,7 @@ class Daemon:
         ingest_pb2_grpc.add_IngestServicer_to_server(self.ingest, server)
         trainer_pb2_grpc.add_TrainerServicer_to_server(trainer, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        admin_pb2_grpc.add_AdminServicer_to_server(AdminService(self.snapshot), server)
         old_umask = os.umask(0o177)  # the socket file is created 0600: only this user connects
         try:
             server.add_insecure_port(f"unix:{path}")
@@ -216,6 +229,40 @@ class Daemon:
             "producers": len(self.ingest.sessions) if self.ingest else 0,
             "trainers": sum(q.attached for q in self.queues.values()),
         }
+
+    def snapshot(self) -> admin_pb2.StatusReply:
+        """What `odbd status` shows: read-only facts of this daemon."""
+        loop, arena = self.loop, self.arena
+        ranks = [
+            admin_pb2.RankStatus(
+                rank=rank,
+                attached=q.attached,
+                queued_steps=q.queued_steps(),
+                delivered_steps=self.stats.rank(rank).delivered_steps,
+                wait_s=self.stats.rank(rank).wait_s,
+                compute_s=self.stats.rank(rank).compute_s,
+            )
+            for rank, q in sorted(self.queues.items())
+        ]
+        return admin_pb2.StatusReply(
+            job_id=self.config.job_id,
+            node_rank=self.config.node_rank,
+            num_nodes=self.config.world.num_nodes,
+            epoch=self.state.epoch,
+            round=loop.round_index if loop else 0,
+            dataset_size=self.state.dataset_size,
+            epoch_emitted_samples=self.stats.epoch_samples,
+            buffered_samples=self.state.buffered_now(),
+            leased_samples=len(self.state.leases),
+            producers=len(self.ingest.sessions) if self.ingest else 0,
+            shm_used_bytes=arena.used_bytes if arena else 0,
+            shm_capacity_bytes=arena.capacity_bytes if arena else 0,
+            ranks=ranks,
+            rejected_by_reason=dict(self.stats.rejected),
+            uptime_s=time.monotonic() - self.started_s,
+            phase=self.phase,
+            last_error=self.last_error,
+        )
 
     # -- callbacks ---------------------------------------------------------------------------
 
@@ -264,19 +311,23 @@ class Daemon:
             await self.startup()
             assert self.loop is not None
             expiry = asyncio.ensure_future(self._expire_leases())
+            self.phase = "running"
             main = asyncio.ensure_future(self.loop.run())
             stop = asyncio.ensure_future(self._stop.wait())
             done, _ = await asyncio.wait({main, stop}, return_when=asyncio.FIRST_COMPLETED)
             expiry.cancel()
             if main in done:
                 main.result()  # raises the round error, if any
+                self.phase = "draining"
                 await self._drain()
+                self.phase = "done"
             else:
                 main.cancel()
                 self.loop.fail("the daemon was stopped (SIGTERM)")
                 await self._drain(grace_s=5.0)
         except OdbdError as error:
             log.error("%s", error)
+            self.phase, self.last_error = "failed", str(error)
             if self.loop is not None:
                 self.loop.fail(str(error))
                 await self._drain(grace_s=5.0)

@@ -1,0 +1,72 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class StatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class RankStatus(_message.Message):
+    __slots__ = ("rank", "attached", "queued_steps", "delivered_steps", "wait_s", "compute_s")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    ATTACHED_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_STEPS_FIELD_NUMBER: _ClassVar[int]
+    DELIVERED_STEPS_FIELD_NUMBER: _ClassVar[int]
+    WAIT_S_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    attached: bool
+    queued_steps: int
+    delivered_steps: int
+    wait_s: float
+    compute_s: float
+    def __init__(self, rank: _Optional[int] = ..., attached: _Optional[bool] = ..., queued_steps: _Optional[int] = ..., delivered_steps: _Optional[int] = ..., wait_s: _Optional[float] = ..., compute_s: _Optional[float] = ...) -> None: ...
+
+class StatusReply(_message.Message):
+    __slots__ = ("job_id", "node_rank", "num_nodes", "epoch", "round", "dataset_size", "epoch_emitted_samples", "buffered_samples", "leased_samples", "producers", "shm_used_bytes", "shm_capacity_bytes", "ranks", "rejected_by_reason", "uptime_s", "phase", "last_error")
+    class RejectedByReasonEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    NODE_RANK_FIELD_NUMBER: _ClassVar[int]
+    NUM_NODES_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    DATASET_SIZE_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_EMITTED_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    BUFFERED_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    LEASED_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    PRODUCERS_FIELD_NUMBER: _ClassVar[int]
+    SHM_USED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SHM_CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
+    REJECTED_BY_REASON_FIELD_NUMBER: _ClassVar[int]
+    UPTIME_S_FIELD_NUMBER: _ClassVar[int]
+    PHASE_FIELD_NUMBER: _ClassVar[int]
+    LAST_ERROR_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    node_rank: int
+    num_nodes: int
+    epoch: int
+    round: int
+    dataset_size: int
+    epoch_emitted_samples: int
+    buffered_samples: int
+    leased_samples: int
+    producers: int
+    shm_used_bytes: int
+    shm_capacity_bytes: int
+    ranks: _containers.RepeatedCompositeFieldContainer[RankStatus]
+    rejected_by_reason: _containers.ScalarMap[str, int]
+    uptime_s: float
+    phase: str
+    last_error: str
+    def __init__(self, job_id: _Optional[str] = ..., node_rank: _Optional[int] = ..., num_nodes: _Optional[int] = ..., epoch: _Optional[int] = ..., round: _Optional[int] = ..., dataset_size: _Optional[int] = ..., epoch_emitted_samples: _Optional[int] = ..., buffered_samples: _Optional[int] = ..., leased_samples: _Optional[int] = ..., producers: _Optional[int] = ..., shm_used_bytes: _Optional[int] = ..., shm_capacity_bytes: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[RankStatus, _Mapping]]] = ..., rejected_by_reason: _Optional[_Mapping[str, int]] = ..., uptime_s: _Optional[float] = ..., phase: _Optional[str] = ..., last_error: _Optional[str] = ...) -> None: ...
