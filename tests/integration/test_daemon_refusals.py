@@ -1,0 +1,86 @@
+"""Clear errors for operator mistakes against real daemons (issue: the daemon, bad input)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import pytest
+
+from odbclient import ODBClient
+from odbclient.errors import RankInUseError, RankRefusedError
+from odbd.demo.cluster import ClusterSpec, LocalCluster
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def test_unknown_rank_and_second_client_are_refused():
+    spec = ClusterSpec(
+        nodes=1,
+        ranks_per_node=2,
+        daemon_args=["--dataset-size", "10", "--epochs", "0", "--shm-size", "16M"],
+    )
+    with LocalCluster(spec) as cluster:
+        cluster.wait_sockets()
+        with pytest.raises(RankRefusedError, match="rank 5 is not served by this daemon"):
+            next(iter(ODBClient(rank=5, socket=cluster.sockets[0], connect_timeout_s=30)))
+        first = ODBClient(rank=0, socket=cluster.sockets[0], connect_timeout_s=30)
+        holder = iter(first)
+        second = ODBClient(rank=0, socket=cluster.sockets[0], connect_timeout_s=30)
+        try:
+            _attach(holder)
+            with pytest.raises(RankInUseError, match="already attached for rank 0"):
+                next(iter(second))
+        finally:
+            first.close()
+            second.close()
+    assert cluster.leftover_segments() == []
+
+
+def _attach(iterator) -> None:
+    """Starts the first client's stream without waiting for a batch (no producers run)."""
+    import threading
+
+    threading.Thread(target=lambda: next(iterator, None), daemon=True).start()
+    time.sleep(1.5)
+
+
+def test_mismatched_settings_are_refused_naming_the_setting_and_both_values():
+    spec = ClusterSpec(
+        nodes=2,
+        ranks_per_node=1,
+        daemon_args=["--dataset-size", "10", "--shm-size", "16M", "--join-timeout", "20"],
+        per_node_args=[["--token-budget", "12288"], ["--token-budget", "8192"]],
+    )
+    cluster = LocalCluster(spec).start()
+    try:
+        codes = cluster.wait(60)
+    finally:
+        cluster.stop()
+    assert codes[0] != 0 and codes[1] != 0, codes
+    logs = cluster.log(0) + cluster.log(1)
+    assert "token_budget" in logs and "12288" in logs and "8192" in logs, logs
+    assert cluster.leftover_segments() == []
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--world", "3", "--nproc-per-node", "2"], "not divisible by ranks per node"),
+        (["--world", "2", "--nproc-per-node", "2"], "exactly one of --dataset"),
+        (["--world", "2", "--nproc-per-node", "2", "--dataset-size", "5", "--token-budget", "0"],
+         "token budget must be > 0"),
+        (["--world", "4", "--nproc-per-node", "2", "--dataset-size", "5"], "--peers"),
+    ],
+)  # fmt: skip
+def test_bad_flags_exit_2_with_one_line(args, message, tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "odbd", "--socket", str(tmp_path / "s.sock"), *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 2
+    assert message in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
