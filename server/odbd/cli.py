@@ -56,6 +56,9 @@ def daemon_parser() -> argparse.ArgumentParser:
     add("--listen", default="127.0.0.1:0", metavar="HOST:PORT", help="peer gRPC listener")
     add("--socket", default=default_socket(), metavar="PATH", help="unix socket (mode 0600)")
     add("--metrics-port", type=int, metavar="P", help="serve Prometheus /metrics on this port")
+    add("--metrics-host", default="127.0.0.1", metavar="HOST", help="address /metrics binds")
+    add("--health-listen", default="", metavar="HOST:PORT", help="grpc.health.v1 over TCP")
+    add("--drain-timeout", type=float, default=30.0, metavar="S", help="SIGTERM grace period")
     add("--dataset", metavar="MODULE:FACTORY", help="spawn producers importing this dataset")
     add("--dataset-arg", type=_key_value, action="append", default=[], metavar="KEY=VALUE")
     add("--workers", type=int, default=2, metavar="K", help="producer processes to spawn")
@@ -128,6 +131,9 @@ def config_from_args(args: argparse.Namespace) -> DaemonConfig:
         listen=args.listen,
         socket=args.socket,
         metrics_port=args.metrics_port,
+        metrics_host=args.metrics_host,
+        health_listen=args.health_listen,
+        drain_timeout_s=args.drain_timeout,
         dataset=args.dataset,
         dataset_args=tuple(args.dataset_arg),
         workers=args.workers,

@@ -39,6 +39,9 @@ class DaemonConfig:
     listen: str = "127.0.0.1:0"
     socket: str = field(default_factory=default_socket)
     metrics_port: int | None = None  # None = no /metrics; 0 = any free port
+    metrics_host: str = "127.0.0.1"  # a pod's IP (or 0.0.0.0) so Prometheus can scrape it
+    health_listen: str = ""  # "HOST:PORT": grpc.health.v1 over TCP for probes; "" = socket only
+    drain_timeout_s: float = 30.0  # after SIGTERM: time the trainers get to take queued steps
     dataset: str | None = None  # MODULE:FACTORY for daemon-spawned producers
     dataset_args: tuple[tuple[str, str], ...] = ()
     workers: int = 2
@@ -89,6 +92,8 @@ class DaemonConfig:
             raise ConfigError(f"--epochs must be >= 0 (0 = endless), got {self.epochs}")
         if self.workers < 0:
             raise ConfigError(f"--workers must be >= 0, got {self.workers}")
+        if self.drain_timeout_s < 0:
+            raise ConfigError(f"--drain-timeout must be >= 0 seconds, got {self.drain_timeout_s}")
         if self.shm_size < (1 << 20):
             raise ConfigError(f"--shm-size must be at least 1 MiB, got {self.shm_size} bytes")
         self.planner(0)  # validates budget and buffer with the planner's own messages

@@ -33,6 +33,7 @@ from odbclient.wire.odbd.v1 import (
     trainer_pb2_grpc,
 )
 from odbd.config import DaemonConfig
+from odbd.daemon.journal import Journal, check_header, replay
 from odbd.daemon.node_state import NodeState, Rejected
 from odbd.daemon.round_loop import RoundLoop
 from odbd.errors import ConfigError, OdbdError
@@ -52,6 +53,7 @@ log = logging.getLogger("odbd")
 _MESSAGE_BYTES = 16 * 1024 * 1024  # local messages carry metadata only; bulk bytes are in shm
 _DRAIN_GRACE_S = 60.0
 _EXPIRY_PERIOD_S = 1.0
+_HEALTH_PERIOD_S = 0.2  # producers attach and leave without a callback: health is polled
 
 
 class Daemon:
@@ -68,13 +70,20 @@ class Daemon:
         self.ingest: IngestService | None = None
         self.exit_code = 0
         self.rejections: list[Rejected] = []
-        self.stats = DaemonStats(node_rank=config.node_rank, dataset_size=dataset_size)
+        self.stats = DaemonStats.for_config(config, dataset_size)
         self.metrics_address = ""
         self.phase = "starting"
+        self.journal: Journal | None = None
+        self.journal_records: list | None = None  # set when resuming from --state-dir
+        self.resume_points: dict[int, tuple[int, int]] = {}
+        self.resume_known = asyncio.Event()
+        self.resumed = False
         self.last_error = ""
         self.started_s = time.monotonic()
         self._metrics_server: Any = None
+        self._health_server: grpc.aio.Server | None = None
         self._stop = asyncio.Event()
+        self._peers_joined = False
 
     # -- startup -----------------------------------------------------------------------------
 
@@ -97,7 +106,9 @@ class Daemon:
             welcome=self._trainer_welcome(),
             on_free=lambda locations: self._free(lanes, locations),
             on_delivered=self._on_delivered,
+            on_hello=self._on_trainer_hello,
         )
+        self._open_journal()
         await self._serve_socket(trainer)
         self.barrier = RoundBarrier(self._round_config())
         await self.barrier.start()
@@ -110,6 +121,7 @@ class Daemon:
             read_sample=self._read_sample,
             on_planned=lambda plan: self.ingest.pump_leases() if self.ingest else None,
             stats=self.stats,
+            journal=self.journal,
         )
         self._serve_metrics(lanes)
         if config.dataset is not None and config.workers > 0:
@@ -124,7 +136,7 @@ class Daemon:
                 on_restart=self._on_producer_restart,
             )
             await self.supervisor.start()
-        await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
+        self._peers_joined = True  # SERVING follows from the health watcher once running
         log.info(
             "node %d of job %r serving ranks %d..%d on %s (peers: %s)",
             config.node_rank,
@@ -201,20 +213,81 @@ class Daemon:
         os.chmod(path, 0o600)
         self.server = server
 
+    # -- restart from --state-dir -------------------------------------------------------------
+
+    def _open_journal(self) -> None:
+        if self.config.state_dir is None:
+            return
+        journal = Journal(self.config.state_dir, self.config.node_rank)
+        fingerprint = self.config.fingerprint(self.state.dataset_size)
+        if journal.exists():
+            self.journal_records = journal.records()
+            check_header(self.journal_records, fingerprint)
+            log.info(
+                "resuming from %s: waiting for every local trainer's resume point",
+                journal.path,
+            )
+        journal.open(fingerprint, self.state.views_per_iteration)
+        self.journal = journal
+
+    def _on_trainer_hello(self, hello: trainer_pb2.TrainerHello) -> str | None:
+        if self.journal_records is None or self.resumed:
+            return None
+        if not hello.resume:
+            return (
+                f"this daemon restarted from --state-dir {self.config.state_dir}; rank "
+                f"{hello.rank} must call ODBClient.load_state_dict() with its checkpoint before "
+                "iterating (or start the job afresh with an empty --state-dir)"
+            )
+        self.resume_points[hello.rank] = (hello.resume_epoch, hello.resume_step)
+        if len(self.resume_points) == len(self.queues):
+            self.resume_known.set()
+        return None
+
+    async def _resume(self) -> None:
+        """Waits for every local trainer's resume point, then rebuilds state from the journal."""
+        assert self.journal is not None and self.journal_records is not None and self.loop
+        try:
+            await asyncio.wait_for(self.resume_known.wait(), self.config.join_timeout_s)
+        except TimeoutError:
+            missing = sorted(set(self.queues) - set(self.resume_points))
+            raise ConfigError(
+                f"resuming from --state-dir: ranks {missing} sent no resume point within "
+                f"{self.config.join_timeout_s:g} s; start their trainers with load_state_dict()"
+            ) from None
+        points = set(self.resume_points.values())
+        if len(points) != 1:
+            raise ConfigError(
+                f"local trainers resume at different steps {self.resume_points}; every rank "
+                "must load the state_dict saved at the same checkpoint step"
+            )
+        epoch, step = points.pop()
+        resume = replay(self.journal_records, self.config.world.world_size, epoch, step)
+        self.journal.append_resume(epoch, step)
+        self.loop.restore(resume)
+        self.resumed = True
+        log.info(
+            "resumed at epoch %d step %d: %d trained steps kept, the rest is produced again",
+            epoch,
+            step,
+            len(resume.trained_steps),
+        )
+
     def _serve_metrics(self, lanes: Lanes) -> None:
         if self.config.metrics_port is None:
             return
         registry = CollectorRegistry(auto_describe=False)
         registry.register(DaemonCollector(self.stats, lambda: self._live_gauges(lanes)))
+        host, port = self.config.metrics_host, self.config.metrics_port
         try:
-            server, _ = start_http_server(self.config.metrics_port, "127.0.0.1", registry)
+            server, _ = start_http_server(port, host, registry)
         except OSError as error:
             raise ConfigError(
-                f"cannot serve /metrics on 127.0.0.1:{self.config.metrics_port}: {error}; "
-                "pick a free --metrics-port"
+                f"cannot serve /metrics on {host}:{port}: {error}; "
+                "pick a free --metrics-port (or a local --metrics-host)"
             ) from None
         self._metrics_server = server
-        self.metrics_address = f"127.0.0.1:{server.server_port}"
+        self.metrics_address = f"{host}:{server.server_port}"
         log.info("serving Prometheus metrics on http://%s/metrics", self.metrics_address)
 
     def _live_gauges(self, lanes: Lanes) -> dict[str, float]:
@@ -264,6 +337,43 @@ class Daemon:
             last_error=self.last_error,
         )
 
+    # -- health ------------------------------------------------------------------------------
+
+    async def _serve_health_tcp(self) -> None:
+        """grpc.health.v1 on TCP for Kubernetes gRPC probes (the unix socket serves it too)."""
+        if not self.config.health_listen:
+            return
+        server = grpc.aio.server()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        try:
+            server.add_insecure_port(self.config.health_listen)
+        except RuntimeError as error:
+            raise ConfigError(
+                f"cannot serve health checks on {self.config.health_listen} ({error}); "
+                "pick a free --health-listen"
+            ) from None
+        await server.start()
+        self._health_server = server
+
+    async def _update_health(self) -> None:
+        serving = is_serving(
+            phase=self.phase,
+            peers_joined=self._peers_joined,
+            producers=len(self.ingest.sessions) if self.ingest else 0,
+            external_producers=self.config.dataset is None,
+        )
+        if serving != self.stats.serving:
+            self.stats.serving = serving
+            status = health_pb2.HealthCheckResponse.NOT_SERVING
+            if serving:
+                status = health_pb2.HealthCheckResponse.SERVING
+            await self.health.set("", status)
+
+    async def _watch_health(self) -> None:
+        while True:
+            await self._update_health()
+            await asyncio.sleep(_HEALTH_PERIOD_S)
+
     # -- callbacks ---------------------------------------------------------------------------
 
     def _on_producer_restart(self) -> None:
@@ -307,24 +417,38 @@ class Daemon:
     # -- main --------------------------------------------------------------------------------
 
     async def run(self) -> int:
+        stop = asyncio.ensure_future(self._stop.wait())
+        watch: asyncio.Future[None] | None = None
         try:
-            await self.startup()
+            await self._serve_health_tcp()
+            # A SIGTERM while the job forms (peers may take minutes) stops at once.
+            starting = asyncio.ensure_future(self.startup())
+            await asyncio.wait({starting, stop}, return_when=asyncio.FIRST_COMPLETED)
+            if not starting.done():
+                starting.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await starting
+                log.info("stopped before the job formed")
+                return self.exit_code
+            starting.result()
             assert self.loop is not None
             expiry = asyncio.ensure_future(self._expire_leases())
             self.phase = "running"
+            watch = asyncio.ensure_future(self._watch_health())
             main = asyncio.ensure_future(self.loop.run())
-            stop = asyncio.ensure_future(self._stop.wait())
             done, _ = await asyncio.wait({main, stop}, return_when=asyncio.FIRST_COMPLETED)
             expiry.cancel()
             if main in done:
                 main.result()  # raises the round error, if any
                 self.phase = "draining"
+                await self._update_health()
                 await self._drain()
                 self.phase = "done"
             else:
                 main.cancel()
                 self.loop.fail("the daemon was stopped (SIGTERM)")
-                await self._drain(grace_s=5.0)
+                # In-flight steps were planned on every node: let the trainers take them.
+                await self._drain(grace_s=self.config.drain_timeout_s)
         except OdbdError as error:
             log.error("%s", error)
             self.phase, self.last_error = "failed", str(error)
@@ -333,6 +457,9 @@ class Daemon:
                 await self._drain(grace_s=5.0)
             self.exit_code = 1
         finally:
+            stop.cancel()
+            if watch is not None:
+                watch.cancel()
             await self.shutdown()
         return self.exit_code
 
@@ -358,6 +485,12 @@ class Daemon:
             await asyncio.sleep(0.05)
 
     def request_stop(self) -> None:
+        """SIGTERM: NOT_SERVING at once, then drain within --drain-timeout and release shm."""
+        self.phase = "draining"
+        self.stats.serving = False
+        asyncio.get_running_loop().create_task(
+            self.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+        )
         self._stop.set()
 
     async def shutdown(self) -> None:
@@ -368,15 +501,30 @@ class Daemon:
             await self.supervisor.stop()
         if self.server is not None:
             await self.server.stop(1.0)
+        if self._health_server is not None:
+            await self._health_server.stop(0.5)
         if self.barrier is not None:
             await self.barrier.close()
         if self._metrics_server is not None:
             self._metrics_server.shutdown()
             self._metrics_server.server_close()
+        if self.journal is not None:
+            self.journal.close()
         if self.arena is not None:
             self.arena.close()
         with contextlib.suppress(FileNotFoundError):
             Path(self.config.socket).unlink()
+
+
+def is_serving(*, phase: str, peers_joined: bool, producers: int, external_producers: bool) -> bool:
+    """grpc.health.v1 SERVING: the job formed and samples can flow, and not draining.
+
+    With --dataset the daemon's own producers must be connected; with --dataset-size the
+    producers are external and may attach later, so joined peers are enough.
+    """
+    if phase != "running" or not peers_joined:
+        return False
+    return external_producers or producers > 0
 
 
 def _claim_socket_path(path: str) -> None:

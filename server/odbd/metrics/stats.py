@@ -9,6 +9,10 @@ from __future__ import annotations
 import bisect
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from odbd.config import DaemonConfig
 
 # Round latencies on loopback are ~1 ms; a slow peer can take seconds.
 LATENCY_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
@@ -56,6 +60,8 @@ class RankStats:
 class DaemonStats:
     node_rank: int
     dataset_size: int
+    world_size: int = 0
+    epochs: int = 0  # epochs of the job; 0 = endless (no job quota)
     ranks: dict[int, RankStats] = field(default_factory=dict)
     # Global facts every daemon computes from the same plans (so any daemon can be scraped).
     global_steps: int = 0
@@ -78,6 +84,25 @@ class DaemonStats:
     expired_leases: int = 0
     rejected: Counter[str] = field(default_factory=Counter)
     producers_restarted: int = 0
+    serving: bool = False  # what grpc.health.v1 reports for this daemon
+
+    @classmethod
+    def for_config(cls, config: DaemonConfig, dataset_size: int) -> DaemonStats:
+        """Stats with every local rank present from the start.
+
+        A rank's series then begin at 0 in Prometheus, so rate() and increase() over a window
+        that starts before the job count the whole job (a series that appears mid-job at a
+        non-zero value loses its first increment).
+        """
+        stats = cls(
+            node_rank=config.node_rank,
+            dataset_size=dataset_size,
+            world_size=config.world.world_size,
+            epochs=config.epochs,
+        )
+        for rank in config.local_ranks:
+            stats.rank(rank)
+        return stats
 
     def rank(self, rank: int) -> RankStats:
         if rank not in self.ranks:
