@@ -1,0 +1,97 @@
+"""A long-tailed, learnable token dataset for the DDP tests and benchmarks (numpy + torch only).
+
+`odbd --dataset tests/integration/ddp_data.py:make --dataset-arg size=256 ...` spawns producers
+over it; the baselines index the same class in-process, so every loader sees identical samples.
+
+Lengths are log-normal (median `median_len`, shape `sigma`) clipped to [min_len, max_len]: most
+samples are short, a few are long, as in chat fine-tuning data. Each sequence counts up from a
+random start with a random stride (mod vocab), so a small causal model can learn it and the
+loss falls well below log(vocab); a fixed seed makes every sample identical in every process.
+
+Labels are pre-shifted (the next-token choice): labels[t] = input_ids[t + 1] is the target of
+position t, the last position has no target (-100) and the first `prompt_fraction` positions
+are a masked prompt (-100). So `labels != -100` counts exactly the loss terms of the sample,
+which is what odbd counts as its loss-bearing tokens t_r (DESIGN.md 3.4). A model that shifts
+internally (Hugging Face) sees unshifted labels instead; see docs/training.md.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+IGNORE_INDEX = -100
+STRIDES = (1, 2, 3, 5, 7)
+
+
+def long_tail_lengths(
+    size: int, *, seed: int, median_len: float, sigma: float, min_len: int, max_len: int
+) -> np.ndarray:
+    rng = np.random.default_rng([seed, 1])
+    raw = np.exp(rng.normal(np.log(median_len), sigma, size=size))
+    return np.clip(np.rint(raw), min_len, max_len).astype(np.int64)
+
+
+class LongTailTokens:
+    """Map-style dataset: `ds[i] -> {"input_ids": int64[l], "labels": int64[l]}`."""
+
+    def __init__(
+        self,
+        size: int = 256,
+        seed: int = 0,
+        vocab: int = 64,
+        median_len: float = 24.0,
+        sigma: float = 0.9,
+        min_len: int = 4,
+        max_len: int = 384,
+        prompt_fraction: float = 0.25,
+        as_torch: int = 0,
+    ) -> None:
+        if min_len < 2 or max_len < min_len or size < 0:
+            raise ValueError(f"need 2 <= min_len <= max_len and size >= 0, got {locals()}")
+        self.lengths = long_tail_lengths(
+            size, seed=seed, median_len=median_len, sigma=sigma, min_len=min_len, max_len=max_len
+        )
+        self.seed = seed
+        self.vocab = vocab
+        self.prompt_fraction = prompt_fraction
+        self.as_torch = bool(as_torch)  # the paper's ODBDataLoader only measures torch tensors
+
+    def __len__(self) -> int:
+        return int(self.lengths.shape[0])
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        if not 0 <= index < len(self):
+            raise IndexError(index)
+        length = int(self.lengths[index])
+        rng = np.random.default_rng([self.seed, 2, index])
+        start = int(rng.integers(0, self.vocab))
+        stride = STRIDES[int(rng.integers(0, len(STRIDES)))]
+        ids = (start + stride * np.arange(length, dtype=np.int64)) % self.vocab
+        labels = np.full(length, IGNORE_INDEX, dtype=np.int64)
+        labels[:-1] = ids[1:]  # the last position has no next token
+        labels[: int(length * self.prompt_fraction)] = IGNORE_INDEX
+        sample = {"input_ids": ids, "labels": labels}
+        if self.as_torch:
+            import torch
+
+            return {k: torch.from_numpy(v) for k, v in sample.items()}
+        return sample
+
+    def loss_tokens(self, index: int) -> int:
+        """What odbd counts for sample `index`: its labels != -100."""
+        return int(np.count_nonzero(self[index]["labels"] != IGNORE_INDEX))
+
+
+def make(**kwargs: Any) -> LongTailTokens:
+    """Factory for `--dataset tests/integration/ddp_data.py:make` (args from --dataset-arg)."""
+    return LongTailTokens(**kwargs)
+
+
+def dataset_args(**kwargs: Any) -> list[str]:
+    """`--dataset-arg KEY=VALUE` flags for the daemon, in the same spelling as `make` takes."""
+    args: list[str] = []
+    for key, value in kwargs.items():
+        args += ["--dataset-arg", f"{key}={value}"]
+    return args
