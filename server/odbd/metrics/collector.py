@@ -1,11 +1,11 @@
 """One Prometheus collector rendering DaemonStats and live gauges at scrape time.
 
 Names follow Prometheus conventions: prefix odbd_, base units, counters end in _total, labels
-limited to rank, peer and reason. The three numbers an operator reads first (ops/README.md):
-    padding   1 - rate(odbd_real_tokens_total) / rate(odbd_padded_tokens_total)
-    overlap   rate(odbd_trainer_compute_seconds_total) /
-              (rate(odbd_trainer_compute_seconds_total) + rate(odbd_trainer_wait_seconds_total))
-    quota     odbd_epoch_emitted_samples / odbd_epoch_quota_samples
+limited to rank, peer and reason. The three numbers an operator reads first, with their PromQL,
+are in ops/README.md (padding, pipeline overlap, sample quota); ops/grafana/ and ops/prometheus/
+use only the names below, which a test checks against a live scrape. Per-rank families carry
+`rank`; every daemon reports the job-wide numbers (global_*, epoch_*, job_*, round_*)
+identically, so job views take max() over the daemons rather than sum().
 """
 
 from __future__ import annotations
@@ -20,9 +20,12 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
+from odbclient.samples import RejectReason
 from odbd.metrics.stats import DaemonStats
 
 VERSION = "0.1.0"
+# Exported at 0 from the start, so the first rejection is an increase() and alerts see it.
+KNOWN_REJECT_REASONS = ("zero_length", "schema_mismatch", *(r.value for r in RejectReason))
 
 
 class DaemonCollector(Collector):
@@ -51,6 +54,7 @@ class DaemonCollector(Collector):
             ("loss_tokens_total", "loss-bearing tokens served", "loss_tokens"),
             ("trainer_wait_seconds_total", "time the trainer blocked in next()", "wait_s"),
             ("trainer_compute_seconds_total", "time the trainer spent between next()", "compute_s"),
+            ("delivered_steps_total", "steps the trainer acknowledged", "delivered_steps"),
         )
         for suffix, help_text, attr in fields:
             family = CounterMetricFamily(
@@ -76,6 +80,15 @@ class DaemonCollector(Collector):
             yield CounterMetricFamily(f"odbd_{name}", help_text, value=value)
         yield GaugeMetricFamily("odbd_epoch", "epoch being served", value=s.epoch)
         yield GaugeMetricFamily(
+            "odbd_job_quota_samples",
+            "samples the job emits in all: epochs x N (0 = endless)",
+            value=s.epochs * s.dataset_size,
+        )
+        yield GaugeMetricFamily("odbd_world_ranks", "trainer ranks in the job", value=s.world_size)
+        yield GaugeMetricFamily(
+            "odbd_serving", "1 when grpc.health.v1 reports SERVING", value=int(s.serving)
+        )
+        yield GaugeMetricFamily(
             "odbd_epoch_quota_samples", "samples per epoch (dataset size N)", value=s.dataset_size
         )
         yield GaugeMetricFamily(
@@ -96,8 +109,8 @@ class DaemonCollector(Collector):
             "rounds in which this peer's offer arrived last",
             labels=["peer"],
         )
-        for node, n in sorted(s.last_peer.items()):
-            last.add_metric([str(node)], n)
+        for node in sorted(set(range(s.num_nodes)) | set(s.last_peer)):
+            last.add_metric([str(node)], s.last_peer[node])
         yield last
 
     def _ingest_families(self, s: DaemonStats) -> Iterator[Metric]:
@@ -114,8 +127,8 @@ class DaemonCollector(Collector):
         rejected = CounterMetricFamily(
             "odbd_rejected_samples", "samples rejected at ingest", labels=["reason"]
         )
-        for reason, n in sorted(s.rejected.items()):
-            rejected.add_metric([reason], n)
+        for reason in sorted(set(KNOWN_REJECT_REASONS) | set(s.rejected)):
+            rejected.add_metric([reason], s.rejected[reason])
         yield rejected
 
 

@@ -61,6 +61,7 @@ class DaemonStats:
     node_rank: int
     dataset_size: int
     world_size: int = 0
+    num_nodes: int = 1
     epochs: int = 0  # epochs of the job; 0 = endless (no job quota)
     ranks: dict[int, RankStats] = field(default_factory=dict)
     # Global facts every daemon computes from the same plans (so any daemon can be scraped).
@@ -98,6 +99,7 @@ class DaemonStats:
             node_rank=config.node_rank,
             dataset_size=dataset_size,
             world_size=config.world.world_size,
+            num_nodes=config.world.num_nodes,
             epochs=config.epochs,
         )
         for rank in config.local_ranks:
