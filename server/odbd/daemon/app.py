@@ -223,6 +223,7 @@ class Daemon:
         if journal.exists():
             self.journal_records = journal.records()
             check_header(self.journal_records, fingerprint)
+            self.state.paused = True  # producers wait until the trainers say where to resume
             log.info(
                 "resuming from %s: waiting for every local trainer's resume point",
                 journal.path,
@@ -266,6 +267,9 @@ class Daemon:
         self.journal.append_resume(epoch, step)
         self.loop.restore(resume)
         self.resumed = True
+        self.state.paused = False
+        if self.ingest is not None:
+            self.ingest.pump_leases()
         log.info(
             "resumed at epoch %d step %d: %d trained steps kept, the rest is produced again",
             epoch,
@@ -433,6 +437,8 @@ class Daemon:
             starting.result()
             assert self.loop is not None
             expiry = asyncio.ensure_future(self._expire_leases())
+            if self.journal_records is not None:
+                await self._resume()
             self.phase = "running"
             watch = asyncio.ensure_future(self._watch_health())
             main = asyncio.ensure_future(self.loop.run())

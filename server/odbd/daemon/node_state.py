@@ -84,6 +84,8 @@ class NodeState:
         self.schema_hash: int | None = None
         self.rejected: Counter[str] = Counter()  # since the last round's offer
         self.rejected_total: Counter[str] = Counter()
+        self.rejected_keys: list[int] = []  # since the last round, for the --state-dir journal
+        self.paused = False  # no leases while a restart waits for the trainers' resume point
 
     # -- layout ------------------------------------------------------------------------------
 
@@ -145,6 +147,8 @@ class NodeState:
 
     def lease(self, producer: int, count: int, deadline: float) -> IntArray:
         """Up to `count` view keys for a producer, keeping each unit within its buffer."""
+        if self.paused:
+            return np.zeros(0, dtype=np.int64)
         keys: list[int] = []
         for unit in sorted(self._units, key=self._outstanding):
             room = self.planner.unit_capacity - self._outstanding(unit)
@@ -270,6 +274,7 @@ class NodeState:
         self._unit_of(key).leased.discard(key)
         it, view = self._split(key)
         it.ledger.reject([view])
+        self.rejected_keys.append(key)
         self.rejected[reason] += 1
         self.rejected_total[reason] += 1
         return Rejected(key, int(it.identities[view]), reason, detail, location)
@@ -321,6 +326,38 @@ class NodeState:
         delta = dict(self.rejected)
         self.rejected.clear()
         return delta
+
+    def take_rejected_keys(self) -> list[int]:
+        keys, self.rejected_keys = self.rejected_keys, []
+        return keys
+
+    def restore(self, trained: IntArray, rejected: IntArray, epoch: int) -> None:
+        """After a restart: trained views stay emitted, rejected ones rejected, the rest of every
+        iteration up to the latest one touched is pending again, re-leased in sampler order."""
+        m = self.views_per_iteration
+        self.epoch = epoch
+        done = np.concatenate([trained, rejected]).astype(np.int64)
+        touched = [epoch] if self.config.join else [0]
+        last = max(touched + (done // max(m, 1)).tolist()) if m else 0
+        first = epoch if self.config.join else 0
+        for it in range(first, last + 1):
+            ledger = self.iteration(it).ledger
+            emitted = trained[trained // m == it] % m
+            ledger.lease(emitted)
+            ledger.buffer(emitted)
+            ledger.emit(emitted)
+            refused = rejected[rejected // m == it] % m
+            ledger.lease(refused)
+            ledger.reject(refused)
+        done_set = set(done.tolist())
+        for unit in self._units:
+            unit.retry = deque(
+                k
+                for it in range(first, last + 1)
+                for k in (unit.views + it * m).tolist()
+                if k not in done_set
+            )
+            unit.iteration, unit.cursor = last, len(unit.views)
 
     def local_unit_ids(self) -> list[int]:
         return [u.unit for u in self._units]

@@ -31,6 +31,7 @@ class NodeOffer:
     epoch: int  # the epoch this node is planning; must agree across nodes
     units: tuple[UnitOffer, ...]
     rejected: dict[str, int]  # samples rejected at ingest since the previous round, by reason
+    resume: tuple[int, int] | None = None  # first round after a restart: trainers' (epoch, step)
 
 
 def encode(offer: NodeOffer) -> bytes:
@@ -38,6 +39,7 @@ def encode(offer: NodeOffer) -> bytes:
         "node": offer.node,
         "epoch": offer.epoch,
         "rejected": offer.rejected,
+        "resume": list(offer.resume) if offer.resume else None,
         "units": [[u.unit, u.dry, len(u.samples)] for u in offer.units],
     }
     head = json.dumps(header, separators=(",", ":")).encode()
@@ -70,4 +72,11 @@ def decode(payload: bytes) -> NodeOffer:
         units.append(UnitOffer(int(unit), SampleTable(*columns), bool(dry)))
     if pos != len(payload):
         raise InvariantError(f"round payload has {len(payload) - pos} trailing bytes")
-    return NodeOffer(int(header["node"]), int(header["epoch"]), tuple(units), header["rejected"])
+    resume = header.get("resume")
+    return NodeOffer(
+        int(header["node"]),
+        int(header["epoch"]),
+        tuple(units),
+        header["rejected"],
+        tuple(resume) if resume else None,  # type: ignore[arg-type]
+    )

@@ -24,6 +24,7 @@ from odbclient.shm import read_meta
 from odbclient.wire.odbd.v1 import trainer_pb2
 from odbd.config import DaemonConfig
 from odbd.daemon import offer_codec
+from odbd.daemon.journal import Journal, ResumeState
 from odbd.daemon.node_state import NodeState
 from odbd.errors import InvariantError
 from odbd.ingest.lanes import Lanes
@@ -60,6 +61,7 @@ class RoundLoop:
         read_sample: Callable[[int, int, int], memoryview],
         on_planned: Callable[[RoundPlan], None],
         stats: DaemonStats,
+        journal: Journal | None = None,
     ) -> None:
         self.config = config
         self.state = state
@@ -69,6 +71,9 @@ class RoundLoop:
         self.read_sample = read_sample
         self.on_planned = on_planned
         self.stats = stats
+        self.journal = journal
+        self.resume: tuple[int, int] | None = None  # set by restore(): announced in round 0
+        self.round_seed_base = 0  # plans of a restarted job must not repeat the old seeds
         self.progress = asyncio.Event()
         self.round_index = 0
         self.done = False
@@ -92,12 +97,13 @@ class RoundLoop:
                 epoch=self.state.epoch,
                 units=tuple(self.state.offers()),
                 rejected=self.state.take_rejected_delta(),
+                resume=self.resume if self.round_index == 0 else None,
             )
             payloads = await self.barrier.exchange(self.round_index, offer_codec.encode(offer))
             offers = [offer_codec.decode(p) for p in payloads]
             self._check_agreement(offers)
             units = sorted((u for o in offers for u in o.units), key=lambda u: u.unit)
-            plan = plan_round(units, self.state.planner, self.round_index)
+            plan = plan_round(units, self.state.planner, self.round_seed_base + self.round_index)
             self._apply(plan, offers)
             self._record_round(plan)
             self.on_planned(plan)
@@ -143,6 +149,13 @@ class RoundLoop:
         epochs = {o.epoch for o in offers}
         if len(epochs) != 1:
             raise InvariantError(f"nodes disagree on the epoch being planned: {sorted(epochs)}")
+        resumes = {o.resume for o in offers}
+        if len(resumes) != 1:
+            points = {o.node: o.resume for o in offers}
+            raise InvariantError(
+                f"nodes resume at different steps {points}: every trainer must load the "
+                "state_dict of the same checkpoint step"
+            )
         assert self.tally.rejected is not None
         for o in offers:
             self.tally.rejected.update(o.rejected)
@@ -154,6 +167,11 @@ class RoundLoop:
         step_epochs = self._step_epochs(plan)
         kept = len(step_epochs)
         step_numbers = self._number_steps(step_epochs)
+        if self.journal is not None:
+            rejected: Counter[str] = Counter()
+            for o in offers:
+                rejected.update(o.rejected)
+            self._journal_round(plan, step_epochs, step_numbers, dict(rejected))
         local = set(self.state.local_unit_ids())
         for unit in plan.units:
             self._tally_identities(unit, kept)
@@ -194,6 +212,60 @@ class RoundLoop:
             rs.real_tokens += int(stats.real_tokens[:kept, rank].sum())
             rs.padded_tokens += int(stats.padded_tokens[:kept, rank].sum())
             rs.loss_tokens += int(stats.num_tokens[:kept, rank].sum())
+
+    def _journal_round(
+        self,
+        plan: RoundPlan,
+        step_epochs: list[int],
+        step_numbers: list[int],
+        rejected: dict[str, int],
+    ) -> None:
+        """Appends what this round hands to trainers, before any of it is queued."""
+        assert self.journal is not None
+        kept = len(step_epochs)
+        g = self.state.planner.ranks_per_unit
+        parts = [
+            u.emitted.views[int(u.slot_offsets[k * g]) : int(u.slot_offsets[(k + 1) * g])]
+            for k in range(kept)
+            for u in plan.units
+        ]
+        keys = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+        per_step = plan.stats.global_num_samples[:kept].tolist()
+        steps = [[e, n, c] for e, n, c in zip(step_epochs, step_numbers, per_step, strict=True)]
+        self.journal.append_round(
+            self.round_seed_base + self.round_index,
+            steps,
+            keys,
+            plan.stats.num_samples[:kept],
+            self.state.take_rejected_keys(),
+            rejected,
+        )
+
+    def restore(self, resume: ResumeState) -> None:
+        """Continues a restarted job at the trainers' resume point (journal.replay's result)."""
+        local = set(self.queues)
+        trained = [k for s in resume.trained_steps for r, keys in enumerate(s.keys_by_rank)
+                   if r in local for k in keys.tolist()]  # fmt: skip
+        self.state.restore(
+            np.asarray(trained, dtype=np.int64),
+            np.asarray(resume.rejected_keys, dtype=np.int64),
+            resume.epoch,
+        )
+        for s in resume.trained_steps:
+            self.steps_in_epoch[s.epoch] = max(self.steps_in_epoch[s.epoch], s.step + 1)
+            self.quota_consumed += s.global_samples
+            if s.epoch == resume.epoch:
+                self.tally.steps += 1
+                self.tally.samples += s.global_samples
+                assert self.tally.seen is not None
+                for keys in s.keys_by_rank:
+                    self.tally.seen[self.state.identities_of(keys)] = True
+        self.steps_in_epoch[resume.epoch] = resume.step
+        if not self.config.join:
+            self.quota_consumed += sum(resume.rejected.values())
+        self.stats.epochs_done = resume.epoch if self.config.join else 0
+        self.resume = (resume.epoch, resume.step)
+        self.round_seed_base = resume.incarnation * 1_000_000_000
 
     def _number_steps(self, step_epochs: list[int]) -> list[int]:
         """Step index within its epoch, identical on every rank and daemon."""

@@ -28,12 +28,14 @@ class TrainerService(trainer_pb2_grpc.TrainerServicer):
         welcome: trainer_pb2.TrainerWelcome,
         on_free: Callable[[list[Location]], None],
         on_delivered: Callable[[int, trainer_pb2.Delivered], None],
+        on_hello: Callable[[trainer_pb2.TrainerHello], str | None] = lambda hello: None,
     ) -> None:
         self._job_id = job_id
         self._queues = queues
         self._welcome = welcome
         self._on_free = on_free
         self._on_delivered = on_delivered
+        self._on_hello = on_hello
 
     async def Train(  # noqa: N802 (gRPC method name)
         self,
@@ -98,6 +100,9 @@ class TrainerService(trainer_pb2_grpc.TrainerServicer):
                 f"another client is already attached for rank {hello.rank}; each rank has "
                 "exactly one ODBClient (close the other, or check RANK)",
             )
+        refusal = self._on_hello(hello)
+        if refusal is not None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, refusal)
         return hello
 
     async def _read_deliveries(
