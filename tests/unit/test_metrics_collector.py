@@ -1,0 +1,105 @@
+"""metrics/: Prometheus naming conventions, series present from the start, scrape-time rendering."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from odbd.config import DaemonConfig
+from odbd.daemon.app import is_serving
+from odbd.metrics.collector import KNOWN_REJECT_REASONS, DaemonCollector
+from odbd.metrics.stats import DaemonStats, Histogram
+from odbd.world import World
+
+ALLOWED_LABELS = {"rank", "peer", "reason", "le", "version", "node"}
+
+
+def render(stats: DaemonStats, live: dict[str, float] | None = None) -> str:
+    registry = CollectorRegistry(auto_describe=False)  # a fresh registry per test
+    registry.register(DaemonCollector(stats, lambda: live or {"shm_used_bytes": 0.0}))
+    return generate_latest(registry).decode()
+
+
+def families(text: str) -> dict:
+    return {f.name: f for f in text_string_to_metric_families(text)}
+
+
+def config(**overrides) -> DaemonConfig:
+    args = dict(world=World(4, 2), node_rank=1, peers=("a:1", "b:2"), dataset_size=100)
+    return DaemonConfig(**(args | overrides))
+
+
+def test_names_follow_prometheus_conventions():
+    stats = DaemonStats.for_config(config(epochs=3), 100)
+    stats.rejected["zero_length"] += 2
+    for family in families(render(stats)).values():
+        assert re.fullmatch(r"odbd_[a-z0-9_]+", family.name), family.name
+        for sample in family.samples:
+            if family.type == "counter":
+                assert sample.name.endswith("_total"), sample.name
+            assert set(sample.labels) <= ALLOWED_LABELS, sample
+        if family.type == "gauge":
+            assert not family.name.endswith("_total"), family.name
+        assert not re.search(r"_(ms|milliseconds|kb|mb|mib|percent)$", family.name), family.name
+
+
+def test_local_ranks_peers_and_reasons_are_exported_at_zero_before_any_event():
+    text = render(DaemonStats.for_config(config(), 100))
+    f = families(text)
+    assert {s.labels["rank"] for s in f["odbd_padded_tokens"].samples} == {"2", "3"}
+    assert all(s.value == 0 for s in f["odbd_padded_tokens"].samples)
+    assert {s.labels["peer"] for s in f["odbd_round_last_peer"].samples} == {"0", "1"}
+    reasons = {s.labels["reason"] for s in f["odbd_rejected_samples"].samples}
+    assert reasons == set(KNOWN_REJECT_REASONS)
+
+
+def test_job_quota_world_and_serving_gauges():
+    stats = DaemonStats.for_config(config(epochs=3), 100)
+    stats.serving = True
+    f = families(render(stats))
+    assert f["odbd_job_quota_samples"].samples[0].value == 300
+    assert f["odbd_world_ranks"].samples[0].value == 4
+    assert f["odbd_serving"].samples[0].value == 1
+    endless = families(render(DaemonStats.for_config(config(epochs=0), 100)))
+    assert endless["odbd_job_quota_samples"].samples[0].value == 0
+
+
+def test_stats_render_the_values_the_hot_path_added():
+    stats = DaemonStats.for_config(config(), 100)
+    rank = stats.rank(2)
+    rank.real_tokens, rank.padded_tokens = 750, 1000
+    rank.wait_s, rank.compute_s = 0.25, 9.75
+    stats.round_duration.observe(0.003)
+    stats.last_peer[1] += 5
+    f = families(render(stats, {"shm_used_bytes": 10.0, "shm_capacity_bytes": 20.0}))
+    value = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value for x in f.values() for s in x.samples
+    }
+    assert value[("odbd_real_tokens_total", (("rank", "2"),))] == 750
+    assert value[("odbd_trainer_compute_seconds_total", (("rank", "2"),))] == 9.75
+    assert value[("odbd_round_last_peer_total", (("peer", "1"),))] == 5
+    assert value[("odbd_round_duration_seconds_count", ())] == 1
+    assert value[("odbd_round_duration_seconds_bucket", (("le", "0.005"),))] == 1
+    assert value[("odbd_round_duration_seconds_bucket", (("le", "0.0025"),))] == 0
+    assert value[("odbd_shm_capacity_bytes", ())] == 20
+
+
+def test_histogram_buckets_are_cumulative_and_end_in_inf():
+    h = Histogram((0.1, 1.0))
+    for v in (0.05, 0.1, 0.5, 5.0):
+        h.observe(v)
+    assert h.cumulative() == [("0.1", 2), ("1.0", 3), ("+Inf", 4)]
+    assert h.count == 4 and h.total == pytest.approx(5.65)
+
+
+def test_health_is_serving_only_when_running_with_peers_and_producers():
+    ok = dict(phase="running", peers_joined=True, producers=1, external_producers=False)
+    assert is_serving(**ok)
+    assert not is_serving(**(ok | {"producers": 0}))
+    assert is_serving(**(ok | {"producers": 0, "external_producers": True}))
+    assert not is_serving(**(ok | {"peers_joined": False}))
+    for phase in ("starting", "draining", "done", "failed"):
+        assert not is_serving(**(ok | {"phase": phase}))
