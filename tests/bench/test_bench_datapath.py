@@ -1,0 +1,231 @@
+"""Node data path on the real daemon (DESIGN.md section 5): throughput, next() latency, overlap.
+
+    .venv/bin/python -m pytest -q -m bench -s tests/bench/test_bench_datapath.py
+
+"Ours" is always 1 daemon (`python -m odbd --world 1 --nproc-per-node 1 --dataset
+tests/bench/datapath_dataset.py:fixed_size --workers 1`), the 1 producer it spawns and 1 trainer
+process consuming with ODBClient (tests/bench/datapath_run.py): 3 busy processes on this 2-core
+machine, plus the pytest parent, which only samples /proc every 50 ms. Baselines run in the same
+test, interleaved with ours, so load from other work on the machine hits both alike; every
+number is the median of RUNS runs. Nothing asserts speed. Results go to docs/bench/datapath.md.
+
+1. throughput at the trainer vs the raw shm slot ring (tests/bench/shm_ring.py, 2 processes),
+   8 KiB and 1 MiB samples, the trainer doing no compute;
+2. next() latency when data is ready: the trainer computes 5-10 ms per step so its queue stays
+   full; baselines: a ready queue.Queue.get() after the same compute, and a gRPC aio unary round
+   trip on a unix socket (2 processes; tests/bench/datapath_baselines.py);
+3. pipeline overlap compute / (compute + wait) of the same runs as 2, from the daemon's /metrics
+   and from the trainer's own clock, over the steps after the first WARMUP_STEPS.
+Knob: ODBD_BENCH_RUNS (default 3).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.bench.datapath_baselines import grpc_round_trips, queue_get_latencies
+from tests.bench.datapath_run import (
+    DatapathCase,
+    DatapathRun,
+    median,
+    percentile,
+    run_datapath,
+)
+from tests.bench.shm_ring import RingResult, run_ring
+
+RUNS = int(os.environ.get("ODBD_BENCH_RUNS", "3"))
+REPORT = Path(__file__).resolve().parents[2] / "docs" / "bench" / "datapath.md"
+COMMAND = ".venv/bin/python -m pytest -q -m bench -s tests/bench/test_bench_datapath.py"
+WARMUP_STEPS = 20
+COMPUTE_MS = (5.0, 10.0)
+
+# (our case, raw ring samples per run). Ring runs are short: it is 10-30x faster than ours.
+THROUGHPUT_CASES = (
+    (
+        DatapathCase(
+            nbytes=8 * 1024,
+            num_samples=30_000,
+            batch_samples=16,
+            buffer=256,
+            steps_ahead=16,
+            shm_bytes=256 << 20,
+            warmup_steps=WARMUP_STEPS,
+        ),
+        20_000,
+    ),
+    (
+        DatapathCase(
+            nbytes=1024 * 1024,
+            num_samples=5_000,
+            batch_samples=8,
+            buffer=64,
+            steps_ahead=8,
+            shm_bytes=512 << 20,
+            warmup_steps=WARMUP_STEPS,
+        ),
+        2_000,
+    ),
+)
+LATENCY_CASE = DatapathCase(
+    nbytes=8 * 1024,
+    num_samples=16 * 400,  # 400 steps of 5-10 ms: ~3 s
+    batch_samples=16,
+    buffer=256,
+    steps_ahead=16,
+    shm_bytes=256 << 20,
+    compute_ms=COMPUTE_MS,
+    warmup_steps=WARMUP_STEPS,
+    metrics=True,
+)
+
+
+# --- 1. throughput ----------------------------------------------------------------------------
+
+
+@pytest.mark.bench
+@pytest.mark.timeout(600)
+def test_bench_datapath_throughput_vs_raw_ring() -> None:
+    lines = [*_heading("ingest -> trainer throughput vs the raw shm slot ring")]
+    lines += [
+        "| sample | variant | samples/s | GB/s | vs raw ring | busy processes | CPU, fraction of "
+        "a core (daemon / producer / trainer) | CPU us per sample (daemon / producer / trainer) |",
+        "| ---: | --- | ---: | ---: | ---: | ---: | --- | --- |",
+    ]
+    for case, ring_samples in THROUGHPUT_CASES:
+        rings: list[RingResult] = []
+        ours: list[DatapathRun] = []
+        for _ in range(RUNS):
+            rings.append(run_ring(slot_bytes=case.nbytes, num_samples=ring_samples))
+            ours.append(run_datapath(case))
+        lines += _throughput_rows(case, rings, ours)
+    _finish(lines)
+
+
+def _throughput_rows(
+    case: DatapathCase, rings: list[RingResult], ours: list[DatapathRun]
+) -> list[str]:
+    size = f"{case.nbytes // 1024} KiB"
+    ring_sps = median([r.samples_per_s for r in rings])
+    ours_sps = median([r.samples_per_s for r in ours])
+    names = ("daemon", "producer", "trainer")
+    share = {n: median([r.cpu_share().get(n, 0.0) for r in ours]) for n in names}
+    per_sample_us = {
+        n: median([r.cpu_s.get(n, 0.0) / r.window_samples * 1e6 for r in ours]) for n in names
+    }
+    runs = ", ".join(f"{r.samples_per_s:,.0f}" for r in ours)
+    return [
+        f"| {size} | raw ring (eventfd) | {ring_sps:,.0f} | {ring_sps * case.nbytes / 1e9:.2f} "
+        "| 1.00x | 2 | - | - |",
+        f"| {size} | odbd, {case.batch_samples}/batch | {ours_sps:,.0f} "
+        f"| {ours_sps * case.nbytes / 1e9:.2f} | {ours_sps / ring_sps:.3f}x | 3 "
+        f"| {' / '.join(f'{share[n]:.2f}' for n in names)} "
+        f"| {' / '.join(f'{per_sample_us[n]:.0f}' for n in names)} |",
+        f"|  | (odbd runs: {runs} samples/s) | | | | | | |",
+    ]
+
+
+# --- 2. next() latency and 3. overlap ---------------------------------------------------------
+
+
+@pytest.mark.bench
+@pytest.mark.timeout(600)
+def test_bench_next_latency_and_pipeline_overlap() -> None:
+    queue_runs, grpc_runs, ours = [], [], []
+    for _ in range(RUNS):
+        queue_runs.append(queue_get_latencies(200, COMPUTE_MS))
+        grpc_runs.append(grpc_round_trips(2000))
+        ours.append(run_datapath(LATENCY_CASE))
+    lines = [*_heading("trainer next() latency with data ready, and pipeline overlap")]
+    lines += [
+        f"Trainer compute: uniform {COMPUTE_MS[0]:g}-{COMPUTE_MS[1]:g} ms per step (time.sleep), "
+        f"{LATENCY_CASE.batch_samples} x {LATENCY_CASE.nbytes // 1024} KiB samples per batch, "
+        f"{LATENCY_CASE.num_samples // LATENCY_CASE.batch_samples} steps per run; the first "
+        f"{WARMUP_STEPS + 1} steps (connect, first round, queue filling) are left out. "
+        "Percentiles: per run, then the median over runs; max: over all runs.",
+        "",
+        "| what | processes | p50 ms | p90 ms | p99 ms | max ms |",
+        "| --- | ---: | ---: | ---: | ---: | ---: |",
+        _latency_row("queue.Queue.get() of a ready object, after the same compute", 1, queue_runs),
+        _latency_row("gRPC aio unary round trip, unix socket (health Check)", 2, grpc_runs),
+        _latency_row("ODBClient next(), steady state", 3, [r.steady_wait_s for r in ours]),
+        "",
+        "Pipeline overlap = compute / (compute + wait) over the same steps, from the trainer's "
+        "clock and from the daemon's /metrics (difference of odbd_trainer_compute_seconds_total "
+        "and odbd_trainer_wait_seconds_total scraped after step "
+        f"{WARMUP_STEPS} and after the epoch):",
+        "",
+        "| run | steps measured | overlap (trainer clock) | overlap (daemon /metrics) "
+        "| mean wait ms | CPU, fraction of a core (daemon / producer / trainer) |",
+        "| ---: | ---: | ---: | ---: | ---: | --- |",
+    ]
+    for index, run in enumerate(ours):
+        lines.append(_overlap_row(str(index + 1), run))
+    lines.append(
+        f"| median | | {median([r.trainer_overlap for r in ours]):.4f} "
+        f"| {median([r.daemon_overlap or 0.0 for r in ours]):.4f} | | |"
+    )
+    _finish(lines)
+
+
+def _latency_row(what: str, processes: int, runs: list[list[float]]) -> str:
+    cells = [median([percentile(r, q) * 1e3 for r in runs]) for q in (50, 90, 99)]
+    worst = max(max(r) for r in runs) * 1e3
+    return f"| {what} | {processes} | " + " | ".join(f"{c:.3f}" for c in [*cells, worst]) + " |"
+
+
+def _overlap_row(name: str, run: DatapathRun) -> str:
+    waits = run.steady_wait_s
+    share = run.cpu_share()
+    cpu = " / ".join(f"{share.get(n, 0.0):.2f}" for n in ("daemon", "producer", "trainer"))
+    daemon = f"{run.daemon_overlap:.4f}" if run.daemon_overlap is not None else "n/a"
+    return (
+        f"| {name} | {len(waits)} | {run.trainer_overlap:.4f} | {daemon} "
+        f"| {sum(waits) / len(waits) * 1e3:.3f} | {cpu} |"
+    )
+
+
+# --- report -----------------------------------------------------------------------------------
+
+
+def _heading(title: str) -> list[str]:
+    when = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+    return [
+        "",
+        f"## {when}, commit {_git_revision()}: {title}",
+        "",
+        f"`{COMMAND}`; {os.cpu_count()} cores, {platform.python_implementation()} "
+        f"{platform.python_version()}, kernel {platform.release()}; load average at start "
+        f"{load} (other work shares this machine); median of {RUNS} interleaved runs.",
+        "",
+    ]
+
+
+def _finish(lines: list[str]) -> None:
+    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+    lines += ["", f"Load average at the end: {load}.", ""]
+    print("\n" + "\n".join(lines))
+    with REPORT.open("a") as report:
+        report.write("\n".join(lines) + "\n")
+
+
+def _git_revision() -> str:
+    result = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
+    )
+    return result.stdout.strip() or "unknown"
+
+
+def test_percentile_is_nearest_rank() -> None:
+    # Not a benchmark: guards the helper the tables rely on (runs in the default selection).
+    values = [float(v) for v in range(1, 101)]
+    assert percentile(values, 50) == 50.0
+    assert percentile(values, 99) == 99.0
+    assert percentile(values, 100) == 100.0
+    assert percentile([3.0], 99) == 3.0
