@@ -83,6 +83,7 @@ class Daemon:
         self._metrics_server: Any = None
         self._health_server: grpc.aio.Server | None = None
         self._stop = asyncio.Event()
+        self._stop_deadline = float("inf")  # loop time by which a SIGTERM's drain must end
         self._peers_joined = False
 
     # -- startup -----------------------------------------------------------------------------
@@ -479,7 +480,8 @@ class Daemon:
         """Waits until local trainers took everything queued (JobEnd included), or the grace."""
         deadline = asyncio.get_running_loop().time() + grace_s
         while any(q.queued_steps() or q.attached for q in self.queues.values()):
-            if asyncio.get_running_loop().time() > deadline:
+            # A SIGTERM during the end-of-job drain shortens it to --drain-timeout.
+            if asyncio.get_running_loop().time() > min(deadline, self._stop_deadline):
                 waiting = {
                     r: f"{q.queued_steps()} steps from {q.first_undelivered()} undelivered"
                     + (", client attached" if q.attached else "")
@@ -494,9 +496,9 @@ class Daemon:
         """SIGTERM: NOT_SERVING at once, then drain within --drain-timeout and release shm."""
         self.phase = "draining"
         self.stats.serving = False
-        asyncio.get_running_loop().create_task(
-            self.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
-        )
+        loop = asyncio.get_running_loop()
+        self._stop_deadline = loop.time() + self.config.drain_timeout_s
+        loop.create_task(self.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING))
         self._stop.set()
 
     async def shutdown(self) -> None:
