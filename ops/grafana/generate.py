@@ -62,7 +62,7 @@ def thresholds(*steps: tuple[float | None, str]) -> dict[str, Any]:
     return {"mode": "absolute", "steps": [{"value": v, "color": c} for v, c in steps]}
 
 
-LOW_IS_GOOD = thresholds((None, _GREEN), (0.15, _YELLOW), (0.30, _RED))  # padding
+LOW_IS_GOOD = thresholds((None, _GREEN), (0.05, _YELLOW), (0.15, _RED))  # padding
 HIGH_IS_GOOD = thresholds((None, _RED), (0.95, _YELLOW), (0.99, _GREEN))  # overlap
 NEUTRAL = thresholds((None, "blue"))
 
