@@ -100,7 +100,12 @@ def launch_ranks(
 
 
 def odbd_cluster(
-    *, nodes: int, ranks_per_node: int, data: dict[str, object], daemon_args: Sequence[str]
+    *,
+    nodes: int,
+    ranks_per_node: int,
+    data: dict[str, object],
+    daemon_args: Sequence[str],
+    job_id: str | None = None,
 ) -> LocalCluster:
     """Daemons whose producers (one per node) serve `ddp_data.make(**data)`."""
     dataset = ["--dataset", f"{DATASET}:make", "--workers", "1", "--shm-size", "64M"]
@@ -109,6 +114,8 @@ def odbd_cluster(
     spec = ClusterSpec(
         nodes=nodes, ranks_per_node=ranks_per_node, daemon_args=[*dataset, *daemon_args]
     )
+    if job_id is not None:
+        spec.job_id = job_id  # a restarted job keeps its id (and so its --state-dir)
     return LocalCluster(spec)
 
 

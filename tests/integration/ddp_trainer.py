@@ -9,8 +9,8 @@ loop's wall time and, on rank 0, the held-out loss before and after training.
 
 `--grads` is the gradient check: no optimizer step, so every step runs on the initial weights,
 and rank 0 saves the gradient DDP produced for each step to DIR/grad-e{epoch}-s{step}.pt.
-`--stop-after N` saves a checkpoint (model, optimizer, ODBClient.state_dict()) to
-DIR/ckpt-rank{r}.pt after N steps and exits; `--resume` loads it and carries on.
+`--stop-at E:S` saves a checkpoint (model, optimizer, ODBClient.state_dict()) to
+DIR/ckpt-rank{r}.pt after step S of epoch E and exits; `--resume` loads it and carries on.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--buffer", type=int, default=64, help="paper loader")
     p.add_argument("--workers", type=int, default=0, help="fixed loader worker processes")
     p.add_argument("--grads", action="store_true", help="save DDP gradients, no optimizer step")
-    p.add_argument("--stop-after", type=int, default=-1, help="checkpoint and exit after N steps")
+    p.add_argument("--stop-at", default="", metavar="EPOCH:STEP", help="checkpoint and exit")
     p.add_argument("--resume", action="store_true", help="continue from DIR/ckpt-rank{r}.pt")
     p.add_argument("--eval-size", type=int, default=0, help="held-out samples (rank 0)")
     p.add_argument("--threads", type=int, default=1)
@@ -161,7 +161,7 @@ class Run:
 
 
 def train(run: Run) -> dict[str, Any]:
-    """The training loop; returns the closing facts. Stops early at --stop-after."""
+    """The training loop; returns the closing facts. Stops early at --stop-at."""
     eval_start = run.held_out_loss()
     dist.barrier()
     started = time.perf_counter()
@@ -169,7 +169,7 @@ def train(run: Run) -> dict[str, Any]:
         with run.model.join(enable=run.args.loader == "paper"):
             for step in epoch_steps:
                 run.train_step(step)
-                if run.steps_done == run.args.stop_after:
+                if f"{step.epoch}:{step.step}" == run.args.stop_at:
                     run.save_checkpoint()
                     return {"stopped": True, "steps": run.steps_done}
     dist.barrier()

@@ -1,0 +1,64 @@
+"""A multi-epoch DDP run stopped in the middle and restarted (issue: real training).
+
+Phase 1 trains two epochs on 2 nodes x 2 ranks and, after step STOP of epoch 1, every trainer
+saves its checkpoint (model, optimizer, `ODBClient.state_dict()`) and exits; then every daemon is
+stopped too. Phase 2 starts new daemons (same job id, same --state-dir, from whose journal they
+resume) and new trainers that load the checkpoints. The run must continue at the next step of
+epoch 1 with every identity of that epoch emitted exactly once across both phases: nothing
+twice, nothing skipped.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from tests.integration.ddp_launch import Reports, data_flags, launch_ranks, odbd_cluster
+
+pytestmark = pytest.mark.timeout(240)
+
+DATA = {"size": 96, "seed": 5}
+WORLD, EPOCHS, STOP = 4, 2, 1  # stop after step 1 of epoch 1
+
+
+def run_phase(tmp_path: Path, job_id: str, trainer_args: list[str]) -> tuple[Reports, str]:
+    cluster = odbd_cluster(
+        nodes=2,
+        ranks_per_node=2,
+        data=DATA,
+        job_id=job_id,
+        daemon_args=["--token-budget", "256", "--buffer", "8", "--epochs", str(EPOCHS)]
+        + ["--drain-timeout", "2"]  # the trainers left after checkpointing: nothing to drain
+        + ["--state-dir", str(tmp_path / "state")],
+    )
+    try:
+        cluster.start()
+        cluster.wait_sockets(60.0)
+        ranks = launch_ranks(
+            world=WORLD, nproc_per_node=2, out_dir=tmp_path / "train", sockets=cluster.sockets,
+            trainer_args=["--epochs", str(EPOCHS), *trainer_args, *data_flags(DATA)],
+        )  # fmt: skip
+        codes = ranks.wait(90.0)
+        logs = f"ranks {codes}\n{ranks.logs()}\n{cluster.log(0)}\n{cluster.log(1)}"
+    finally:
+        cluster.stop()  # every process of the job is down between the phases
+    assert codes == [0] * WORLD, logs
+    return Reports.read(tmp_path / "train", WORLD), logs
+
+
+def test_restart_in_the_middle_continues_the_epoch_without_duplicates_or_gaps(tmp_path: Path):
+    job_id = f"resume{tmp_path.name[-12:]}"
+    first, _ = run_phase(tmp_path, job_id, ["--stop-at", f"1:{STOP}"])
+    before = {rank: len(first.steps(rank)) for rank in range(WORLD)}
+    assert all(first.steps(rank)[-1]["epoch"] == 1 for rank in range(WORLD))
+    second, logs = run_phase(tmp_path, job_id, ["--resume"])
+    for rank in range(WORLD):
+        resumed = second.steps(rank)[before[rank] :]  # the report file is appended to
+        assert resumed, f"rank {rank} trained nothing after the restart\n{logs}"
+        assert (resumed[0]["epoch"], resumed[0]["step"]) == (1, STOP + 1), logs
+        epoch1 = second.steps(rank, 1)
+        assert [r["step"] for r in epoch1] == list(range(len(epoch1)))
+    counts = Counter(second.ids(1))
+    assert counts == Counter(range(DATA["size"])), "epoch 1 emitted an identity twice or never"
