@@ -137,9 +137,13 @@ def _collate_key(
         )
     max_len = max(shape[0] for shape in shapes)
     pad = _pad_scalar(key, pad_value(key, pads), dtype_name, first.dtype)
-    out = np.full((len(arrays), max_len, *first.shape[1:]), pad, first.dtype)
+    # Only the tail past each sample is padded: filling the whole batch first (np.full) would
+    # write every byte twice, which costs a third of the trainer's time with 1 MiB samples.
+    out = np.empty((len(arrays), max_len, *first.shape[1:]), first.dtype)
     for row, array in zip(out, arrays, strict=True):
         row[: len(array)] = array
+        if len(array) < max_len:
+            row[len(array) :] = pad
     return out, KeySchema(key, dtype_name, first.shape[1:], padded=True)
 
 
