@@ -68,6 +68,7 @@ class ODBClient:
         self._resume: tuple[int, int] | None = None  # (epoch, step) from load_state_dict
         self._epoch, self._next_step = 0, 0  # the first step not yet delivered
         self._last_return_s: float | None = None  # perf_counter when next() last returned
+        self._unreported_wait_s = 0.0  # time spent sending the last Delivered
         self._num_batches, self._num_idle = 0, 0  # delivered this epoch
         self._summary: dict[str, Any] = {}
         self._job_end: JobEnd | None = None
@@ -122,11 +123,15 @@ class ODBClient:
     def _deliver(self, stream: TrainerStream, batch: Batch, called_s: float) -> None:
         now_s = time.perf_counter()
         compute_s = 0.0 if self._last_return_s is None else called_s - self._last_return_s
-        stream.send_delivered(batch.epoch, batch.step, wait_s=now_s - called_s, compute_s=compute_s)
+        wait_s = now_s - called_s + self._unreported_wait_s
+        stream.send_delivered(batch.epoch, batch.step, wait_s=wait_s, compute_s=compute_s)
         self._epoch, self._next_step = batch.epoch, batch.step + 1
         self._num_batches += 1
         self._num_idle += batch.is_idle
-        self._last_return_s = now_s
+        self._last_return_s = time.perf_counter()
+        # The send is part of next() too: it is reported with the next step's wait, so the
+        # daemon's overlap metric never counts our own overhead as the trainer's compute.
+        self._unreported_wait_s = self._last_return_s - now_s
 
     def _end_epoch(self, event: EpochEnd) -> None:
         self._summary = {

@@ -151,47 +151,55 @@ class NodeState:
             return np.zeros(0, dtype=np.int64)
         keys: list[int] = []
         for unit in sorted(self._units, key=self._outstanding):
-            room = self.planner.unit_capacity - self._outstanding(unit)
-            while room > 0 and len(keys) < count:
-                key = self._next_key(unit)
-                if key is None:
-                    break
-                keys.append(key)
-                unit.leased.add(key)
-                room -= 1
-        taken = np.asarray(keys, dtype=np.int64)
-        for key in keys:
-            it, view = self._split(key)
-            it.ledger.lease([view])
-            self.leases[key] = (producer, deadline)
-        return taken
+            room = min(self.planner.unit_capacity - self._outstanding(unit), count - len(keys))
+            taken = self._take_keys(unit, room)
+            unit.leased.update(taken)
+            keys += taken
+        if keys:
+            self._transition(np.asarray(keys, dtype=np.int64), "lease")
+            self.leases.update(dict.fromkeys(keys, (producer, deadline)))
+        return np.asarray(keys, dtype=np.int64)
 
-    def _next_key(self, unit: _Unit) -> int | None:
-        if unit.retry:
-            return unit.retry.popleft()
-        if unit.cursor == len(unit.views):
-            last = self._last_iteration()
-            ahead_limit = self.epoch + 1 if self.config.join else None
-            nxt = unit.iteration + 1
-            if (last is not None and nxt > last) or (ahead_limit is not None and nxt > ahead_limit):
-                return None
-            if len(unit.views) == 0:
-                return None
-            unit.iteration, unit.cursor = nxt, 0
-        view = int(unit.views[unit.cursor])
-        unit.cursor += 1
-        return unit.iteration * self.views_per_iteration + view
+    def _take_keys(self, unit: _Unit, room: int) -> list[int]:
+        """The unit's next `room` keys: released leases first, then the sampler, in bulk."""
+        out: list[int] = []
+        while room > len(out) and unit.retry:
+            out.append(unit.retry.popleft())
+        while room > len(out):
+            if unit.cursor == len(unit.views) and not self._advance_iteration(unit):
+                break
+            chunk = unit.views[unit.cursor : unit.cursor + room - len(out)]
+            unit.cursor += len(chunk)
+            out += (chunk + unit.iteration * self.views_per_iteration).tolist()
+        return out
+
+    def _advance_iteration(self, unit: _Unit) -> bool:
+        """Moves a unit whose iteration is fully leased to the next one, if allowed yet."""
+        last = self._last_iteration()
+        nxt = unit.iteration + 1
+        ahead_limit = self.epoch + 1 if self.config.join else None  # join: one epoch ahead
+        if len(unit.views) == 0 or (last is not None and nxt > last):
+            return False
+        if ahead_limit is not None and nxt > ahead_limit:
+            return False
+        unit.iteration, unit.cursor = nxt, 0
+        return True
+
+    def _transition(self, keys: IntArray, verb: str) -> None:
+        """One ledger call per sampler iteration for a batch of keys (vectorised)."""
+        its, views = np.divmod(keys, self.views_per_iteration)
+        for it in np.unique(its).tolist():
+            getattr(self.iteration(it).ledger, verb)(views[its == it])
 
     def release(self, keys: list[int]) -> None:
         """Leases that will not be committed (producer gone, lease expired) go back to pending."""
-        for key in keys:
-            if self.leases.pop(key, None) is None:
-                continue
+        held = [k for k in keys if self.leases.pop(k, None) is not None]
+        for key in held:
             unit = self._unit_of(key)
             unit.leased.discard(key)
             unit.retry.append(key)
-            it, view = self._split(key)
-            it.ledger.release([view])
+        if held:
+            self._transition(np.asarray(held, dtype=np.int64), "release")
 
     def expired(self, now: float) -> list[int]:
         return [k for k, (_, deadline) in self.leases.items() if deadline <= now]
@@ -215,10 +223,9 @@ class NodeState:
         A commit for a key this producer no longer holds (its lease expired and went to another
         producer) is dropped and its bytes freed: the sample will be (or was) made again.
         """
-        accepted = 0
         rejections: list[Rejected] = []
         stale: list[Location] = []
-        rows: dict[int, list[int]] = {}
+        good: list[int] = []  # row indices accepted
         for i, key in enumerate(keys.tolist()):
             holder = self.leases.get(key)
             if holder is None or holder[0] != producer:
@@ -229,22 +236,28 @@ class NodeState:
                 rejections.append(self._reject_leased(key, reason[0], reason[1], locations[i]))
                 continue
             del self.leases[key]
-            unit = self._unit_of(key)
-            unit.leased.discard(key)
-            it, view = self._split(key)
-            it.ledger.buffer([view])
             self.locations[key] = locations[i]
-            rows.setdefault(unit.unit, []).append(i)
-            accepted += 1
-        for unit_id, idx in rows.items():
+            good.append(i)
+        if good:
+            self._buffer_rows(np.asarray(good), keys, lengths, loss_tokens)
+        return len(good), rejections, stale
+
+    def _buffer_rows(
+        self, rows: IntArray, keys: IntArray, lengths: IntArray, loss_tokens: IntArray
+    ) -> None:
+        accepted = keys[rows]
+        self._transition(accepted, "buffer")
+        rank = (accepted % self.views_per_iteration) % self.config.world.world_size
+        unit_ids = rank // self.planner.ranks_per_unit
+        slots = self._slot_array(accepted)
+        for unit_id in np.unique(unit_ids).tolist():
             unit = self._units[unit_id - self._units[0].unit]
-            chosen = np.asarray(idx)
-            by_slot = self._slot_array(keys[chosen])
-            for slot in np.unique(by_slot).tolist():
-                pick = chosen[by_slot == slot]
+            mine = unit_ids == unit_id
+            unit.leased.difference_update(accepted[mine].tolist())
+            for slot in np.unique(slots[mine]).tolist():
+                pick = rows[mine & (slots == slot)]
                 table = SampleTable.of(keys[pick], lengths[pick], loss_tokens[pick])
                 unit.buffers.setdefault(slot, []).append(table)
-        return accepted, rejections, stale
 
     def _slot_array(self, keys: IntArray) -> IntArray:
         if not self.config.join:
