@@ -11,8 +11,10 @@ loss falls well below log(vocab); a fixed seed makes every sample identical in e
 Labels are pre-shifted (the next-token choice): labels[t] = input_ids[t + 1] is the target of
 position t, the last position has no target (-100) and the first `prompt_fraction` positions
 are a masked prompt (-100). So `labels != -100` counts exactly the loss terms of the sample,
-which is what odbd counts as its loss-bearing tokens t_r (DESIGN.md 3.4). A model that shifts
-internally (Hugging Face) sees unshifted labels instead; see docs/training.md.
+which is what odbd counts as its loss-bearing tokens t_r (DESIGN.md 3.4). With `label_shift=0`
+the labels are Hugging Face's (labels = input_ids, the model shifts): the loss terms are then
+labels[1:] != -100, which equals odbd's count because labels[0] is always a masked prompt
+token; see docs/training.md.
 """
 
 from __future__ import annotations
@@ -47,9 +49,13 @@ class LongTailTokens:
         max_len: int = 384,
         prompt_fraction: float = 0.25,
         as_torch: int = 0,
+        label_shift: int = 1,
     ) -> None:
-        if min_len < 2 or max_len < min_len or size < 0:
-            raise ValueError(f"need 2 <= min_len <= max_len and size >= 0, got {locals()}")
+        if min_len < 4 or max_len < min_len or size < 0 or not 0.25 <= prompt_fraction < 1:
+            raise ValueError(
+                "need 4 <= min_len <= max_len, size >= 0 and 0.25 <= prompt_fraction < 1 (so "
+                f"every sample has a masked prompt token), got {locals()}"
+            )
         self.lengths = long_tail_lengths(
             size, seed=seed, median_len=median_len, sigma=sigma, min_len=min_len, max_len=max_len
         )
@@ -57,6 +63,7 @@ class LongTailTokens:
         self.vocab = vocab
         self.prompt_fraction = prompt_fraction
         self.as_torch = bool(as_torch)  # the paper's ODBDataLoader only measures torch tensors
+        self.label_shift = label_shift  # 1: pre-shifted; 0: Hugging Face's (the model shifts)
 
     def __len__(self) -> int:
         return int(self.lengths.shape[0])
@@ -69,8 +76,11 @@ class LongTailTokens:
         start = int(rng.integers(0, self.vocab))
         stride = STRIDES[int(rng.integers(0, len(STRIDES)))]
         ids = (start + stride * np.arange(length, dtype=np.int64)) % self.vocab
-        labels = np.full(length, IGNORE_INDEX, dtype=np.int64)
-        labels[:-1] = ids[1:]  # the last position has no next token
+        if self.label_shift:
+            labels = np.full(length, IGNORE_INDEX, dtype=np.int64)
+            labels[:-1] = ids[1:]  # the last position has no next token
+        else:
+            labels = ids.copy()
         labels[: int(length * self.prompt_fraction)] = IGNORE_INDEX
         sample = {"input_ids": ids, "labels": labels}
         if self.as_torch:

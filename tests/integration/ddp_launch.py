@@ -37,6 +37,7 @@ def rank_environment(
         PYTHONPATH=str(REPO),
         OMP_NUM_THREADS="1",
         ODB_ITERATOR_STARTUP_JITTER_SEC="0",  # the paper package sleeps up to 2 s otherwise
+        HF_HUB_OFFLINE="1",  # models are built from configs: nothing may be downloaded
     )
     if socket is not None:
         env["ODBD_SOCKET"] = socket
@@ -79,6 +80,7 @@ def launch_ranks(
     out_dir: Path,
     sockets: Sequence[str] | None = None,
     python: str = sys.executable,
+    module: str = "tests.integration.ddp_trainer",
 ) -> Ranks:
     out_dir.mkdir(parents=True, exist_ok=True)
     master_port = free_ports(1)[0]
@@ -89,7 +91,7 @@ def launch_ranks(
             rank, world=world, nproc_per_node=nproc_per_node, master_port=master_port,
             socket=socket,
         )  # fmt: skip
-        cmd = [python, "-m", "tests.integration.ddp_trainer", "--out-dir", str(out_dir)]
+        cmd = [python, "-m", module, "--out-dir", str(out_dir)]
         log = open(out_dir / f"trainer{rank}.log", "ab")  # noqa: SIM115 (closed below)
         proc = subprocess.Popen(
             [*cmd, *trainer_args], cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT

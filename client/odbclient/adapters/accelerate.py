@@ -1,0 +1,55 @@
+"""An Accelerate training loop fed by odbd (optional extra `odbd[hf]`).
+
+    accelerator = Accelerator(cpu=True)
+    model, optimizer = accelerator.prepare(model, optimizer)   # not the data: odbd shards it
+    odb = ODBAccelerate(accelerator, ODBClient(rank=accelerator.process_index))
+    for epoch in range(epochs):
+        for batch in odb:                                     # on accelerator.device
+            loss = model(**batch.inputs).loss
+            odb.backward(loss, batch)                         # loss * loss_scale
+            optimizer.step(); optimizer.zero_grad()
+
+odbd already decided which samples each rank trains in each step, so the batches must not go
+through `accelerator.prepare` (which would shard them a second time).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+from accelerate import Accelerator
+
+from odbclient.batch import Batch
+from odbclient.client import ODBClient
+
+__all__ = ["ODBAccelerate", "StepInputs"]
+
+
+@dataclass(frozen=True, slots=True)
+class StepInputs:
+    inputs: dict[str, torch.Tensor]  # the batch's tensors on accelerator.device
+    batch: Batch  # the odbd batch: loss_scale, sample_ids, is_idle, step, epoch...
+
+
+class ODBAccelerate:
+    """One rank's odbd epochs for an `Accelerator` loop, and the loss-scaled backward."""
+
+    def __init__(self, accelerator: Accelerator, client: ODBClient) -> None:
+        if client.rank != accelerator.process_index:
+            raise ValueError(
+                f"ODBClient rank {client.rank} is not this process's Accelerate rank "
+                f"{accelerator.process_index}: build it with rank=accelerator.process_index"
+            )
+        self.accelerator = accelerator
+        self.client = client
+
+    def __iter__(self) -> Iterator[StepInputs]:
+        device = self.accelerator.device
+        for batch in self.client:
+            yield StepInputs(inputs=batch.to(device), batch=batch)
+
+    def backward(self, loss: torch.Tensor, step: StepInputs) -> None:
+        """`accelerator.backward(loss * loss_scale)`; idle fillers backpropagate a zero."""
+        self.accelerator.backward(loss * step.batch.loss_scale)

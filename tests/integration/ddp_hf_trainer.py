@@ -1,0 +1,146 @@
+"""A rank training a tiny Hugging Face Llama through odbd, with the Trainer or Accelerate adapter.
+
+    RANK=... WORLD_SIZE=... (torchrun-like, see ddp_launch) HF_HUB_OFFLINE=1 \\
+        python -m tests.integration.ddp_hf_trainer --framework hf|accelerate --out-dir DIR
+
+The model is built from a config with fixed-seed random weights (no download) in float64. Each
+rank appends {"epoch", "step", "ids", "idle", "loss_scale"} per step to DIR/rank{r}.jsonl; rank 0
+saves the gradient DDP produced for the first step (taken at the initial weights) to
+DIR/grad-first.pt, so the test can compare it with one process's per-token mean gradient.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from odbclient import Batch, ODBClient
+
+MODEL_SEED = 0
+
+
+def tiny_llama() -> Any:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        attn_implementation="eager",
+    )
+    torch.manual_seed(MODEL_SEED)
+    return LlamaForCausalLM(config).to(torch.float64)
+
+
+def flat_grad(model: torch.nn.Module) -> torch.Tensor:
+    return torch.cat(
+        [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in
+         model.parameters()]
+    )  # fmt: skip
+
+
+class StepLog:
+    """Per-step records of one rank, and the first step's gradient on rank 0."""
+
+    def __init__(self, out_dir: Path, rank: int) -> None:
+        self.out_dir, self.rank = out_dir, rank
+        self.report = open(out_dir / f"rank{rank}.jsonl", "a")  # noqa: SIM115
+        self.saved_grad = False
+
+    def step(self, batch: Batch, model: torch.nn.Module) -> None:
+        record = {"epoch": batch.epoch, "step": batch.step, "ids": list(batch.sample_ids),
+                  "idle": batch.is_idle, "loss_scale": batch.loss_scale}  # fmt: skip
+        self.report.write(json.dumps(record) + "\n")
+        self.report.flush()
+        if self.rank == 0 and not self.saved_grad:
+            torch.save(flat_grad(model).detach().clone(), self.out_dir / "grad-first.pt")
+        self.saved_grad = True
+
+    def close(self, **closing: Any) -> None:
+        self.report.write(json.dumps({"done": True, **closing}) + "\n")
+        self.report.close()
+
+
+def train_hf(args: argparse.Namespace, client: ODBClient, log: StepLog) -> dict[str, Any]:
+    from transformers import TrainerCallback, TrainingArguments
+
+    from odbclient.adapters.hf import ODBTrainer
+
+    class RecordSteps(TrainerCallback):
+        def on_pre_optimizer_step(self, _args, _state, _control, **kwargs: Any) -> None:
+            assert trainer.odb_batches.last is not None
+            log.step(trainer.odb_batches.last, kwargs["model"])
+
+    training_args = TrainingArguments(
+        output_dir=str(args.out_dir / "hf"),
+        max_steps=args.max_steps,
+        learning_rate=args.lr,
+        per_device_train_batch_size=1,  # unused: odbd sizes the batches
+        max_grad_norm=0.0,  # no clipping, so the first step's gradient is DDP's own
+        use_cpu=True,
+        report_to=[],
+        save_strategy="no",
+        logging_steps=1,
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+        ddp_find_unused_parameters=False,
+    )
+    trainer = ODBTrainer(model=tiny_llama(), args=training_args, odb_client=client,
+                         callbacks=[RecordSteps()])  # fmt: skip
+    result = trainer.train()
+    return {"global_step": result.global_step, "train_loss": result.training_loss}
+
+
+def train_accelerate(args: argparse.Namespace, client: ODBClient, log: StepLog) -> dict:
+    from accelerate import Accelerator
+
+    from odbclient.adapters.accelerate import ODBAccelerate
+
+    accelerator = Accelerator(cpu=True)
+    model = tiny_llama()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    odb = ODBAccelerate(accelerator, client)
+    steps = 0
+    while not client.job_ended:
+        for step in odb:
+            loss = model(**step.inputs).loss
+            odb.backward(loss, step)
+            log.step(step.batch, accelerator.unwrap_model(model))
+            optimizer.step()
+            optimizer.zero_grad()
+            steps += 1
+    return {"global_step": steps, "world": accelerator.num_processes}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="ddp_hf_trainer")
+    p.add_argument("--framework", choices=["hf", "accelerate"], required=True)
+    p.add_argument("--out-dir", type=Path, required=True)
+    p.add_argument("--max-steps", type=int, default=10_000)
+    p.add_argument("--lr", type=float, default=1e-3)
+    args = p.parse_args(argv)
+    torch.set_num_threads(1)
+    rank = int(os.environ["RANK"])
+    client = ODBClient(rank=rank, deadline_s=120.0)
+    log = StepLog(args.out_dir, rank)
+    train = train_hf if args.framework == "hf" else train_accelerate
+    try:
+        log.close(**train(args, client, log))
+    finally:
+        client.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

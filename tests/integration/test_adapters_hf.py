@@ -1,0 +1,106 @@
+"""The Hugging Face Trainer and Accelerate adapters on real DDP ranks (issue: real training).
+
+One daemon serves two gloo ranks; each rank trains a tiny Llama built from a config (random
+weights, float64, no download) through `odbclient.adapters`. The test checks what an adapter
+must do: feed every odbd batch (every identity once, equal steps on every rank, training ends
+with the job although `max_steps` is larger), and apply `loss_scale` so that the first step's
+DDP gradient is one process's per-token mean gradient over both ranks' samples.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+from tests.integration.ddp_data import LongTailTokens  # noqa: E402
+from tests.integration.ddp_hf_trainer import flat_grad, tiny_llama  # noqa: E402
+from tests.integration.ddp_launch import Reports, launch_ranks, odbd_cluster  # noqa: E402
+from tests.integration.ddp_model import pad_collate  # noqa: E402
+
+pytestmark = pytest.mark.timeout(180)
+
+# label_shift=0: Hugging Face labels (the model shifts); every sample starts with a masked prompt.
+DATA = {"size": 40, "seed": 1, "label_shift": 0}
+WORLD, MAX_STEPS = 2, 10_000
+
+
+def train(framework: str, out_dir: Path) -> Reports:
+    cluster = odbd_cluster(
+        nodes=1,
+        ranks_per_node=WORLD,
+        data=DATA,
+        daemon_args=["--token-budget", "256", "--buffer", "8"],
+    )
+    try:
+        cluster.start()
+        cluster.wait_sockets(60.0)
+        ranks = launch_ranks(
+            world=WORLD, nproc_per_node=WORLD, out_dir=out_dir, sockets=cluster.sockets,
+            module="tests.integration.ddp_hf_trainer",
+            trainer_args=["--framework", framework, "--max-steps", str(MAX_STEPS)],
+        )  # fmt: skip
+        codes = ranks.wait(150.0)
+    finally:
+        cluster.stop()
+    assert codes == [0] * WORLD, f"{codes}\n{ranks.logs()}\n{cluster.log(0)}"
+    return Reports.read(out_dir, WORLD)
+
+
+def hf_gradient(samples: list[dict], scale: float = 1.0) -> torch.Tensor:
+    """One process, HF's own causal-LM loss over `samples`, times `scale`.
+
+    HF computes that loss in float32 (ForCausalLMLoss upcasts the logits with .float(), which
+    for a float64 model is a downcast), so gradients agree to float32 precision, not float64.
+    Passing num_items_in_batch makes it the sum over tokens / that count: the per-token mean.
+    """
+    batch = pad_collate(samples)
+    model = tiny_llama()
+    count = int((batch["labels"][:, 1:] != -100).sum())
+    loss = model(**batch, num_items_in_batch=count).loss
+    (loss * scale).backward()
+    return flat_grad(model)
+
+
+def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm())
+
+
+def check_adapter_run(reports: Reports, out_dir: Path) -> None:
+    steps = [reports.steps(rank) for rank in range(WORLD)]
+    assert len({len(s) for s in steps}) == 1, "ranks took different step counts"
+    assert Counter(reports.ids(0)) == Counter(range(DATA["size"])), "identities lost or repeated"
+    done = reports.done(0)
+    assert done["global_step"] == len(steps[0]) < MAX_STEPS, "did not stop at the job's end"
+    dataset = LongTailTokens(**DATA)
+    per_rank = [[dataset[i] for i in steps[rank][0]["ids"]] for rank in range(WORLD)]
+    ddp = torch.load(out_dir / "grad-first.pt")
+    reference = hf_gradient([s for samples in per_rank for s in samples])
+    error = relative_error(ddp, reference)
+    assert error < 1e-5, f"first step's DDP gradient is off by {error:.2e} (relative)"
+    # Without the adapter's loss_scale, DDP would average the ranks' means: visibly different.
+    unscaled = sum(hf_gradient(samples, 1 / WORLD) for samples in per_rank if samples)
+    assert relative_error(unscaled, reference) > 1e-3, "step 0 cannot tell scaled from unscaled"
+
+
+def test_hf_trainer_adapter_trains_every_batch_with_exact_loss_scaling(tmp_path: Path) -> None:
+    check_adapter_run(train("hf", tmp_path), tmp_path)
+
+
+def test_accelerate_adapter_trains_every_batch_with_exact_loss_scaling(tmp_path: Path) -> None:
+    check_adapter_run(train("accelerate", tmp_path), tmp_path)
+
+
+def test_importing_odbclient_and_its_adapters_package_loads_no_framework() -> None:
+    code = (
+        "import sys, odbclient, odbclient.adapters; from odbclient import ODBClient; "
+        "assert not {'transformers', 'accelerate'} & set(sys.modules), sorted(sys.modules)"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
