@@ -460,7 +460,7 @@ class Daemon:
             log.error("%s", error)
             self.phase, self.last_error = "failed", str(error)
             if self.loop is not None:
-                self.loop.fail(str(error))
+                self.loop.abort(str(error))
                 await self._drain(grace_s=5.0)
             self.exit_code = 1
         finally:

@@ -116,6 +116,7 @@ class RoundLoop:
 
     async def _wait_ready(self) -> None:
         while True:
+            self.barrier.raise_failure()  # a lost peer fails the job now, not at the next round
             room = self._queued_min() <= self.config.steps_ahead
             if room and self.state.units_ready():
                 return
@@ -409,6 +410,17 @@ class RoundLoop:
             queue.push([QueuedItem(self.state.epoch, -1, trainer_pb2.TrainerEvent(job_end=end))])
 
     def fail(self, reason: str) -> None:
-        """The job cannot go on (peer lost, round timeout): tell every trainer why."""
+        """The job stops (SIGTERM): trainers take what is queued, then learn why."""
         if not self.done:
+            self._end_job(reason, failed=True)
+
+    def abort(self, reason: str) -> None:
+        """The job cannot go on (peer lost, round timeout): trainers learn it next.
+
+        Steps not yet sent are dropped: the dead node's ranks will never run them, so a
+        trainer that kept training would hang in its next DDP collective instead.
+        """
+        if not self.done:
+            for queue in self.queues.values():
+                queue.drop_unsent()
             self._end_job(reason, failed=True)

@@ -105,6 +105,17 @@ class RoundBarrier:
         self.last_round = RoundRecord(round_index, time.perf_counter() - started_s, done.last_node)
         return list(done.payloads)
 
+    def raise_failure(self) -> None:
+        """Raises the job's failure (peer lost, round timeout) if one is known, without a round.
+
+        A daemon waiting for its trainers or producers calls this to learn of a lost peer now
+        rather than at its next exchange, which may be many trained steps away.
+        """
+        if self._hub is not None:
+            self._hub.raise_failure()
+        elif self._spoke is not None:
+            self._spoke.raise_failure()
+
     def _check_round(self, round_index: int, payload: bytes) -> None:
         if not self._started:
             raise InvariantError("RoundBarrier.exchange() called before start()")

@@ -75,6 +75,12 @@ class RankQueue:
         self._changed.set()
         return freed
 
+    def drop_unsent(self) -> list[Location]:
+        """The job failed: items not yet sent will never be; returns their locations."""
+        dropped = [self._items.pop() for _ in range(len(self._items) - self._sent)]
+        self._changed.set()
+        return [location for item in dropped for location in item.locations]
+
     def skip_before(self, epoch: int, step: int) -> list[Location]:
         """Resume: steps before (epoch, step) count as delivered by the previous client."""
         freed: list[Location] = []
