@@ -13,11 +13,11 @@ import numpy as np
 from odbclient.wire.odbd.v1 import ingest_pb2, ingest_pb2_grpc
 from odbd.daemon.node_state import Location, NodeState, Rejected
 from odbd.ingest.lanes import Lane, Lanes
+from odbd.ingest.validate import MalformedMessage, check_rejections, decode_commit
 from odbd.metrics.stats import DaemonStats
+from odbd.serve.hello import read_hello
 
 log = logging.getLogger("odbd.ingest")
-
-PROTOCOL_VERSION = 1
 
 
 @dataclass(slots=True)
@@ -71,6 +71,7 @@ class IngestService(ingest_pb2_grpc.IngestServicer):
                 yield message
                 if message.HasField("shutdown"):
                     return
+            await _refuse_if_malformed(session, reader, context)
         finally:
             reader.cancel()
             self._close(session)
@@ -80,24 +81,13 @@ class IngestService(ingest_pb2_grpc.IngestServicer):
         request_iterator: AsyncIterator[ingest_pb2.ProducerMessage],
         context: grpc.aio.ServicerContext,
     ) -> ProducerSession:
-        first = await anext(request_iterator, None)
-        if first is None or not first.HasField("hello"):
-            await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT, "the first message must be a ProducerHello"
-            )
-        hello = first.hello
-        if hello.protocol_version != PROTOCOL_VERSION:
-            await context.abort(
-                grpc.StatusCode.FAILED_PRECONDITION,
-                f"producer protocol version {hello.protocol_version}, daemon speaks "
-                f"{PROTOCOL_VERSION}: install the same odbd release for producers and daemon",
-            )
-        if hello.job_id and hello.job_id != self._welcome.job_id:
-            await context.abort(
-                grpc.StatusCode.FAILED_PRECONDITION,
-                f"this daemon serves job {self._welcome.job_id!r}, the producer asked for "
-                f"{hello.job_id!r}",
-            )
+        hello = await read_hello(
+            request_iterator,
+            context,
+            who="producer",
+            hello_type="ProducerHello",
+            job_id=self._welcome.job_id,
+        )
         if self.closing:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the daemon is shutting down")
         producer = self._next_producer
@@ -127,6 +117,7 @@ class IngestService(ingest_pb2_grpc.IngestServicer):
             elif kind == "commit":
                 self._commit(session, message.commit)
             elif kind == "reject":
+                check_rejections(message.reject)
                 for rejection in message.reject.rejections:
                     rejected = self._state.reject(
                         session.producer, rejection.view_key, rejection.reason, rejection.detail
@@ -136,18 +127,19 @@ class IngestService(ingest_pb2_grpc.IngestServicer):
                 self._on_progress()
 
     def _commit(self, session: ProducerSession, batch: ingest_pb2.CommitBatch) -> None:
-        keys = np.frombuffer(batch.view_keys, dtype="<i8").astype(np.int64)
-        offsets = np.frombuffer(batch.offsets, dtype="<u8").tolist()
-        nbytes = np.frombuffer(batch.nbytes, dtype="<u8").tolist()
+        rows = decode_commit(batch, session.lane.allocation.length, session.lane.live)
         lane = session.lane.lane_id
-        locations = [Location(lane, o, n) for o, n in zip(offsets, nbytes, strict=True)]
+        locations = [
+            Location(lane, o, n)
+            for o, n in zip(rows.offsets.tolist(), rows.nbytes.tolist(), strict=True)
+        ]
         accepted, rejections, stale = self._state.commit(
             session.producer,
-            keys,
+            rows.view_keys.astype(np.int64),
             locations,
-            np.frombuffer(batch.lengths, dtype="<u4").astype(np.int64),
-            np.frombuffer(batch.loss_tokens, dtype="<u4").astype(np.int64),
-            np.frombuffer(batch.schema_hashes, dtype="<u8").astype(np.uint64).view(np.int64),
+            rows.lengths.astype(np.int64),
+            rows.loss_tokens.astype(np.int64),
+            rows.schema_hashes.astype(np.uint64).view(np.int64),
         )
         rejected_at = {r.location for r in rejections}
         for location in locations:
@@ -212,6 +204,18 @@ class IngestService(ingest_pb2_grpc.IngestServicer):
         log.info("producer %s detached; %d leases go back to the pool", session.name, len(held))
         self.pump_leases()
         self._on_progress()
+
+
+async def _refuse_if_malformed(
+    session: ProducerSession, reader: asyncio.Future[None], context: grpc.aio.ServicerContext
+) -> None:
+    """Ends the stream with INVALID_ARGUMENT when the reader stopped on a malformed message."""
+    if not reader.done() or reader.cancelled():
+        return
+    error = reader.exception()
+    if isinstance(error, MalformedMessage):
+        log.warning("refused producer %s: %s", session.name, error)
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
 
 
 def _lane_message(lane: Lane) -> ingest_pb2.Lane:

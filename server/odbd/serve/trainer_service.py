@@ -10,11 +10,11 @@ import grpc
 
 from odbclient.wire.odbd.v1 import trainer_pb2, trainer_pb2_grpc
 from odbd.daemon.node_state import Location
+from odbd.serve.hello import read_hello
 from odbd.serve.rank_queue import RankQueue
 
 log = logging.getLogger("odbd.serve")
 
-PROTOCOL_VERSION = 1
 DEFAULT_PREFETCH = 4
 MAX_PREFETCH = 64
 
@@ -69,24 +69,9 @@ class TrainerService(trainer_pb2_grpc.TrainerServicer):
         request_iterator: AsyncIterator[trainer_pb2.TrainerMessage],
         context: grpc.aio.ServicerContext,
     ) -> trainer_pb2.TrainerHello:
-        first = await anext(request_iterator, None)
-        if first is None or not first.HasField("hello"):
-            await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT, "the first message must be a TrainerHello"
-            )
-        hello = first.hello
-        if hello.protocol_version != PROTOCOL_VERSION:
-            await context.abort(
-                grpc.StatusCode.FAILED_PRECONDITION,
-                f"trainer protocol version {hello.protocol_version}, daemon speaks "
-                f"{PROTOCOL_VERSION}: install the same odbd release for trainers and daemon",
-            )
-        if hello.job_id and hello.job_id != self._job_id:
-            await context.abort(
-                grpc.StatusCode.FAILED_PRECONDITION,
-                f"this daemon serves job {self._job_id!r}, the client asked for "
-                f"{hello.job_id!r}: check ODBD_SOCKET / the socket path",
-            )
+        hello = await read_hello(
+            request_iterator, context, who="trainer", hello_type="TrainerHello", job_id=self._job_id
+        )
         if hello.rank not in self._queues:
             ranks = sorted(self._queues)
             await context.abort(

@@ -1,0 +1,40 @@
+"""The first message of a local stream (producer or trainer): shape, protocol and job checks."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+
+PROTOCOL_VERSION = 1
+
+
+async def read_hello(
+    request_iterator: AsyncIterator[Any],
+    context: grpc.aio.ServicerContext,
+    *,
+    who: str,  # "producer" or "trainer", for the messages
+    hello_type: str,  # "ProducerHello" or "TrainerHello"
+    job_id: str,
+) -> Any:
+    """The hello of a new stream, or an abort with the precise status and the fix."""
+    first = await anext(request_iterator, None)
+    if first is None or not first.HasField("hello"):
+        await context.abort(
+            grpc.StatusCode.INVALID_ARGUMENT, f"the first message must be a {hello_type}"
+        )
+    hello = first.hello
+    if hello.protocol_version != PROTOCOL_VERSION:
+        await context.abort(
+            grpc.StatusCode.FAILED_PRECONDITION,
+            f"{who} protocol version {hello.protocol_version}, daemon speaks "
+            f"{PROTOCOL_VERSION}: install the same odbd release for {who}s and daemon",
+        )
+    if hello.job_id and hello.job_id != job_id:
+        await context.abort(
+            grpc.StatusCode.FAILED_PRECONDITION,
+            f"this daemon serves job {job_id!r}, the {who} asked for {hello.job_id!r}: "
+            "check ODBD_SOCKET / the socket path",
+        )
+    return hello
