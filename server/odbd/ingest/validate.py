@@ -1,0 +1,88 @@
+"""Checks on what a producer sends, before any of it reaches NodeState (pure, no I/O).
+
+A producer is a local process of the same user, but a buggy or mismatched one must not corrupt
+the node's bookkeeping: a commit that points outside its lane, or packed arrays that do not
+decode, would otherwise be buffered and later read by a trainer as garbage (or crash the
+service mid-update). Each violation raises MalformedMessage, which the service turns into
+INVALID_ARGUMENT for that producer's stream; its leases then go back to the pool.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from odbclient.samples import RejectReason
+from odbclient.wire.odbd.v1 import ingest_pb2
+from odbd.errors import OdbdError
+
+# Reasons a producer may send; the daemon adds its own (zero_length, schema_mismatch).
+PRODUCER_REASONS = frozenset(r.value for r in RejectReason)
+_COLUMNS = (  # CommitBatch field -> little-endian element type (ingest.proto)
+    ("view_keys", "<i8"),
+    ("offsets", "<u8"),
+    ("nbytes", "<u8"),
+    ("lengths", "<u4"),
+    ("loss_tokens", "<u4"),
+    ("schema_hashes", "<u8"),
+)
+
+
+class MalformedMessage(OdbdError):
+    """A producer message breaks the ingest protocol; the producer's stream is refused."""
+
+
+@dataclass(frozen=True, slots=True)
+class CommitRows:
+    """One CommitBatch decoded: every array has one row per committed sample."""
+
+    view_keys: np.ndarray  # (n,) int64
+    offsets: np.ndarray  # (n,) uint64, lane-relative
+    nbytes: np.ndarray  # (n,) uint64
+    lengths: np.ndarray  # (n,) uint32
+    loss_tokens: np.ndarray  # (n,) uint32
+    schema_hashes: np.ndarray  # (n,) uint64
+
+
+def decode_commit(batch: ingest_pb2.CommitBatch, lane_bytes: int, live: set[int]) -> CommitRows:
+    """The commit's rows, once every sample lies inside the lane and none overlaps a live one."""
+    columns = {name: _column(batch, name, dtype) for name, dtype in _COLUMNS}
+    counts = {name: len(column) for name, column in columns.items()}
+    if len(set(counts.values())) != 1:
+        raise MalformedMessage(f"CommitBatch arrays have different lengths: {counts}")
+    rows = CommitRows(**columns)
+    offsets, nbytes = rows.offsets.tolist(), rows.nbytes.tolist()
+    for offset, size in zip(offsets, nbytes, strict=True):
+        if size == 0 or offset + size > lane_bytes:
+            raise MalformedMessage(
+                f"a committed sample at lane offset {offset} with {size} bytes does not lie "
+                f"inside the producer's {lane_bytes}-byte lane"
+            )
+    if len(set(offsets)) != len(offsets) or live.intersection(offsets):
+        raise MalformedMessage(
+            "a CommitBatch reuses a lane offset that holds a live sample; a producer may only "
+            "reuse offsets the daemon freed"
+        )
+    return rows
+
+
+def _column(batch: ingest_pb2.CommitBatch, name: str, dtype: str) -> np.ndarray:
+    data = getattr(batch, name)
+    itemsize = np.dtype(dtype).itemsize
+    if len(data) % itemsize:
+        raise MalformedMessage(
+            f"CommitBatch.{name} has {len(data)} bytes, not a multiple of {itemsize} "
+            f"({np.dtype(dtype).name} values)"
+        )
+    return np.frombuffer(data, dtype=dtype)
+
+
+def check_rejections(batch: ingest_pb2.RejectBatch) -> None:
+    """Reasons form a closed set: they become metric labels and EpochEnd keys."""
+    for rejection in batch.rejections:
+        if rejection.reason not in PRODUCER_REASONS:
+            raise MalformedMessage(
+                f"unknown rejection reason {rejection.reason[:64]!r}; producers send one of "
+                f"{sorted(PRODUCER_REASONS)}"
+            )
