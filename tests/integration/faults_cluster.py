@@ -59,6 +59,7 @@ class FaultCluster:
         self.epochs = epochs
         self.cluster = LocalCluster(spec)
         self.trainers: list[subprocess.Popen[bytes]] = []
+        self.producers: list[subprocess.Popen[bytes]] = []  # external ones (start_producer)
         self.reports = self.cluster.tmp / "reports"
         self.reports.mkdir()
 
@@ -98,6 +99,19 @@ class FaultCluster:
             if ranks:
                 self.start_trainer(ranks, *extra)
 
+    def start_producer(self, node: int, *dataset_args: str) -> subprocess.Popen[bytes]:
+        """An external producer (for daemons run with --dataset-size) of the synthetic dataset."""
+        cmd = [sys.executable, "-m", "odbclient.producer_main", "--socket"]
+        cmd += [self.cluster.sockets[node], "--dataset", "odbd.demo.dataset:synthetic"]
+        cmd += ["--job-id", self.cluster.spec.job_id]
+        for arg in dataset_args:
+            cmd += ["--dataset-arg", arg]
+        log = open(self.cluster.tmp / f"producer{node}.log", "ab")  # noqa: SIM115
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+        log.close()
+        self.producers.append(proc)
+        return proc
+
     def producer_pids(self, node: int) -> list[int]:
         """Live producer processes the daemon of `node` spawned."""
         return children(self.daemons[node].pid, "odbclient.producer_main")
@@ -122,7 +136,7 @@ class FaultCluster:
     def wait_done(self, timeout_s: float = 120.0) -> tuple[list[int | None], list[int | None]]:
         """(daemon exit codes, trainer exit codes) once everything exited or the timeout."""
         deadline = time.monotonic() + timeout_s
-        for proc in [*self.trainers, *self.daemons]:
+        for proc in [*self.trainers, *self.daemons, *self.producers]:
             try:
                 proc.wait(timeout=max(deadline - time.monotonic(), 0.01))
             except subprocess.TimeoutExpired:
@@ -130,7 +144,7 @@ class FaultCluster:
         return [p.poll() for p in self.daemons], [p.poll() for p in self.trainers]
 
     def stop(self) -> None:
-        for proc in self.trainers:
+        for proc in [*self.trainers, *self.producers]:
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
@@ -173,7 +187,7 @@ class FaultCluster:
 
     def describe(self) -> str:
         parts = [f"--- daemon {n}\n{self.log(n)[-3000:]}" for n in range(len(self.daemons))]
-        for path in sorted(self.cluster.tmp.glob("trainer*.log")):
+        for path in sorted(self.cluster.tmp.glob("[tp]r*.log")):
             parts.append(f"--- {path.name}\n{path.read_text(errors='replace')[-1500:]}")
         return "\n".join(parts)
 

@@ -37,6 +37,7 @@ from odbd.daemon.journal import Journal, check_header, replay
 from odbd.daemon.node_state import NodeState, Rejected
 from odbd.daemon.round_loop import RoundLoop
 from odbd.errors import ConfigError, OdbdError
+from odbd.grpc_guard import DecodeGuard
 from odbd.ingest.arena import Arena
 from odbd.ingest.lanes import Lanes
 from odbd.ingest.service import IngestService
@@ -199,7 +200,7 @@ class Daemon:
             ("grpc.max_receive_message_length", _MESSAGE_BYTES),
             ("grpc.max_send_message_length", _MESSAGE_BYTES),
         ]
-        server = grpc.aio.server(options=options)
+        server = grpc.aio.server(options=options, interceptors=[DecodeGuard()])
         assert self.ingest is not None
         ingest_pb2_grpc.add_IngestServicer_to_server(self.ingest, server)
         trainer_pb2_grpc.add_TrainerServicer_to_server(trainer, server)

@@ -29,9 +29,13 @@ class Refusal:
 
 
 def check_hello(
-    hello: peer_pb2.Hello, config: RoundConfig, joined: Collection[int]
+    hello: peer_pb2.Hello, config: RoundConfig, joined: Collection[int], formed: bool = False
 ) -> Refusal | None:
-    """None admits the daemon; `joined` holds the node ranks already admitted."""
+    """None admits the daemon; `joined` holds the node ranks already admitted.
+
+    Once the job formed (`formed`), every node is in and nothing a late Hello says can be
+    fatal: refusing it must never stop a running job, whatever its version or settings.
+    """
     node = f"node {hello.node_rank}"
     if not hmac.compare_digest(hello.job_token, config.job_token):
         return Refusal(
@@ -44,6 +48,14 @@ def check_hello(
             grpc.StatusCode.FAILED_PRECONDITION,
             f"{node} belongs to job {hello.job_id!r}, this hub runs job {config.job_id!r}; "
             "check --peers and --job-id",
+            fatal=False,
+        )
+    if formed:
+        return Refusal(
+            grpc.StatusCode.FAILED_PRECONDITION,
+            f"{node} tried to join job {config.job_id!r}, which already formed with all "
+            f"{config.num_nodes} nodes; a restarted daemon cannot rejoin a running job: "
+            "restart the job on all nodes",
             fatal=False,
         )
     if hello.protocol_version != PROTOCOL_VERSION:

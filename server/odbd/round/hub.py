@@ -84,14 +84,17 @@ class Hub:
 
     async def _handshake(self, context: grpc.aio.ServicerContext) -> _Spoke:
         first = await context.read()
-        if first is grpc.aio.EOF or first.WhichOneof("kind") != "hello":
+        # Undecodable bytes arrive as odbd.grpc_guard.Undecodable, not as a PeerMessage.
+        if not isinstance(first, peer_pb2.PeerMessage) or first.WhichOneof("kind") != "hello":
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT, "the first message of a Join must be a Hello"
             )
         hello = first.hello
         if self._failure is not None:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(self._failure))
-        refusal = check_hello(hello, self._config, joined=self._spokes.keys())
+        refusal = check_hello(
+            hello, self._config, joined=self._spokes.keys(), formed=self._formed.done()
+        )
         if refusal is not None:
             log.warning("refused a peer from %s: %s", context.peer(), refusal.message)
             self._refusals[hello.node_rank] = refusal.message
@@ -146,6 +149,8 @@ class Hub:
         )
         try:
             while (msg := await context.read()) is not grpc.aio.EOF:
+                if not isinstance(msg, peer_pb2.PeerMessage):
+                    raise ProtocolViolation(f"{spoke.name} sent bytes that are not a PeerMessage")
                 kind = msg.WhichOneof("kind")
                 if kind == "leave":
                     self._left(spoke)

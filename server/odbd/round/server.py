@@ -10,6 +10,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from odbclient.wire.odbd.v1 import peer_pb2
 from odbd.errors import ConfigError
+from odbd.grpc_guard import DecodeGuard
 from odbd.round.config import SERVER_OPTIONS, parse_address
 
 PEER_SERVICE = "odbd.v1.Peer"
@@ -73,7 +74,7 @@ async def serve(
 ) -> tuple[grpc.aio.Server, str]:
     """Binds and starts the listener; returns it and the bound "host:port" (port 0 resolved)."""
     host, _ = parse_address(listen, "--listen")
-    server = grpc.aio.server(options=SERVER_OPTIONS)
+    server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=[DecodeGuard()])
     server.add_generic_rpc_handlers((handler,))
     health_pb2_grpc.add_HealthServicer_to_server(peer_health.servicer, server)
     try:

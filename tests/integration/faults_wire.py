@@ -1,0 +1,105 @@
+"""Raw gRPC calls for the fuzz and security tests: bytes in, (status, details, replies) out.
+
+No serializers, so a test can send bytes that are not a valid message at all, and see the
+daemon's answer exactly as a foreign client would.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import grpc
+from google.protobuf.message import DecodeError, Message
+
+INGEST = "/odbd.v1.Ingest/Produce"
+TRAINER = "/odbd.v1.Trainer/Train"
+ADMIN = "/odbd.v1.Admin/Status"
+HEALTH = "/grpc.health.v1.Health/Check"
+JOIN = "/odbd.v1.Peer/Join"
+
+CALL_TIMEOUT_S = 10.0  # a hang shows up as DEADLINE_EXCEEDED, which every test refuses
+
+
+@dataclass
+class Answer:
+    code: grpc.StatusCode
+    details: str
+    replies: list[bytes] = field(default_factory=list)
+
+
+def as_bytes(message: Message | bytes) -> bytes:
+    return message if isinstance(message, bytes) else message.SerializeToString()
+
+
+def stream(channel: grpc.Channel, method: str, messages: list[Message | bytes]) -> Answer:
+    """Sends `messages` on a bidi stream, half-closes, and reads until the daemon ends it."""
+    call = channel.stream_stream(method)(
+        iter([as_bytes(m) for m in messages]), timeout=CALL_TIMEOUT_S
+    )
+    replies: list[bytes] = []
+    try:
+        replies.extend(call)
+    except grpc.RpcError as error:
+        return Answer(error.code(), error.details() or "", replies)
+    return Answer(grpc.StatusCode.OK, "", replies)
+
+
+def unary(channel: grpc.Channel, method: str, message: Message | bytes) -> Answer:
+    try:
+        reply = channel.unary_unary(method)(as_bytes(message), timeout=CALL_TIMEOUT_S)
+    except grpc.RpcError as error:
+        return Answer(error.code(), error.details() or "")
+    return Answer(grpc.StatusCode.OK, "", [reply])
+
+
+def parses(data: bytes, message_type: type[Message]) -> Message | None:
+    try:
+        return message_type.FromString(data)
+    except DecodeError:
+        return None
+
+
+class Session:
+    """An interactive bidi stream: send, read replies as they come, then close."""
+
+    _END = object()
+
+    def __init__(self, channel: grpc.Channel, method: str) -> None:
+        self._outbox: queue.SimpleQueue[object] = queue.SimpleQueue()
+        self._call = channel.stream_stream(method)(self._requests(), timeout=CALL_TIMEOUT_S)
+        self._replies: queue.SimpleQueue[object] = queue.SimpleQueue()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _requests(self) -> Iterator[bytes]:
+        while (item := self._outbox.get()) is not self._END:
+            yield item  # type: ignore[misc]
+
+    def _read(self) -> None:
+        try:
+            for reply in self._call:
+                self._replies.put(reply)
+            self._replies.put(Answer(grpc.StatusCode.OK, ""))
+        except grpc.RpcError as error:
+            self._replies.put(Answer(error.code(), error.details() or ""))
+
+    def send(self, message: Message | bytes) -> None:
+        self._outbox.put(as_bytes(message))
+
+    def read(self, timeout_s: float = CALL_TIMEOUT_S) -> bytes | Answer:
+        """The next reply, or the Answer that ended the stream."""
+        return self._replies.get(timeout=timeout_s)  # type: ignore[return-value]
+
+    def end(self, timeout_s: float = CALL_TIMEOUT_S) -> Answer:
+        """Half-closes and returns how the daemon ended the stream (skipping further replies)."""
+        self._outbox.put(self._END)
+        while not isinstance(item := self._replies.get(timeout=timeout_s), Answer):
+            pass
+        return item
+
+    def cancel(self) -> None:
+        self._outbox.put(self._END)
+        self._call.cancel()
