@@ -100,7 +100,7 @@ class RoundLoop:
                 resume=self.resume if self.round_index == 0 else None,
             )
             payloads = await self.barrier.exchange(self.round_index, offer_codec.encode(offer))
-            offers = [offer_codec.decode(p) for p in payloads]
+            offers = [self._decode(node, p) for node, p in enumerate(payloads)]
             self._check_agreement(offers)
             units = sorted((u for o in offers for u in o.units), key=lambda u: u.unit)
             plan = plan_round(units, self.state.planner, self.round_seed_base + self.round_index)
@@ -145,6 +145,16 @@ class RoundLoop:
             )
 
     # -- 3. plan inputs ----------------------------------------------------------------------
+
+    def _decode(self, node: int, payload: bytes) -> offer_codec.NodeOffer:
+        try:
+            return offer_codec.decode(payload)
+        except Exception as error:  # any parse failure: the peer sent something else
+            raise InvariantError(
+                f"node {node} sent a round {self.round_index} payload that is not an odbd "
+                f"offer ({type(error).__name__}: {error}); every daemon of a job must run "
+                "the same odbd release, and only this job's daemons may hold its token"
+            ) from None
 
     def _check_agreement(self, offers: list[offer_codec.NodeOffer]) -> None:
         epochs = {o.epoch for o in offers}

@@ -1,0 +1,121 @@
+"""Adversarial peers that hold the job token: the test itself joins a real hub as node 1.
+
+A member that breaks the round protocol (replays a round, sends a payload that is not an
+offer) must fail the job cleanly, naming itself; a late Hello, whatever it claims, must never
+stop a job that already formed.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import time
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2
+
+from odbclient.wire.odbd.v1 import peer_pb2
+from odbd.cli import config_from_args, daemon_parser
+from odbd.demo.cluster import ClusterSpec, LocalCluster
+from tests.integration import faults_wire as wire
+from tests.integration.faults_cluster import synthetic
+
+pytestmark = pytest.mark.timeout(120)
+
+SIZE = 60
+TOKEN = b"peer-protocol-token"
+
+
+@pytest.fixture
+def hub(tmp_path):
+    """Node 0 of a 2-node job, started alone: the test plays node 1."""
+    token = tmp_path / "token"
+    token.write_bytes(TOKEN)
+    os.chmod(token, 0o600)
+
+    def start(*daemon_args: str) -> tuple[LocalCluster, wire.Session]:
+        spec = ClusterSpec(
+            nodes=2,
+            ranks_per_node=1,
+            daemon_args=["--shm-size", "16M", "--job-token-file", str(token), *daemon_args],
+        )
+        cluster = LocalCluster(spec)
+        started.append(cluster)
+        cluster.start_node(0)
+        config = config_from_args(daemon_parser().parse_args(cluster.command(1)[3:]))
+        channel = grpc.insecure_channel(f"127.0.0.1:{cluster.peer_ports[0]}")
+        grpc.channel_ready_future(channel).result(timeout=30)
+        session = wire.Session(channel, wire.JOIN)
+        hello = peer_pb2.Hello(
+            protocol_version=1,
+            job_id=spec.job_id,
+            node_rank=1,
+            fingerprint={"num_nodes": "2", **config.fingerprint(SIZE)},
+            job_token=TOKEN,
+        )
+        session.send(peer_pb2.PeerMessage(hello=hello))
+        welcome = peer_pb2.HubMessage.FromString(session.read())
+        assert welcome.HasField("welcome"), welcome
+        return cluster, session
+
+    started: list[LocalCluster] = []
+    yield start
+    for cluster in started:
+        cluster.stop()
+
+
+def _contribution(round_index: int, payload: bytes) -> peer_pb2.PeerMessage:
+    contribution = peer_pb2.Contribution(round=round_index, node_rank=1, payload=payload)
+    return peer_pb2.PeerMessage(contribution=contribution)
+
+
+def test_replayed_round_is_refused_and_fails_the_job_naming_the_node(hub):
+    cluster, session = hub("--dataset-size", str(SIZE))  # no producers: the hub never plans
+    session.send(_contribution(0, b"x"))
+    session.send(_contribution(0, b"x"))
+    answer = session.end()
+    assert answer.code is grpc.StatusCode.INVALID_ARGUMENT, answer
+    assert "replayed round 0" in answer.details
+    assert cluster.wait(30) == [1], cluster.log(0)
+    log = cluster.log(0)
+    assert "node 1" in log and "replayed round 0" in log and "Traceback" not in log, log
+    assert cluster.leftover_segments() == []
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [
+        b"short",
+        struct.pack("<IHHI", 0x4F444252, 1, 0, 9) + b'{"units":',  # an offer's prefix, cut
+        struct.pack("<IHHI", 0x4F444252, 1, 0, 27) + b'{"units":[[0,false,99999]]}',
+    ],
+    ids=["short", "cut-header", "rows-missing"],
+)
+def test_garbage_round_payload_fails_the_job_naming_the_node(hub, payload):
+    cluster, session = hub(*synthetic(SIZE), "--buffer", "4")  # the hub contributes round 0
+    session.send(_contribution(0, payload))
+    assert cluster.wait(60) == [1], cluster.log(0)
+    log = cluster.log(0)
+    assert "Traceback" not in log, log
+    assert "node 1 sent a round 0 payload that is not an odbd offer" in log, log
+    session.cancel()
+    assert cluster.leftover_segments() == []
+
+
+def test_late_hello_of_another_version_never_stops_a_formed_job(hub):
+    cluster, session = hub("--dataset-size", str(SIZE))
+    channel = grpc.insecure_channel(f"127.0.0.1:{cluster.peer_ports[0]}")
+    hello = peer_pb2.Hello(
+        protocol_version=2, job_id=cluster.spec.job_id, node_rank=1, job_token=TOKEN
+    )
+    answer = wire.stream(channel, wire.JOIN, [peer_pb2.PeerMessage(hello=hello)])
+    assert answer.code is grpc.StatusCode.FAILED_PRECONDITION, answer
+    assert "already formed" in answer.details
+    time.sleep(1.0)  # a fatal refusal would abort the job at once
+    assert cluster.processes[0].poll() is None, cluster.log(0)
+    check = wire.unary(channel, wire.HEALTH, health_pb2.HealthCheckRequest())
+    status = health_pb2.HealthCheckResponse.FromString(check.replies[0]).status
+    assert status == health_pb2.HealthCheckResponse.SERVING
+    channel.close()
+    session.cancel()
