@@ -17,6 +17,7 @@ from typing import NoReturn
 from odbd.config import DaemonConfig, default_socket, node_rank_from_environment
 from odbd.errors import ConfigError
 from odbd.planner.config import Balance, Grouping, LossScaling
+from odbd.round.config import PeerTls
 from odbd.world import World
 
 EXIT_USAGE = 2
@@ -78,6 +79,9 @@ def daemon_parser() -> argparse.ArgumentParser:
     add("--state-dir", type=Path, metavar="DIR")
     add("--job-id", default="odbd")
     add("--job-token-file", type=Path, metavar="FILE", help="shared secret of the job's daemons")
+    add("--tls-cert", type=Path, metavar="PEM", help="peer mTLS: this daemon's certificate")
+    add("--tls-key", type=Path, metavar="PEM", help="peer mTLS: its private key")
+    add("--tls-ca", type=Path, metavar="PEM", help="peer mTLS: CA that signs every daemon")
     add("--shm-size", type=_size, default=1 << 30, metavar="BYTES", help="e.g. 512M, 4G")
     add("--lease-timeout", type=float, default=60.0, metavar="S")
     add("--round-timeout", type=float, default=300.0, metavar="S")
@@ -153,11 +157,36 @@ def config_from_args(args: argparse.Namespace) -> DaemonConfig:
         state_dir=args.state_dir,
         job_id=args.job_id,
         job_token=token,
+        peer_tls=_peer_tls(args),
         shm_size=args.shm_size,
         lease_timeout_s=args.lease_timeout,
         round_timeout_s=args.round_timeout,
         join_timeout_s=args.join_timeout,
         steps_ahead=args.steps_ahead,
+    )
+
+
+def _peer_tls(args: argparse.Namespace) -> PeerTls | None:
+    """The three --tls-* files (all or none), read once: the daemon never rereads them."""
+    files = {"--tls-cert": args.tls_cert, "--tls-key": args.tls_key, "--tls-ca": args.tls_ca}
+    given = [flag for flag, path in files.items() if path is not None]
+    if not given:
+        return None
+    if len(given) != len(files):
+        missing = sorted(set(files) - set(given))
+        raise ConfigError(
+            f"peer mTLS needs --tls-cert, --tls-key and --tls-ca together; missing {missing}"
+        )
+    data = {}
+    for flag, path in files.items():
+        try:
+            data[flag] = path.read_bytes()
+        except OSError as error:
+            raise ConfigError(f"cannot read {flag}: {error}") from None
+    return PeerTls(
+        cert_chain=data["--tls-cert"],
+        private_key=data["--tls-key"],
+        root_certificates=data["--tls-ca"],
     )
 
 

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from odbd.errors import ConfigError
 from odbd.planner.config import Balance, Grouping, LossScaling, PlannerConfig
+from odbd.round.config import PeerTls
 from odbd.world import World
 
 DEFAULT_PADS = {"labels": -100.0}
@@ -61,6 +62,7 @@ class DaemonConfig:
     state_dir: Path | None = None
     job_id: str = "odbd"
     job_token: bytes = b""
+    peer_tls: PeerTls | None = None  # --tls-cert/--tls-key/--tls-ca: mTLS between daemons
     shm_size: int = 1 << 30
     lease_timeout_s: float = 60.0
     round_timeout_s: float = 300.0

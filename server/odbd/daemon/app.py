@@ -189,6 +189,7 @@ class Daemon:
             listen=config.listen if nodes > 1 else "",
             fingerprint=config.fingerprint(self.state.dataset_size),
             job_token=config.job_token,
+            tls=config.peer_tls,
             join_timeout_s=config.join_timeout_s,
             round_timeout_s=config.round_timeout_s,
         )

@@ -79,7 +79,9 @@ class RoundBarrier:
         else:
             handler = not_the_hub_handler(config.node_rank)
         if config.listen:
-            self._server, self._listen_address = await serve(config.listen, handler, self._health)
+            self._server, self._listen_address = await serve(
+                config.listen, handler, self._health, config.tls
+            )
         if self._hub is not None:
             await self._hub.wait_formed()
         elif config.num_nodes > 1:

@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+import grpc
+
 from odbd.errors import ConfigError
 
 PROTOCOL_VERSION = 1
@@ -48,6 +50,39 @@ def parse_address(address: str, what: str) -> tuple[str, int]:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class PeerTls:
+    """mTLS of the peer listener and the spokes' channel: PEM bytes, read once at startup.
+
+    Every daemon presents `cert_chain` (signed by the job's CA, naming its --peers host) and
+    accepts only peers whose certificate `root_certificates` signed.
+    """
+
+    cert_chain: bytes
+    private_key: bytes
+    root_certificates: bytes
+
+    def __post_init__(self) -> None:
+        for name in ("cert_chain", "private_key", "root_certificates"):
+            if b"-----BEGIN " not in getattr(self, name):
+                flag = {"cert_chain": "--tls-cert", "private_key": "--tls-key"}.get(name)
+                raise ConfigError(f"{flag or '--tls-ca'} is not a PEM file (no -----BEGIN line)")
+
+    def server_credentials(self) -> grpc.ServerCredentials:
+        return grpc.ssl_server_credentials(
+            [(self.private_key, self.cert_chain)],
+            root_certificates=self.root_certificates,
+            require_client_auth=True,
+        )
+
+    def channel_credentials(self) -> grpc.ChannelCredentials:
+        return grpc.ssl_channel_credentials(
+            root_certificates=self.root_certificates,
+            private_key=self.private_key,
+            certificate_chain=self.cert_chain,
+        )
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class RoundConfig:
     """How this daemon takes part in the job's round barrier."""
 
@@ -60,6 +95,7 @@ class RoundConfig:
     job_token: bytes = b""  # shared secret of the job's daemons; empty admits any peer
     join_timeout_s: float = 60.0  # start(): every node joins the hub within this
     round_timeout_s: float = 60.0  # a round: all contributions arrive within this of the first
+    tls: PeerTls | None = None  # None: plaintext peer traffic (the token still authenticates)
 
     def __post_init__(self) -> None:
         self._check_layout()

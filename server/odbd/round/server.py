@@ -11,7 +11,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from odbclient.wire.odbd.v1 import peer_pb2
 from odbd.errors import ConfigError
 from odbd.grpc_guard import DecodeGuard
-from odbd.round.config import SERVER_OPTIONS, parse_address
+from odbd.round.config import SERVER_OPTIONS, PeerTls, parse_address
 
 PEER_SERVICE = "odbd.v1.Peer"
 JOIN_METHOD = f"/{PEER_SERVICE}/Join"
@@ -70,7 +70,10 @@ class PeerHealth:
 
 
 async def serve(
-    listen: str, handler: grpc.GenericRpcHandler, peer_health: PeerHealth
+    listen: str,
+    handler: grpc.GenericRpcHandler,
+    peer_health: PeerHealth,
+    tls: PeerTls | None = None,
 ) -> tuple[grpc.aio.Server, str]:
     """Binds and starts the listener; returns it and the bound "host:port" (port 0 resolved)."""
     host, _ = parse_address(listen, "--listen")
@@ -78,7 +81,10 @@ async def serve(
     server.add_generic_rpc_handlers((handler,))
     health_pb2_grpc.add_HealthServicer_to_server(peer_health.servicer, server)
     try:
-        port = server.add_insecure_port(listen)
+        if tls is None:
+            port = server.add_insecure_port(listen)
+        else:  # mTLS: a peer without a certificate of the job's CA cannot even say Hello
+            port = server.add_secure_port(listen, tls.server_credentials())
     except RuntimeError as exc:
         raise ConfigError(
             f"cannot bind the peer listener to {listen} ({exc}); another process may hold the "

@@ -48,9 +48,12 @@ class Spoke:
         self._config = config
         self._listen_address = listen_address
         self._hub = f"the hub node 0 ({config.hub_address})"
-        self._channel = grpc.aio.insecure_channel(
-            config.hub_address, options=CHANNEL_OPTIONS + _CONNECT_OPTIONS
-        )
+        options = CHANNEL_OPTIONS + _CONNECT_OPTIONS
+        if config.tls is None:
+            self._channel = grpc.aio.insecure_channel(config.hub_address, options=options)
+        else:
+            credentials = config.tls.channel_credentials()
+            self._channel = grpc.aio.secure_channel(config.hub_address, credentials, options)
         join = self._channel.stream_stream(
             JOIN_METHOD,
             request_serializer=peer_pb2.PeerMessage.SerializeToString,
@@ -98,9 +101,15 @@ class Spoke:
                 f"{self._hub} accepted the connection but did not welcome node "
                 f"{self._config.node_rank} within {timeout:g} s; see the hub's log"
             )
+        tls = (
+            "; with --tls-*, also that both certificates come from the same --tls-ca and name "
+            "the hosts in --peers"
+            if self._config.tls
+            else ""
+        )
         return (
             f"could not reach {self._hub} within the {timeout:g} s join deadline; start node 0's "
-            "daemon, and check --peers (node 0 first) and that its --listen is reachable"
+            f"daemon, and check --peers (node 0 first) and that its --listen is reachable{tls}"
         )
 
     async def _read(self) -> None:
