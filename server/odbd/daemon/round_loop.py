@@ -201,6 +201,8 @@ class RoundLoop:
             s.last_peer[record.last_node] += 1
         s.splits += sum(u.num_splits for u in plan.units)
         s.recirculated += sum(len(u.leftover) for u in plan.units)
+        if self.done:
+            return  # keep the last epoch's final progress (set by _end_epoch) on display
         s.epoch = self.state.epoch
         assert self.tally.seen is not None
         s.epoch_samples = self.tally.samples
@@ -410,6 +412,7 @@ class RoundLoop:
         )
         for queue in self.queues.values():
             queue.push([QueuedItem(epoch, -1, trainer_pb2.TrainerEvent(epoch_end=end))])
+        self.stats.epoch_samples, self.stats.epoch_identities = tally.samples, end.num_identities
         self.tally = self._new_tally()
         self.stats.epochs_done += 1
 
