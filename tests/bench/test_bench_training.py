@@ -102,6 +102,7 @@ def run_odbd(out_dir: Path) -> Reports:
         trainer_args=TRAIN_ARGS,
         out_dir=out_dir,
         timeout_s=1200.0,
+        wait_for_daemons=True,
     )
     assert daemon_codes == [0] and rank_codes == [0] * WORLD, cluster.log(0)
     return reports

@@ -41,7 +41,7 @@ def train(framework: str, out_dir: Path) -> Reports:
     )
     try:
         cluster.start()
-        cluster.wait_sockets(60.0)
+        # No wait for the sockets: ranks import torch meanwhile; ODBClient waits for the daemon.
         ranks = launch_ranks(
             world=WORLD, nproc_per_node=WORLD, out_dir=out_dir, sockets=cluster.sockets,
             module="tests.integration.ddp_hf_trainer",

@@ -35,7 +35,7 @@ def run_phase(tmp_path: Path, job_id: str, trainer_args: list[str]) -> tuple[Rep
     )
     try:
         cluster.start()
-        cluster.wait_sockets(60.0)
+        # No wait for the sockets: ranks import torch meanwhile; ODBClient waits for the daemon.
         ranks = launch_ranks(
             world=WORLD, nproc_per_node=2, out_dir=tmp_path / "train", sockets=cluster.sockets,
             trainer_args=["--epochs", str(EPOCHS), *trainer_args, *data_flags(DATA)],
