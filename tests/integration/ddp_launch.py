@@ -11,12 +11,11 @@ import json
 import os
 import subprocess
 import sys
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from odbd.demo.cluster import ClusterSpec, LocalCluster, free_ports
+from odbd.demo.cluster import ClusterSpec, LocalCluster, free_ports, wait_all
 
 REPO = Path(__file__).resolve().parents[2]
 DATASET = Path(__file__).with_name("ddp_data.py")
@@ -52,12 +51,7 @@ class Ranks:
     processes: list[subprocess.Popen[bytes]] = field(default_factory=list)
 
     def wait(self, timeout_s: float) -> list[int | None]:
-        deadline = time.monotonic() + timeout_s
-        for proc in self.processes:
-            try:
-                proc.wait(timeout=max(deadline - time.monotonic(), 0.01))
-            except subprocess.TimeoutExpired:
-                break
+        wait_all(self.processes, timeout_s)
         for proc in self.processes:
             if proc.poll() is None:
                 proc.kill()

@@ -29,6 +29,17 @@ def free_ports(count: int) -> list[int]:
             s.close()
 
 
+def wait_all(processes: Sequence[subprocess.Popen[bytes]], timeout_s: float) -> list[int | None]:
+    """Waits for every process within one shared deadline; exit codes (None = still running)."""
+    deadline = time.monotonic() + timeout_s
+    for proc in processes:
+        try:
+            proc.wait(timeout=max(deadline - time.monotonic(), 0.01))
+        except subprocess.TimeoutExpired:
+            break
+    return [p.poll() for p in processes]
+
+
 @dataclass(kw_only=True)
 class ClusterSpec:
     nodes: int = 2
@@ -108,13 +119,7 @@ class LocalCluster:
         return path.read_text(errors="replace")[-4000:] if path.exists() else ""
 
     def wait(self, timeout_s: float) -> list[int | None]:
-        deadline = time.monotonic() + timeout_s
-        for proc in self.processes:
-            try:
-                proc.wait(timeout=max(deadline - time.monotonic(), 0.01))
-            except subprocess.TimeoutExpired:
-                pass
-        return [p.poll() for p in self.processes]
+        return wait_all(self.processes, timeout_s)
 
     def stop(self) -> None:
         for proc in self.processes:
