@@ -130,17 +130,19 @@ def _keep_priority(groups: Groups, srt: _Sorted, config: PlannerConfig) -> Float
     """
     if len(groups) == 0:
         return np.zeros(0)
-    stats = srt.range_stats(groups.starts, groups.ends)
     longest = srt.lengths[groups.starts]
     capacity = np.maximum(config.token_budget // longest, 1)
     full = (groups.sizes() >= capacity).astype(np.float64)
-    fill = np.minimum(stats["real_tokens"] / config.token_budget, 1.0)
+    real = srt.csum_len[groups.ends] - srt.csum_len[groups.starts]
+    fill = np.minimum(real / config.token_budget, 1.0)
     oldest = _range_max(srt.ages, groups)
     return 2.0 * oldest + full + fill
 
 
 def _range_max(values: IntArray, groups: Groups) -> IntArray:
     """Max of values over each group's range (groups are non-empty, disjoint, any order)."""
+    if groups.starts.size < 2 or bool((np.diff(groups.starts) > 0).all()):
+        return np.maximum.reduceat(values, groups.starts)  # min-time cuts come in order
     by_start = np.argsort(groups.starts, kind="stable")
     maxima = np.maximum.reduceat(values, groups.starts[by_start])
     out = np.empty_like(maxima)
