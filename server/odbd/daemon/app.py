@@ -16,6 +16,7 @@ import os
 import signal
 import socket as socketlib
 import time
+from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
@@ -555,6 +556,7 @@ def _claim_socket_path(path: str) -> None:
 
 def run_daemon(config: DaemonConfig, dataset_size: int) -> int:
     """Runs one daemon to completion in its own event loop (uvloop when available)."""
+    runner: Callable[[Coroutine[Any, Any, int]], int]
     try:
         import uvloop
 

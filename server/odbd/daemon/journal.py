@@ -24,6 +24,7 @@ import struct
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 
@@ -57,7 +58,7 @@ class Journal:
     def __init__(self, directory: Path, node_rank: int) -> None:
         directory.mkdir(parents=True, exist_ok=True, mode=0o700)
         self.path = directory / f"node{node_rank}.journal"
-        self._file = None
+        self._file: BinaryIO | None = None
 
     def exists(self) -> bool:
         return self.path.exists() and self.path.stat().st_size > 0
@@ -79,7 +80,7 @@ class Journal:
     def append_round(
         self,
         round_index: int,
-        steps: list[tuple[int, int, int]],
+        steps: list[list[int]],  # [epoch, step, global samples] per kept step
         keys: np.ndarray,
         counts: np.ndarray,
         rejected_keys: list[int],

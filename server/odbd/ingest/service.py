@@ -99,6 +99,7 @@ class IngestService(ingest_pb2_grpc.IngestServicer):
                 f"no room for another {self._lanes.lane_bytes}-byte producer lane in the "
                 "shared-memory arena; raise --shm-size or run fewer producers",
             )
+            raise AssertionError("context.abort() raises")
         session = ProducerSession(
             producer, hello.name or f"producer-{producer}", lane, asyncio.Queue()
         )

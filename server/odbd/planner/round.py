@@ -77,17 +77,17 @@ def plan_round(offers: Sequence[UnitOffer], config: PlannerConfig, round_index: 
     columns: list[dict[str, np.ndarray]] = []
     for offer, groups, srt in zip(offers, grouped, sorted_, strict=True):
         fitted = _fit(groups, srt, num_steps * g, config)
-        stats = srt.range_stats(fitted.starts, fitted.ends)
-        work = config.cost.work(stats["padded_tokens"], stats["sum_sq"])
+        slot_stats = srt.range_stats(fitted.starts, fitted.ends)
+        work = config.cost.work(slot_stats["padded_tokens"], slot_stats["sum_sq"])
         if config.grouping is Grouping.PAPER:
             group_of_slot = assignment.slots_in_order(len(fitted.starts))
         else:
             group_of_slot = assignment.slots_by_cost(work, g, perm)
         units.append(_unit_plan(offer, fitted, group_of_slot))
-        columns.append({k: v[group_of_slot].reshape(num_steps, g) for k, v in stats.items()})
-    stats = _step_stats(columns, offers, config)
+        columns.append({k: v[group_of_slot].reshape(num_steps, g) for k, v in slot_stats.items()})
+    step_stats = _step_stats(columns, offers, config)
     final = all(o.dry for o in offers) and all(len(u.leftover) == 0 for u in units)
-    return RoundPlan(round_index, num_steps, tuple(units), stats, final)
+    return RoundPlan(round_index, num_steps, tuple(units), step_stats, final)
 
 
 def _check_offers(offers: Sequence[UnitOffer], config: PlannerConfig) -> None:

@@ -24,6 +24,7 @@ async def read_hello(
         await context.abort(
             grpc.StatusCode.INVALID_ARGUMENT, f"the first message must be a {hello_type}"
         )
+        raise AssertionError("context.abort() raises")
     hello = first.hello
     if hello.protocol_version != PROTOCOL_VERSION:
         await context.abort(

@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Coroutine
+from typing import Any
 
 import grpc
 
 from odbclient.wire.odbd.v1 import trainer_pb2, trainer_pb2_grpc
 from odbd.daemon.node_state import Location
 from odbd.serve.hello import read_hello
-from odbd.serve.rank_queue import RankQueue
+from odbd.serve.rank_queue import QueuedItem, RankQueue
 
 log = logging.getLogger("odbd.serve")
 
@@ -100,10 +101,13 @@ class TrainerService(trainer_pb2_grpc.TrainerServicer):
                 self._on_delivered(queue.rank, delivered)
 
 
-async def _first(send: object, reader: asyncio.Future[None]) -> object | None:
+async def _first(
+    send: Coroutine[Any, Any, QueuedItem], reader: asyncio.Future[None]
+) -> QueuedItem | None:
     """The next queue item, or None once the client's side of the stream ended."""
-    sender = asyncio.ensure_future(send)  # type: ignore[arg-type]
-    done, _ = await asyncio.wait({sender, reader}, return_when=asyncio.FIRST_COMPLETED)
+    sender = asyncio.ensure_future(send)
+    waiting: set[asyncio.Future[Any]] = {sender, reader}
+    done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
     if sender in done:
         return sender.result()
     sender.cancel()
