@@ -24,7 +24,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry, start_http_server
 
-from odbclient.shm import SAMPLE_LAYOUT_VERSION
+from odbclient.shm import SAMPLE_LAYOUT_VERSION, Allocation
 from odbclient.wire.odbd.v1 import (
     admin_pb2,
     admin_pb2_grpc,
@@ -418,8 +418,6 @@ class Daemon:
     def _read_sample(self, segment: int, offset: int, nbytes: int) -> memoryview:
         assert self.arena is not None
         name = self.arena.segment_names[segment]
-        from odbclient.shm import Allocation
-
         return self.arena.view(Allocation(name, offset, nbytes))
 
     # -- main --------------------------------------------------------------------------------

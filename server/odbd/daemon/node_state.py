@@ -18,6 +18,7 @@ from odbd.config import DaemonConfig
 from odbd.planner.ledger import ViewLedger
 from odbd.planner.sampler import num_views, sampler_identities, views_of_ranks
 from odbd.planner.types import IntArray, SampleTable, UnitOffer
+from odbd.planner.view_keys import by_iteration
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,11 +115,9 @@ class NodeState:
     def identities_of(self, keys: IntArray) -> IntArray:
         if keys.size == 0 or self.views_per_iteration == 0:
             return np.zeros(0, dtype=np.int64)
-        its, views = np.divmod(keys, self.views_per_iteration)
         out = np.empty_like(keys)
-        for it in np.unique(its).tolist():
-            mask = its == it
-            out[mask] = self.iteration(it).identities[views[mask]]
+        for it, mask, views in by_iteration(keys, self.views_per_iteration):
+            out[mask] = self.iteration(it).identities[views]
         return out
 
     def _split(self, key: int) -> tuple[_Iteration, int]:
@@ -187,9 +186,8 @@ class NodeState:
 
     def _transition(self, keys: IntArray, verb: str) -> None:
         """One ledger call per sampler iteration for a batch of keys (vectorised)."""
-        its, views = np.divmod(keys, self.views_per_iteration)
-        for it in np.unique(its).tolist():
-            getattr(self.iteration(it).ledger, verb)(views[its == it])
+        for it, _, views in by_iteration(keys, self.views_per_iteration):
+            getattr(self.iteration(it).ledger, verb)(views)
 
     def release(self, keys: list[int]) -> None:
         """Leases that will not be committed (producer gone, lease expired) go back to pending."""
@@ -329,11 +327,8 @@ class NodeState:
             local.buffers.setdefault(self._plan_slot(), []).insert(0, table)
 
     def mark_emitted(self, keys: IntArray) -> None:
-        if keys.size == 0:
-            return
-        its, views = np.divmod(keys, self.views_per_iteration)
-        for it in np.unique(its).tolist():
-            self.iteration(it).ledger.emit(views[its == it])
+        if keys.size:
+            self._transition(keys, "emit")
 
     def take_rejected_delta(self) -> dict[str, int]:
         delta = dict(self.rejected)

@@ -23,6 +23,7 @@ from odbd.planner.ledger import ViewLedger
 from odbd.planner.round import plan_round
 from odbd.planner.sampler import num_views, sampler_identities, views_of_ranks
 from odbd.planner.types import IntArray, RoundPlan, SampleTable, StepStats, UnitOffer
+from odbd.planner.view_keys import by_iteration
 
 
 @dataclass(slots=True)
@@ -74,8 +75,10 @@ class SimulationResult:
         """Dataset identities of view keys."""
         if self.num_views == 0:
             return view_keys.copy()
-        it, view = np.divmod(view_keys, self.num_views)
-        return np.array([self.identities[i][v] for i, v in zip(it, view, strict=True)], np.int64)
+        out = np.empty_like(view_keys)
+        for it, mask, views in by_iteration(view_keys, self.num_views):
+            out[mask] = self.identities[it][views]
+        return out
 
     def iter_steps(self) -> Iterator[tuple[int, int, list[list[tuple[int, int]]]]]:
         """(epoch, step within epoch, per global rank [(sample_id, length), ...])."""
@@ -229,9 +232,8 @@ class _Simulation:
     def _emit(self, view_keys: IntArray) -> None:
         if self.num_views == 0 or view_keys.size == 0:
             return
-        it, views = np.divmod(view_keys, self.num_views)
-        for i in np.unique(it).tolist():
-            self.iterations[i].ledger.emit(views[it == i])
+        for it, _, views in by_iteration(view_keys, self.num_views):
+            self.iterations[it].ledger.emit(views)
 
     def _top_up(self, unit: int, feed: _UnitFeed, chain: bool) -> UnitOffer:
         room = min(self.config.unit_capacity - len(feed.buffer), self.arrivals[unit])
