@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import urllib.error
+import urllib.request
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -97,3 +99,16 @@ def describe(result: RunResult) -> str:
     for path in sorted(result.cluster.tmp.glob("trainer*.log")):
         parts.append(f"--- {path.name}\n{path.read_text(errors='replace')[-2000:]}")
     return "\n".join(parts)
+
+
+def http_get(url: str, timeout_s: float = 5.0) -> str:
+    """GETs a loopback URL. An HTTP error status is closed here and raised as RuntimeError: an
+    HTTPError holds the open response socket, and one kept alive by a retry loop's traceback cycle
+    is only freed by a later garbage collection, as a ResourceWarning in some other test."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as response:  # noqa: S310 (loopback)
+            return response.read().decode()
+    except urllib.error.HTTPError as error:
+        with error:
+            body = error.read()[:200].decode(errors="replace")
+        raise RuntimeError(f"GET {url} answered HTTP {error.code}: {body}") from None

@@ -11,11 +11,11 @@ import os
 import re
 import signal
 import time
-import urllib.request
 
 import pytest
 
 from tests.integration.faults_cluster import FaultCluster, synthetic
+from tests.integration.harness import http_get
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -123,8 +123,7 @@ def test_slow_peer_is_the_straggler_and_the_round_completes():
 
 def _scrape(fc: FaultCluster) -> str:
     url = f"http://127.0.0.1:{fc.cluster.metrics_ports[0]}/metrics"
-    with urllib.request.urlopen(url, timeout=5) as reply:
-        return reply.read().decode()
+    return http_get(url)
 
 
 def _rounds_over(metrics: str, seconds: float) -> int:

@@ -19,7 +19,6 @@ import subprocess
 import sys
 import time
 import urllib.parse
-import urllib.request
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -28,6 +27,7 @@ import pytest
 import yaml
 
 from odbd.demo.cluster import ClusterSpec, LocalCluster, free_ports
+from tests.integration.harness import http_get
 
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD = ROOT / "ops" / "grafana" / "odbd-dashboard.json"
@@ -78,11 +78,6 @@ def exported_names(exposition: str) -> set[str]:
 
 
 # -- processes ---------------------------------------------------------------------------------
-
-
-def http_get(url: str, timeout_s: float = 5.0) -> str:
-    with urllib.request.urlopen(url, timeout=timeout_s) as response:  # noqa: S310 (loopback)
-        return response.read().decode()
 
 
 def wait_for(what: str, check: Callable[[], object], timeout_s: float, every_s: float = 0.1):

@@ -199,7 +199,9 @@ def test_fingerprint_mismatch_is_refused_naming_the_setting_and_both_values() ->
 
 @pytest.mark.timeout(60)
 def test_wrong_token_is_refused() -> None:
-    plans = [Plan(2, config={"join_timeout_s": 2.0}), Plan(2, config={"job_token": b"guess"})]
+    # The join deadline must outlast spawning the refused spoke (an interpreter start and imports,
+    # seconds on a loaded machine), or the hub times out before it ever saw the wrong token.
+    plans = [Plan(2, config={"join_timeout_s": 10.0}), Plan(2, config={"job_token": b"guess"})]
     outcomes = run_job(plans)
     assert outcomes[1][0] == "HandshakeError"
     assert "UNAUTHENTICATED" in outcomes[1][1] and "wrong job token" in outcomes[1][1]

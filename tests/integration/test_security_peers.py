@@ -33,7 +33,7 @@ def _refused_job(tmp_path: Path, node1_args: list[str], token: Path) -> LocalClu
     spec = ClusterSpec(
         nodes=2,
         ranks_per_node=1,
-        daemon_args=["--dataset-size", "10", "--shm-size", "16M", "--join-timeout", "5"]
+        daemon_args=["--dataset-size", "10", "--shm-size", "16M", "--join-timeout", "10"]
         + ["--job-token-file", str(token)],
         per_node_args=[[], node1_args],
     )
