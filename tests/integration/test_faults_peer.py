@@ -32,7 +32,11 @@ def _args(*extra: str) -> list[str]:
 def _kill_and_watch(fc: FaultCluster, victim: int) -> tuple[float, float]:
     """SIGKILLs daemon `victim` mid-epoch; returns (slowest daemon exit, slowest trainer error)."""
     fc.start_trainers("--step-sleep-s", "0.02")
-    fc.wait_until(lambda: fc.steps_seen(0) >= 5, "rank 0 trained 5 steps")
+    # Every trainer attached and training: a trainer still starting when its daemon dies gets
+    # a connect error instead, and the kill would land before the epoch is underway.
+    fc.wait_until(
+        lambda: all(fc.steps_seen(r) >= 3 for r in range(fc.world)), "every rank trained 3 steps"
+    )
     killed = time.time()
     fc.daemons[victim].kill()
     survivors = [n for n in range(len(fc.daemons)) if n != victim]
