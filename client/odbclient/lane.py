@@ -130,23 +130,47 @@ class CommitBuffer:
 
 @dataclass(slots=True)
 class LeaseCredits:
-    """Keeps about `target` sample ids in hand: granted-but-unprocessed plus requested credits.
+    """Keeps about `hold_s` of work in hand: granted-but-unprocessed ids plus requested credits.
 
-    Asks again only once half the target is used, so credits go out in batches rather than
-    one message per sample.
+    The target adapts to the measured time per sample, between `min_ids` and `max_ids`: cheap
+    samples need many ids in hand to cover a grant's round trip (or the producer idles waiting
+    for it), while expensive ones need few, so ids are not hoarded by one producer while the
+    others starve at an epoch's end. Asks again only once half the target is used, so credits
+    go out in batches rather than one message per sample.
     """
 
-    target: int
+    max_ids: int
+    hold_s: float = 0.02
+    min_ids: int = 4
     outstanding: int = 0  # requested, not yet granted
+    sample_s: float | None = None  # moving average of one sample's work; None: not measured
+
+    @property
+    def target(self) -> int:
+        if self.sample_s is None:  # unmeasured: a modest first request
+            return max(min(self.max_ids, 32), min(self.min_ids, self.max_ids))
+        wanted = int(self.hold_s / max(self.sample_s, 1e-7))
+        return max(min(wanted, self.max_ids), min(self.min_ids, self.max_ids))
+
+    def observe(self, seconds: float) -> None:
+        """One sample's work took `seconds` (fetch, validate, encode)."""
+        if self.sample_s is None:
+            self.sample_s = seconds
+        else:
+            self.sample_s += _SMOOTHING * (seconds - self.sample_s)
 
     def request(self, in_hand: int) -> int:
         """How many more ids to ask for now (0: none); counts them as outstanding."""
+        target = self.target
         held = self.outstanding + in_hand
-        if held > self.target // 2:
+        if held > target // 2:
             return 0
-        count = self.target - held
+        count = target - held
         self.outstanding += count
         return count
 
     def granted(self, count: int) -> None:
         self.outstanding = max(0, self.outstanding - count)
+
+
+_SMOOTHING = 0.05  # weight of the newest sample in LeaseCredits.sample_s

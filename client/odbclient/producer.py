@@ -75,7 +75,7 @@ class ProducerCore:
         self.lane = LaneAllocator(lane_offset, len(lane_buffer))
         self._length_key, self._labels_key = length_key, labels_key
         self.commits = CommitBuffer(max_rows=commit_batch, interval_s=commit_interval_s)
-        self.credits = LeaseCredits(target=lease_batch)
+        self.credits = LeaseCredits(max_ids=lease_batch)
         self._work: deque[tuple[int, int]] = deque()  # (view_key, identity) granted, not made
         self._stalled: tuple[int, Any, SampleFacts] | None = None  # waiting for lane space
         self._num_tracebacks = 0
@@ -161,7 +161,7 @@ class Producer:
         *,
         name: str | None = None,
         job_id: str = "",
-        lease_batch: int = 32,
+        lease_batch: int = 256,
         commit_batch: int = 32,
         commit_interval_s: float = 0.002,
         connect_timeout_s: float = 60.0,
@@ -242,7 +242,9 @@ class Producer:
                         outbox.put(message)
                     return
             if core.can_work():  # 3. one sample
-                core.work_one(time.monotonic())
+                started = time.monotonic()
+                core.work_one(started)
+                core.credits.observe(time.monotonic() - started)
 
     def _apply(self, core: ProducerCore, message: ingest_pb2.IngestMessage) -> bool:
         """Applies one daemon message; False on Shutdown."""

@@ -162,7 +162,7 @@ def test_commits_flush_by_count_and_by_age() -> None:
 
 
 def test_credits_keep_about_the_target_in_hand() -> None:
-    credits = LeaseCredits(target=8)
+    credits = LeaseCredits(max_ids=8)
     assert credits.request(in_hand=0) == 8
     assert credits.request(in_hand=0) == 0  # all 8 outstanding
     credits.granted(8)
@@ -170,6 +170,22 @@ def test_credits_keep_about_the_target_in_hand() -> None:
     assert credits.request(in_hand=4) == 4
     credits.granted(2)
     assert credits.outstanding == 2
+
+
+def test_credits_hold_about_hold_s_of_work_within_the_bounds() -> None:
+    credits = LeaseCredits(max_ids=512, hold_s=0.02, min_ids=4)
+    assert credits.target == 32  # nothing measured yet: a modest first request
+    credits.observe(0.0001)  # 100 us per sample: 200 ids cover 20 ms
+    assert credits.target == 200
+    credits.observe(0.0001)
+    assert credits.target == 200
+    for _ in range(400):  # the samples became expensive: 10 ms each
+        credits.observe(0.01)
+    assert credits.target == 4  # min_ids: a producer does not hoard ids it cannot make soon
+    for _ in range(400):
+        credits.observe(1e-6)
+    assert credits.target == 512  # max_ids caps the cheapest samples
+    assert LeaseCredits(max_ids=2).target == 2  # a max below min_ids wins
 
 
 # --- the producer core over a plain buffer -----------------------------------------------------

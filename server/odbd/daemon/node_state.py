@@ -20,6 +20,8 @@ from odbd.planner.sampler import num_views, sampler_identities, views_of_ranks
 from odbd.planner.types import IntArray, SampleTable, UnitOffer
 from odbd.planner.view_keys import by_iteration
 
+RUN_AHEAD_BUFFERS = 2  # buffers' worth of samples a unit may lease: this round's and the next
+
 
 @dataclass(frozen=True, slots=True)
 class Location:
@@ -60,13 +62,17 @@ class _Unit:
     def buffered(self, slot: int) -> int:
         return sum(len(t) for t in self.buffers.get(slot, ()))
 
-    def take_buffer(self, slot: int) -> SampleTable:
+    def take_buffer(self, slot: int, limit: int) -> SampleTable:
+        """The first `limit` buffered samples in view order; the rest wait for the next round."""
         chunks = self.buffers.pop(slot, [])
         table = SampleTable.empty()
         for chunk in chunks:
             table = table.concat(chunk)
         # Sorted by view, so the plan does not depend on the order producers committed in.
-        return table.take(np.argsort(table.views, kind="stable"))
+        order = np.argsort(table.views, kind="stable")
+        if len(order) > limit:
+            self.buffers[slot] = [table.take(order[limit:])]
+        return table.take(order[:limit])
 
 
 class NodeState:
@@ -87,6 +93,10 @@ class NodeState:
         self.rejected_total: Counter[str] = Counter()
         self.rejected_keys: list[int] = []  # since the last round, for the --state-dir journal
         self.paused = False  # no leases while a restart waits for the trainers' resume point
+        # Producers may fill the next round's buffer while this one waits for its round (the
+        # exchange, the trainers' queue room): without it they idle from the moment a buffer
+        # is full until its round is planned. A round still takes one buffer (unit_capacity).
+        self.lease_capacity = RUN_AHEAD_BUFFERS * self.planner.unit_capacity
 
     # -- layout ------------------------------------------------------------------------------
 
@@ -150,7 +160,7 @@ class NodeState:
             return np.zeros(0, dtype=np.int64)
         keys: list[int] = []
         for unit in sorted(self._units, key=self._outstanding):
-            room = min(self.planner.unit_capacity - self._outstanding(unit), count - len(keys))
+            room = min(self.lease_capacity - self._outstanding(unit), count - len(keys))
             taken = self._take_keys(unit, room)
             unit.leased.update(taken)
             keys += taken
@@ -317,8 +327,13 @@ class NodeState:
 
     def offers(self) -> list[UnitOffer]:
         """This node's units' offers for the next round (their buffers leave the state)."""
-        slot = self._plan_slot()
-        return [UnitOffer(u.unit, u.take_buffer(slot), self.dry(u)) for u in self._units]
+        slot, limit = self._plan_slot(), self.planner.unit_capacity
+        offers = []
+        for u in self._units:
+            table = u.take_buffer(slot, limit)
+            # Dry only once nothing is left behind for a later round either.
+            offers.append(UnitOffer(u.unit, table, self.dry(u) and u.buffered(slot) == 0))
+        return offers
 
     def return_samples(self, unit: int, table: SampleTable) -> None:
         """Recirculated (or not-run) samples go back into the unit's buffer."""

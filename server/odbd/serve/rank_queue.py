@@ -47,18 +47,25 @@ class RankQueue:
         self._sent = 0
         self._changed.set()
 
-    async def next_to_send(self, prefetch: int) -> QueuedItem:
-        """The next item, once fewer than `prefetch` sent steps await delivery."""
-        while True:
+    def take_ready(self, prefetch: int) -> QueuedItem | None:
+        """The next item if it may be sent now (fewer than `prefetch` sent steps await
+        delivery, or it is a marker); None when the stream must wait."""
+        if self._sent >= len(self._items):
+            return None
+        item = self._items[self._sent]
+        if item.is_step:
             in_flight = sum(1 for i in range(self._sent) if self._items[i].is_step)
-            if self._sent < len(self._items) and (
-                in_flight < prefetch or not self._items[self._sent].is_step
-            ):
-                item = self._items[self._sent]
-                self._sent += 1
-                return item
+            if in_flight >= prefetch:
+                return None
+        self._sent += 1
+        return item
+
+    async def next_to_send(self, prefetch: int) -> QueuedItem:
+        """The next item, once it may be sent (take_ready)."""
+        while (item := self.take_ready(prefetch)) is None:
             self._changed.clear()
             await self._changed.wait()
+        return item
 
     def deliver(self, epoch: int, step: int) -> list[Location]:
         """Drops items up to and including (epoch, step); returns their locations to free."""

@@ -55,7 +55,10 @@ class TrainerService(trainer_pb2_grpc.TrainerServicer):
         try:
             yield trainer_pb2.TrainerEvent(welcome=self._welcome)
             while True:
-                item = await _first(queue.next_to_send(prefetch), reader)
+                # Fast path without a task per step: the queue usually has the next one ready.
+                item = queue.take_ready(prefetch)
+                if item is None:
+                    item = await _first(queue.next_to_send(prefetch), reader)
                 if item is None:
                     return
                 yield item.event

@@ -1,0 +1,70 @@
+"""NodeState: leasing runs one buffer ahead of the round, a round takes one buffer, and a unit
+is dry only once nothing is left for a later round; stale commits are freed, not buffered."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from odbd.config import DaemonConfig
+from odbd.daemon.node_state import RUN_AHEAD_BUFFERS, Location, NodeState
+from odbd.world import World
+
+BUFFER = 4
+
+
+def make_state(dataset_size: int = 64) -> NodeState:
+    config = DaemonConfig(
+        world=World(1, 1), buffer=BUFFER, token_budget=64, dataset_size=dataset_size
+    )
+    return NodeState(config, dataset_size)
+
+
+def commit_all(state: NodeState, producer: int, keys: np.ndarray) -> int:
+    n = len(keys)
+    locations = [Location(0, 64 * i, 8) for i in range(n)]
+    ones = np.ones(n, dtype=np.int64)
+    accepted, rejected, stale = state.commit(producer, keys, locations, ones * 3, ones * 3, ones)
+    assert rejected == [] and stale == []
+    return accepted
+
+
+def test_producers_lease_up_to_the_run_ahead_buffers_and_no_more() -> None:
+    state = make_state()
+    keys = state.lease(producer=0, count=1000, deadline=10.0)
+    assert len(keys) == RUN_AHEAD_BUFFERS * BUFFER
+    assert len(state.lease(producer=0, count=1000, deadline=10.0)) == 0  # no room left
+
+
+def test_a_round_takes_one_buffer_in_view_order_and_leaves_the_rest() -> None:
+    state = make_state()
+    keys = state.lease(producer=0, count=1000, deadline=10.0)
+    assert commit_all(state, 0, keys[::-1].copy()) == len(keys)  # committed out of order
+    assert state.units_ready()
+    [offer] = state.offers()
+    assert offer.samples.views.tolist() == sorted(keys.tolist())[:BUFFER]
+    assert not offer.dry  # the rest is still buffered
+    assert state.buffered_now() == len(keys) - BUFFER
+    # Room opened for one more buffer's worth of leases.
+    assert len(state.lease(producer=0, count=1000, deadline=10.0)) == BUFFER
+
+
+def test_a_unit_is_dry_only_when_its_leftovers_are_gone_too() -> None:
+    state = make_state(dataset_size=2 * BUFFER)  # the whole epoch fits the run-ahead
+    keys = state.lease(producer=0, count=1000, deadline=10.0)
+    commit_all(state, 0, keys)
+    first, second = state.offers()[0], state.offers()[0]
+    assert (len(first.samples), first.dry) == (BUFFER, False)
+    assert (len(second.samples), second.dry) == (BUFFER, True)
+
+
+def test_a_commit_for_a_lease_another_producer_now_holds_is_freed_not_buffered() -> None:
+    state = make_state()
+    keys = state.lease(producer=0, count=2, deadline=10.0)
+    state.release(state.leases_of(0))  # e.g. the lease expired
+    again = state.lease(producer=1, count=2, deadline=10.0)
+    assert sorted(again.tolist()) == sorted(keys.tolist())
+    location = Location(0, 0, 8)
+    ones = np.ones(2, dtype=np.int64)
+    accepted, _, stale = state.commit(0, keys, [location] * 2, ones * 3, ones * 3, ones)
+    assert accepted == 0 and stale == [location, location]
+    assert state.buffered_now() == 0
