@@ -87,6 +87,20 @@ def test_stats_render_the_values_the_hot_path_added():
     assert value[("odbd_shm_capacity_bytes", ())] == 20
 
 
+def test_each_scrape_reports_the_cpu_the_ones_before_it_cost():
+    stats = DaemonStats.for_config(config(), 100)
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(DaemonCollector(stats, lambda: {}))
+    first = families(generate_latest(registry).decode())
+    assert first["odbd_metrics_scrapes"].samples[0].value == 0
+    assert first["odbd_metrics_render_cpu_seconds"].samples[0].value == 0
+    after_first = stats.scrape_cpu_s
+    second = families(generate_latest(registry).decode())
+    assert second["odbd_metrics_scrapes"].samples[0].value == 1
+    assert second["odbd_metrics_render_cpu_seconds"].samples[0].value == after_first > 0
+    assert stats.scrapes == 2 and stats.scrape_cpu_s > after_first
+
+
 def test_histogram_buckets_are_cumulative_and_end_in_inf():
     h = Histogram((0.1, 1.0))
     for v in (0.05, 0.1, 0.5, 5.0):

@@ -10,6 +10,7 @@ identically, so job views take max() over the daemons rather than sum().
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 
 from prometheus_client.core import (
@@ -34,7 +35,15 @@ class DaemonCollector(Collector):
         self._live = live  # buffered, leased, shm bytes...: read when scraped
 
     def collect(self) -> Iterator[Metric]:
-        s = self._stats
+        # Thread CPU time from the first family to the last: prometheus_client formats each
+        # family as it is yielded, so this is the scrape's cost to the daemon (all but the
+        # last family's formatting), reported from the next scrape on.
+        started = time.thread_time()
+        yield from self._families(self._stats)
+        self._stats.scrapes += 1
+        self._stats.scrape_cpu_s += time.thread_time() - started
+
+    def _families(self, s: DaemonStats) -> Iterator[Metric]:
         info = GaugeMetricFamily("odbd_build_info", "odbd build", labels=["version", "node"])
         info.add_metric([VERSION, str(s.node_rank)], 1)
         yield info
@@ -43,6 +52,14 @@ class DaemonCollector(Collector):
         yield from self._ingest_families(s)
         for name, value in self._live().items():
             yield GaugeMetricFamily(f"odbd_{name}", _LIVE_HELP.get(name, name), value=value)
+        yield CounterMetricFamily(
+            "odbd_metrics_scrapes", "scrapes of /metrics rendered", value=s.scrapes
+        )
+        yield CounterMetricFamily(
+            "odbd_metrics_render_cpu_seconds",
+            "CPU time the daemon spent rendering /metrics (its overhead: rate() / cores used)",
+            value=s.scrape_cpu_s,
+        )
 
     def _rank_families(self, s: DaemonStats) -> Iterator[Metric]:
         fields = (

@@ -86,6 +86,9 @@ class DaemonStats:
     rejected: Counter[str] = field(default_factory=Counter)
     producers_restarted: int = 0
     serving: bool = False  # what grpc.health.v1 reports for this daemon
+    # The metrics' own cost: CPU the metrics thread spent rendering scrapes (thread time).
+    scrapes: int = 0
+    scrape_cpu_s: float = 0.0
 
     @classmethod
     def for_config(cls, config: DaemonConfig, dataset_size: int) -> DaemonStats:
