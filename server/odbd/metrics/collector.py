@@ -52,13 +52,13 @@ class DaemonCollector(Collector):
         yield from self._ingest_families(s)
         for name, value in self._live().items():
             yield GaugeMetricFamily(f"odbd_{name}", _LIVE_HELP.get(name, name), value=value)
-        yield CounterMetricFamily(
-            "odbd_metrics_scrapes", "scrapes of /metrics rendered", value=s.scrapes
-        )
-        yield CounterMetricFamily(
-            "odbd_metrics_render_cpu_seconds",
-            "CPU time the daemon spent rendering /metrics (its overhead: rate() / cores used)",
-            value=s.scrape_cpu_s,
+        yield from _counters(
+            ("metrics_scrapes", "scrapes of /metrics rendered", s.scrapes),
+            (
+                "metrics_render_cpu_seconds",
+                "CPU time the daemon spent rendering /metrics (its overhead: rate() / cores used)",
+                s.scrape_cpu_s,
+            ),
         )
 
     def _rank_families(self, s: DaemonStats) -> Iterator[Metric]:
@@ -93,8 +93,7 @@ class DaemonCollector(Collector):
             ("recirculated_samples", "samples returned to the buffer by alignment", s.recirculated),
             ("epochs", "epochs completed", s.epochs_done),
         )
-        for name, help_text, value in counters:
-            yield CounterMetricFamily(f"odbd_{name}", help_text, value=value)
+        yield from _counters(*counters)
         yield GaugeMetricFamily("odbd_epoch", "epoch being served", value=s.epoch)
         yield GaugeMetricFamily(
             "odbd_job_quota_samples",
@@ -131,15 +130,11 @@ class DaemonCollector(Collector):
         yield last
 
     def _ingest_families(self, s: DaemonStats) -> Iterator[Metric]:
-        yield CounterMetricFamily(
-            "odbd_ingest_samples", "samples committed", value=s.ingest_samples
-        )
-        yield CounterMetricFamily(
-            "odbd_ingest_bytes", "sample bytes committed", value=s.ingest_bytes
-        )
-        yield CounterMetricFamily("odbd_expired_leases", "leases re-leased", value=s.expired_leases)
-        yield CounterMetricFamily(
-            "odbd_producer_restarts", "producer processes restarted", value=s.producers_restarted
+        yield from _counters(
+            ("ingest_samples", "samples committed", s.ingest_samples),
+            ("ingest_bytes", "sample bytes committed", s.ingest_bytes),
+            ("expired_leases", "leases re-leased", s.expired_leases),
+            ("producer_restarts", "producer processes restarted", s.producers_restarted),
         )
         rejected = CounterMetricFamily(
             "odbd_rejected_samples", "samples rejected at ingest", labels=["reason"]
@@ -147,6 +142,12 @@ class DaemonCollector(Collector):
         for reason in sorted(set(KNOWN_REJECT_REASONS) | set(s.rejected)):
             rejected.add_metric([reason], s.rejected[reason])
         yield rejected
+
+
+def _counters(*rows: tuple[str, str, float]) -> Iterator[Metric]:
+    """One unlabelled counter family per (name without odbd_ and _total, help, value)."""
+    for name, help_text, value in rows:
+        yield CounterMetricFamily(f"odbd_{name}", help_text, value=value)
 
 
 _LIVE_HELP = {
