@@ -147,9 +147,10 @@ class LeaseCredits:
 
     @property
     def target(self) -> int:
-        if self.sample_s is None:  # unmeasured: a modest first request
-            return max(min(self.max_ids, 32), min(self.min_ids, self.max_ids))
-        wanted = int(self.hold_s / max(self.sample_s, 1e-7))
+        if self.sample_s is None:
+            wanted = _FIRST_REQUEST  # unmeasured: a modest first request
+        else:
+            wanted = int(self.hold_s / max(self.sample_s, 1e-7))
         return max(min(wanted, self.max_ids), min(self.min_ids, self.max_ids))
 
     def observe(self, seconds: float) -> None:
@@ -174,3 +175,4 @@ class LeaseCredits:
 
 
 _SMOOTHING = 0.05  # weight of the newest sample in LeaseCredits.sample_s
+_FIRST_REQUEST = 32  # ids asked for before any sample was timed
