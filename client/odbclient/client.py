@@ -6,9 +6,10 @@
 
 Data path: the daemon pushes StepBatch events ahead of time over one bidi `Train` stream; a
 reader thread (`odbclient.stream`) collates each from shared memory into fresh tensors and
-queues the Batch, so next() only takes a ready batch from a queue. When next() hands a batch to
-the user it sends `Delivered`, which lets the daemon reuse the step's shared memory and measures
-the trainer's wait and compute time.
+queues the Batch, so next() only takes a ready batch from a queue. Each batch handed to the user
+is reported `Delivered` (which lets the daemon reuse the step's shared memory and measures the
+trainer's wait and compute time). next() only queues the report; odbclient.reports sends it
+(why: it keeps thread wake-ups out of next()).
 """
 
 from __future__ import annotations
@@ -62,13 +63,14 @@ class ODBClient:
         self.socket = resolve_socket(socket)
         self._job_id = job_id
         self._prefetch = prefetch
+        self._report_every = max(1, prefetch // 2)  # unsent reports: flush (odbclient.reports)
         self._connect_timeout_s = connect_timeout_s
         self._deadline_s = deadline_s
         self._stream: TrainerStream | None = None
         self._resume: tuple[int, int] | None = None  # (epoch, step) from load_state_dict
         self._epoch, self._next_step = 0, 0  # the first step not yet delivered
         self._last_return_s: float | None = None  # perf_counter when next() last returned
-        self._unreported_wait_s = 0.0  # time spent sending the last Delivered
+        self._unreported_wait_s = 0.0  # time spent reporting the last Delivered
         self._num_batches, self._num_idle = 0, 0  # delivered this epoch
         self._summary: dict[str, Any] = {}
         self._job_end: JobEnd | None = None
@@ -90,7 +92,9 @@ class ODBClient:
             if isinstance(event, Batch):
                 self._deliver(stream, event, called_s)
                 yield event
-            elif isinstance(event, EpochEnd):
+                continue
+            stream.reports.flush()  # the epoch or the stream ended: report every batch
+            if isinstance(event, EpochEnd):
                 self._end_epoch(event)
                 return
             elif isinstance(event, JobEnd):
@@ -111,6 +115,10 @@ class ODBClient:
 
     def _next_event(self, stream: TrainerStream) -> object:
         try:
+            return stream.inbox.get_nowait()
+        except queue.Empty:
+            stream.reports.flush()  # about to wait: the daemon must first learn what we consumed
+        try:
             return stream.inbox.get(timeout=self._deadline_s)
         except queue.Empty:
             raise DaemonTimeoutError(
@@ -124,12 +132,14 @@ class ODBClient:
         now_s = time.perf_counter()
         compute_s = 0.0 if self._last_return_s is None else called_s - self._last_return_s
         wait_s = now_s - called_s + self._unreported_wait_s
-        stream.send_delivered(batch.epoch, batch.step, wait_s=wait_s, compute_s=compute_s)
+        unsent = stream.reports.add(batch.epoch, batch.step, wait_s=wait_s, compute_s=compute_s)
+        if unsent >= self._report_every:
+            stream.reports.flush()
         self._epoch, self._next_step = batch.epoch, batch.step + 1
         self._num_batches += 1
         self._num_idle += batch.is_idle
         self._last_return_s = time.perf_counter()
-        # The send is part of next() too: it is reported with the next step's wait, so the
+        # The report is part of next() too: it is reported with the next step's wait, so the
         # daemon's overlap metric never counts our own overhead as the trainer's compute.
         self._unreported_wait_s = self._last_return_s - now_s
 

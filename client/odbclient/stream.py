@@ -3,7 +3,8 @@ StepBatch events into ready Batch objects (collated out of shared memory) in an 
 
 Threads: grpc consumes the request side (`Outbox`) on its own thread; `_read` runs on a reader
 thread and is the only user of the arena views; the trainer thread only takes from `inbox` and
-puts Delivered into the outbox. Every failure on the reader thread reaches the trainer as a
+queues Delivered reports, which `DeliveryReports` (odbclient.reports) hands to the outbox.
+Every failure on the reader thread reaches the trainer as a
 `Failure` item, so a broken stream or bad data raises in next() instead of hanging it.
 """
 
@@ -30,6 +31,7 @@ from odbclient.connect import (
     translate_rpc_error,
 )
 from odbclient.errors import DaemonTimeoutError, ProtocolError
+from odbclient.reports import DeliveryReports
 from odbclient.shm import ArenaView, decode, read_meta
 from odbclient.wire.odbd.v1 import trainer_pb2, trainer_pb2_grpc
 
@@ -68,6 +70,7 @@ class TrainerStream:
         self.welcome: Welcome | None = None
         self._channel = channel
         self._outbox = Outbox()
+        self.reports = DeliveryReports(self._outbox, name=f"odbclient-rank{rank}-reports")
         self._closing = threading.Event()
         self._arena: ArenaView | None = None
         self._segment_names: list[str] = []
@@ -109,17 +112,12 @@ class TrainerStream:
             raise
         return stream
 
-    def send_delivered(self, epoch: int, step: int, *, wait_s: float, compute_s: float) -> None:
-        delivered = trainer_pb2.Delivered(
-            epoch=epoch, step=step, wait_s=wait_s, compute_s=compute_s
-        )
-        self._outbox.put(trainer_pb2.TrainerMessage(delivered=delivered))
-
     def close(self) -> None:
         """Ends the stream and the reader thread (idempotent); arena mappings stay (shm.py)."""
         if self._closing.is_set():
             return
         self._closing.set()
+        self.reports.close()
         # Half-close first: gRPC sends the queued Delivered messages before the end of the
         # stream, and the daemon ends its side once it read them. Cancelling right away could
         # drop the last Delivered, leaving the daemon waiting for a step that was trained.
@@ -154,6 +152,7 @@ class TrainerStream:
                 item = self._handle(event)
                 if item is not None:
                     self._put(item)
+                self.reports.flush()  # awake anyway: costs the trainer thread nothing
             self._put(StreamEnd())
         except grpc.RpcError as exc:
             if not self._closing.is_set():

@@ -11,11 +11,11 @@ real. With `--compute-ms LO,HI` each step "trains" for a uniform random LO..HI m
 like torch kernels, it releases the GIL to the client's reader thread).
 
 With `--metrics-url`, the daemon's /metrics is scraped twice to measure pipeline overlap on the
-daemon's side over exactly the steps after warmup: once at the end of step K's compute (by then
-the Delivered of steps 0..K has long been applied: it was sent when step K was handed out, a
-compute period earlier; the Delivered of step K+1 is not sent yet), and once after the epoch
-ended (after a short pause, so the last Delivered has landed). The difference covers steps
-K+1..last, the same steps the trainer-side numbers use.
+daemon's side over the steps after warmup: once at the end of step K's compute, and once after
+the epoch ended (after a short pause, so the last Delivered has landed). ODBClient reports a
+step's Delivered within ~1 ms of handing it out (odbclient.reports), so by the first scrape the
+reports of steps 0..K have normally landed and that of step K+1 is not made yet; the difference
+covers steps K+1..last, the same steps the trainer-side numbers use.
 The result is one JSON object written to --out.
 """
 

@@ -211,6 +211,27 @@ def test_state_dict_tracks_the_next_undelivered_step(daemon: FakeDaemon) -> None
 
 
 @pytest.mark.timeout(60)
+def test_deliveries_reach_the_daemon_while_the_trainer_holds_its_batch(
+    daemon: FakeDaemon,
+) -> None:
+    """next() only queues the Delivered report (odbclient.reports); it must still arrive
+    without another next() or close(), or the daemon would stall a slow trainer's window."""
+
+    def script(hello: Any, context: Any) -> Iterator[Event]:
+        yield daemon.welcome()
+        for step in range(2):  # nothing after: the reader thread has no reason to wake
+            yield daemon.step(0, step, [2])
+        wait_until_cancelled(context)
+
+    daemon.script = script
+    with client_for(daemon, prefetch=8) as client:
+        batches = iter(client)
+        next(batches)
+        next(batches)
+        assert delivered(daemon, 2) == [(0, 0), (0, 1)]  # before any further next()
+
+
+@pytest.mark.timeout(60)
 def test_load_state_dict_resumes_with_the_hello(daemon: FakeDaemon) -> None:
     def script(hello: Any, context: Any) -> Iterator[Event]:
         yield daemon.welcome()
