@@ -9,7 +9,8 @@ is testable without a socket; `Producer` only moves messages. Loop, per iteratio
      credits when half are used; this runs before blocking, so nothing waits unsent;
   2. take the daemon's messages (grants, frees, shutdown); block only when no work can proceed;
   3. make one sample (or retry the one waiting for lane space).
-A full lane is backpressure: the producer waits for FreeBatch and never drops a sample.
+A full lane is backpressure: the producer waits for FreeBatch and never drops a sample; it
+says so with one LaneFull per wait, so the daemon can plan a round with what is buffered.
 """
 
 from __future__ import annotations
@@ -78,6 +79,7 @@ class ProducerCore:
         self.credits = LeaseCredits(max_ids=lease_batch)
         self._work: deque[tuple[int, int]] = deque()  # (view_key, identity) granted, not made
         self._stalled: tuple[int, Any, SampleFacts] | None = None  # waiting for lane space
+        self._lane_full_sent = False  # LaneFull told for the current wait
         self._num_tracebacks = 0
 
     @property
@@ -92,6 +94,7 @@ class ProducerCore:
     def on_free(self, offsets: Iterable[int]) -> None:
         for offset in offsets:
             self.lane.free(offset)
+        self._lane_full_sent = False  # the daemon forgets it on every FreeBatch: tell again
 
     def can_work(self) -> bool:
         if self._stalled is not None:
@@ -121,10 +124,15 @@ class ProducerCore:
         self._place(view_key, sample, facts, now_s)
 
     def messages(self, now_s: float) -> list[ingest_pb2.ProducerMessage]:
-        """What to send now: due commits (all of them when no work can proceed), then credits."""
+        """What to send now: due commits (all of them when no work can proceed), LaneFull once
+        per wait for lane space, then credits."""
         out = []
         if self.commits.due(now_s) or (len(self.commits) and not self.can_work()):
             out.extend(self.commits.take())
+        if self._stalled is not None and not self._lane_full_sent and not self.can_work():
+            lane_full = ingest_pb2.LaneFull(nbytes=self._stalled[2].nbytes)
+            out.append(ingest_pb2.ProducerMessage(lane_full=lane_full))
+            self._lane_full_sent = True
         count = self.credits.request(self.in_hand)
         if count:
             out.append(ingest_pb2.ProducerMessage(lease=ingest_pb2.LeaseRequest(count=count)))

@@ -214,14 +214,16 @@ def ingest(b: Board) -> None:
         "Samples producers could not make, by reason (see the daemon log for details).",
     )
     b.series(
-        "Producers, restarts, expired leases",
+        "Producers, restarts, expired leases, full lanes",
         [
             (f"sum(odbd_producers{J})", "producers"),
             (f"sum(increase(odbd_producer_restarts_total{J}{RI}))", "restarts"),
             (f"sum(increase(odbd_expired_leases_total{J}{RI}))", "expired leases"),
+            (f"sum(increase(odbd_lanes_full_rounds_total{J}{RI}))", "rounds on full lanes"),
         ],
         "short",
-        "Connected producers; restarts and expired leases mean producers are dying.",
+        "Connected producers; restarts and expired leases mean producers are dying. Rounds on "
+        "full lanes: --shm-size is too small for --buffer, rounds run short.",
     )
 
 

@@ -127,3 +127,20 @@ def test_bad_samples_are_rejected_counted_and_the_epoch_completes():
     assert_join_coverage(result, size, 1, rejected=sum(rejected.values()))
     log = (result.cluster.log_dir / "daemon0.log").read_text()
     assert "rejected sample 9 " in log and "missing_length_key" in log
+
+
+def test_a_buffer_larger_than_the_lanes_is_planned_from_what_they_hold():
+    """64 samples of 64 KiB per unit (4 MiB) cannot fit the one producer's lane (an 8 MiB arena
+    holds 3 lanes of 2.7 MiB): the producer says LaneFull, and the daemon plans with what is
+    buffered at once (before, it waited for --stall-s each round) and warns once with the fix."""
+    size, nbytes = 300, 64 * 1024
+    fixed_size = str(Path(__file__).parents[1] / "bench" / "datapath_dataset.py") + ":fixed_size"
+    daemon_args = ["--dataset", fixed_size, "--workers", "1", "--shm-size", "8M"]
+    daemon_args += ["--dataset-arg", f"size={size}", "--dataset-arg", f"nbytes={nbytes}"]
+    daemon_args += ["--buffer", "64", "--token-budget", str(2 * nbytes // 8)]
+    result = run_cluster(nodes=1, ranks_per_node=2, daemon_args=daemon_args)
+    assert_ok(result)
+    assert_aligned(result, 1)
+    assert_join_coverage(result, size, 1)
+    log = result.cluster.log(0)
+    assert log.count("filled up") == 1 and "raise --shm-size or lower --buffer" in log, log

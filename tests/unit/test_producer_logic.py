@@ -274,16 +274,28 @@ def test_full_lane_is_backpressure_until_the_daemon_frees() -> None:
     sample = make_sample(8)
     size = encoded_size(sample)
     assert size <= 256
-    core = make_core([sample] * 3, lane_size=512)  # room for two samples of <= 256 bytes
+    core = make_core([sample] * 4, lane_size=512)  # room for two samples of <= 256 bytes
     core.messages(0.0)
-    core.on_grant([0, 1, 2], [0, 1, 2])
+    core.on_grant([0, 1, 2, 3], [0, 1, 2, 3])
     sent = run_until_idle(core)
     assert commits_of(sent)["view_keys"] == [0, 1]  # flushed because no work can proceed
-    assert not core.can_work() and core.in_hand == 1
-    core.on_free([commits_of(sent)["offsets"][0]])
+    assert not core.can_work() and core.in_hand == 2
+    assert lane_full_sizes(sent) == [size]  # after the commits, so the daemon has them first
+    kinds = [m.WhichOneof("kind") for m in sent]
+    assert kinds.index("lane_full") > max(i for i, k in enumerate(kinds) if k == "commit")
+    assert lane_full_sizes(core.messages(0.0)) == []  # once per wait
+    offsets = commits_of(sent)["offsets"]
+    core.on_free([offsets[0]])
     sent = run_until_idle(core)
-    assert commits_of(sent)["view_keys"] == [2]
-    assert commits_of(sent)["offsets"] == [0]
+    assert commits_of(sent)["view_keys"] == [2] and commits_of(sent)["offsets"] == [0]
+    assert lane_full_sizes(sent) == [size]  # a FreeBatch that made too little room: again
+    core.on_free([offsets[1]])
+    sent = run_until_idle(core)
+    assert commits_of(sent)["view_keys"] == [3] and lane_full_sizes(sent) == []
+
+
+def lane_full_sizes(sent: list[ingest_pb2.ProducerMessage]) -> list[int]:
+    return [m.lane_full.nbytes for m in sent if m.HasField("lane_full")]
 
 
 def test_credits_are_requested_again_once_half_are_used() -> None:

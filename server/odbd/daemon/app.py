@@ -125,6 +125,7 @@ class Daemon:
             on_planned=lambda plan: self.ingest.pump_leases() if self.ingest else None,
             stats=self.stats,
             journal=self.journal,
+            lanes_full=lambda: self.ingest is not None and self.ingest.lanes_full(),
         )
         self._serve_metrics(lanes)
         if config.dataset is not None and config.workers > 0:

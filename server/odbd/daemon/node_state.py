@@ -215,6 +215,9 @@ class NodeState:
     def leases_of(self, producer: int) -> list[int]:
         return [k for k, (p, _) in self.leases.items() if p == producer]
 
+    def lease_holders(self) -> set[int]:
+        return {p for p, _ in self.leases.values()}
+
     # -- commits -----------------------------------------------------------------------------
 
     def commit(

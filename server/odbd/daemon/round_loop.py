@@ -62,6 +62,7 @@ class RoundLoop:
         on_planned: Callable[[RoundPlan], None],
         stats: DaemonStats,
         journal: Journal | None = None,
+        lanes_full: Callable[[], bool] = lambda: False,
     ) -> None:
         self.config = config
         self.state = state
@@ -72,6 +73,8 @@ class RoundLoop:
         self.on_planned = on_planned
         self.stats = stats
         self.journal = journal
+        self.lanes_full = lanes_full  # IngestService.lanes_full
+        self.lanes_full_warned = False
         self.resume: tuple[int, int] | None = None  # set by restore(): announced in round 0
         self.round_seed_base = 0  # plans of a restarted job must not repeat the old seeds
         self.progress = asyncio.Event()
@@ -118,7 +121,7 @@ class RoundLoop:
         while True:
             self.barrier.raise_failure()  # a lost peer fails the job now, not at the next round
             room = self._queued_min() <= self.config.steps_ahead
-            if room and self.state.units_ready():
+            if room and (self.state.units_ready() or self._buffer_capped_by_lanes()):
                 return
             self.progress.clear()
             try:
@@ -129,6 +132,32 @@ class RoundLoop:
                 if self._queued_min() <= 1 and self.state.buffered_now() > 0:
                     return
                 self._log_waiting(room)
+
+    def _buffer_capped_by_lanes(self) -> bool:
+        """Every producer waits for lane space with samples buffered: the buffer cannot fill
+        before this round frees shared memory, so plan now rather than wait stall_s."""
+        buffered = self.state.buffered_now()
+        if buffered == 0 or not self.lanes_full():
+            return False
+        self.stats.lanes_full_rounds += 1
+        if not self.lanes_full_warned:
+            self.lanes_full_warned = True
+            per_sample = self.stats.ingest_bytes / max(self.stats.ingest_samples, 1)
+            capacity = self.state.planner.unit_capacity * len(self.state.local_unit_ids())
+            log.warning(
+                "round %d: the producer lanes (%.1f MiB each) filled up with %d samples "
+                "buffered, short of the %d a round takes (%.1f MiB at %.2f MiB per sample), so "
+                "rounds are planned with what the lanes hold: smaller rounds, more of them. For "
+                "full rounds raise --shm-size or lower --buffer (odbd_lanes_full_rounds_total "
+                "counts these rounds).",
+                self.round_index,
+                self.lanes.lane_bytes / 2**20,
+                buffered,
+                capacity,
+                capacity * per_sample / 2**20,
+                per_sample / 2**20,
+            )
+        return True
 
     def _log_waiting(self, room: bool) -> None:
         now = time.monotonic()

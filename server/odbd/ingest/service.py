@@ -27,6 +27,7 @@ class ProducerSession:
     lane: Lane
     outbox: asyncio.Queue[ingest_pb2.IngestMessage | None]
     credit: int = 0
+    lane_full: bool = False  # said LaneFull and got no FreeBatch since
 
 
 class IngestService(ingest_pb2_grpc.IngestServicer):
@@ -117,6 +118,9 @@ class IngestService(ingest_pb2_grpc.IngestServicer):
                 self.pump_leases()
             elif kind == "commit":
                 self._commit(session, message.commit)
+            elif kind == "lane_full":
+                session.lane_full = True
+                self._on_progress()  # the round loop may plan with a partial buffer now
             elif kind == "reject":
                 check_rejections(message.reject)
                 for rejection in message.reject.rejections:
@@ -154,7 +158,7 @@ class IngestService(ingest_pb2_grpc.IngestServicer):
             s.offset for s in stale
         ]
         if give_back:
-            session.outbox.put_nowait(_free_message(give_back))
+            self._send_free(session, give_back)
         self._on_progress()
 
     def pump_leases(self) -> None:
@@ -178,7 +182,20 @@ class IngestService(ingest_pb2_grpc.IngestServicer):
         for producer, offsets in offsets_by_producer.items():
             session = self.sessions.get(producer)
             if session is not None and offsets:
-                session.outbox.put_nowait(_free_message(offsets))
+                self._send_free(session, offsets)
+
+    def _send_free(self, session: ProducerSession, offsets: list[int]) -> None:
+        session.lane_full = False  # it says LaneFull again if this made too little room
+        session.outbox.put_nowait(_free_message(offsets))
+
+    def lanes_full(self) -> bool:
+        """Every producer holding leases waits for lane space: no commit can come before
+        shared memory is freed, so the node's buffer cannot fill any further."""
+        waiting = {s.producer for s in self.sessions.values() if s.lane_full}
+        if not waiting:
+            return False
+        holders = self._state.lease_holders()
+        return bool(holders) and holders <= waiting
 
     def expire_leases(self) -> int:
         now = asyncio.get_running_loop().time()

@@ -134,6 +134,12 @@ class DaemonCollector(Collector):
             ("ingest_samples", "samples committed", s.ingest_samples),
             ("ingest_bytes", "sample bytes committed", s.ingest_bytes),
             ("expired_leases", "leases re-leased", s.expired_leases),
+            (
+                "lanes_full_rounds",
+                "rounds offered with a partial buffer because every producer waited for lane "
+                "space (raise --shm-size)",
+                s.lanes_full_rounds,
+            ),
             ("producer_restarts", "producer processes restarted", s.producers_restarted),
         )
         rejected = CounterMetricFamily(

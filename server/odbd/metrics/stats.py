@@ -83,6 +83,7 @@ class DaemonStats:
     ingest_samples: int = 0
     ingest_bytes: int = 0
     expired_leases: int = 0
+    lanes_full_rounds: int = 0  # rounds offered before a full buffer: every lane was full
     rejected: Counter[str] = field(default_factory=Counter)
     producers_restarted: int = 0
     serving: bool = False  # what grpc.health.v1 reports for this daemon

@@ -56,17 +56,25 @@ class RejectBatch(_message.Message):
     rejections: _containers.RepeatedCompositeFieldContainer[Rejection]
     def __init__(self, rejections: _Optional[_Iterable[_Union[Rejection, _Mapping]]] = ...) -> None: ...
 
+class LaneFull(_message.Message):
+    __slots__ = ("nbytes",)
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    nbytes: int
+    def __init__(self, nbytes: _Optional[int] = ...) -> None: ...
+
 class ProducerMessage(_message.Message):
-    __slots__ = ("hello", "lease", "commit", "reject")
+    __slots__ = ("hello", "lease", "commit", "reject", "lane_full")
     HELLO_FIELD_NUMBER: _ClassVar[int]
     LEASE_FIELD_NUMBER: _ClassVar[int]
     COMMIT_FIELD_NUMBER: _ClassVar[int]
     REJECT_FIELD_NUMBER: _ClassVar[int]
+    LANE_FULL_FIELD_NUMBER: _ClassVar[int]
     hello: ProducerHello
     lease: LeaseRequest
     commit: CommitBatch
     reject: RejectBatch
-    def __init__(self, hello: _Optional[_Union[ProducerHello, _Mapping]] = ..., lease: _Optional[_Union[LeaseRequest, _Mapping]] = ..., commit: _Optional[_Union[CommitBatch, _Mapping]] = ..., reject: _Optional[_Union[RejectBatch, _Mapping]] = ...) -> None: ...
+    lane_full: LaneFull
+    def __init__(self, hello: _Optional[_Union[ProducerHello, _Mapping]] = ..., lease: _Optional[_Union[LeaseRequest, _Mapping]] = ..., commit: _Optional[_Union[CommitBatch, _Mapping]] = ..., reject: _Optional[_Union[RejectBatch, _Mapping]] = ..., lane_full: _Optional[_Union[LaneFull, _Mapping]] = ...) -> None: ...
 
 class Lane(_message.Message):
     __slots__ = ("segment", "offset", "size")
