@@ -49,7 +49,7 @@ class ODBClient:
         socket: str | None = None,
         *,
         job_id: str = "",
-        prefetch: int = 4,
+        prefetch: int = 8,
         connect_timeout_s: float = 60.0,
         deadline_s: float = 600.0,
     ) -> None:

@@ -5,13 +5,14 @@ gRPC inside it cost ~60 us more per step, and waking any helper thread ~30 us (m
 instrumented client, docs/bench/datapath.md): the woken threads (gRPC's sender, then the daemon,
 then our own reader collating the next pushed batch) compete with the trainer for the 2 cores
 and the GIL before next() has returned. So next() only appends to a deque, and a pump thread
-polls it every `poll_s` while batches flow. After `park_after_s` without a report it parks
-until the next one, so a paused or slow trainer costs no polling; with steps that long, the one
-wake per step is a small share of the step.
+sends what is queued every `poll_s` while batches flow. After `park_after_s` without a report
+it parks until the next one, so a paused or slow trainer costs no polling; with steps that
+long, the one wake per step is a small share of the step.
 
-The reports still reach the daemon soon: within `poll_s`, or sooner through `flush()`, which
-ODBClient calls before next() blocks, at an epoch's end and once half its prefetch window is
-unreported (a backstop for a pump starved of the GIL by the trainer's own Python).
+A flush sends everything queued as one Delivered covering those consecutive steps (wait and
+compute summed): per message, gRPC costs both sides far more than the few bytes. Besides the
+pump, ODBClient flushes before next() blocks, at an epoch's end and once half its prefetch
+window is unreported, so the daemon keeps pushing ahead of a fast trainer.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from collections import deque
 from odbclient.connect import Outbox, start_reader
 from odbclient.wire.odbd.v1 import trainer_pb2
 
-DEFAULT_POLL_S = 0.001
+DEFAULT_POLL_S = 0.005
 DEFAULT_PARK_AFTER_S = 0.05
 
 
@@ -54,16 +55,22 @@ class DeliveryReports:
         return len(self._unsent)
 
     def flush(self) -> None:
-        """Hands every queued report to gRPC now (any thread)."""
+        """Hands every queued report to gRPC now, as one Delivered (any thread)."""
         if not self._unsent:
             return
         with self._lock:
-            while self._unsent:
-                epoch, step, wait_s, compute_s = self._unsent.popleft()
-                delivered = trainer_pb2.Delivered(
-                    epoch=epoch, step=step, wait_s=wait_s, compute_s=compute_s
-                )
-                self._outbox.put(trainer_pb2.TrainerMessage(delivered=delivered))
+            taken = [self._unsent.popleft() for _ in range(len(self._unsent))]
+            if not taken:
+                return
+            epoch, step = taken[-1][:2]
+            delivered = trainer_pb2.Delivered(
+                epoch=epoch,
+                step=step,
+                wait_s=sum(report[2] for report in taken),
+                compute_s=sum(report[3] for report in taken),
+                steps=len(taken),
+            )
+            self._outbox.put(trainer_pb2.TrainerMessage(delivered=delivered))
 
     def close(self) -> None:
         """Flushes what is queued and ends the pump (idempotent)."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import queue
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -149,10 +150,8 @@ class TrainerStream:
     def _read(self) -> None:
         try:
             for event in self._call:
-                item = self._handle(event)
-                if item is not None:
+                for item in self._handle(event):
                     self._put(item)
-                self.reports.flush()  # awake anyway: costs the trainer thread nothing
             self._put(StreamEnd())
         except grpc.RpcError as exc:
             if not self._closing.is_set():
@@ -177,24 +176,29 @@ class TrainerStream:
             except queue.Full:
                 continue
 
-    def _handle(self, event: trainer_pb2.TrainerEvent) -> object | None:
+    def _handle(self, event: trainer_pb2.TrainerEvent) -> Iterator[object]:
+        """The inbox items of one event, each as soon as it is ready (a StepBatches yields its
+        first batch before the next is collated)."""
         kind = event.WhichOneof("kind")
         if kind == "step":
-            return self._batch(event.step)
-        if kind == "welcome":
-            return self._on_welcome(event.welcome)
-        if kind == "epoch_end":
+            yield self._batch(event.step)
+        elif kind == "steps":
+            for step in event.steps.steps:
+                yield self._batch(step)
+        elif kind == "welcome":
+            yield self._on_welcome(event.welcome)
+        elif kind == "epoch_end":
             end = event.epoch_end
-            return EpochEnd(
+            yield EpochEnd(
                 epoch=end.epoch,
                 num_steps=end.num_steps,
                 global_num_samples=end.global_num_samples,
                 num_identities=end.num_identities,
                 rejected_by_reason=dict(end.rejected_by_reason),
             )
-        if kind == "job_end":
-            return JobEnd(reason=event.job_end.reason, failed=event.job_end.failed)
-        return None  # an event kind from a newer daemon: nothing to do with it
+        elif kind == "job_end":
+            yield JobEnd(reason=event.job_end.reason, failed=event.job_end.failed)
+        # else: an event kind from a newer daemon, nothing to do with it
 
     def _on_welcome(self, welcome: trainer_pb2.TrainerWelcome) -> Welcome:
         # Mapped once for the process lifetime (shm.py): batches are copied out, never viewed.

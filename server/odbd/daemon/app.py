@@ -392,7 +392,7 @@ class Daemon:
         rank_stats = self.stats.rank(rank)
         rank_stats.wait_s += delivered.wait_s
         rank_stats.compute_s += delivered.compute_s
-        rank_stats.delivered_steps += 1
+        rank_stats.delivered_steps += max(delivered.steps, 1)
         self._on_progress()
 
     def _on_progress(self) -> None:

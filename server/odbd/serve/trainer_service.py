@@ -16,8 +16,9 @@ from odbd.serve.rank_queue import QueuedItem, RankQueue
 
 log = logging.getLogger("odbd.serve")
 
-DEFAULT_PREFETCH = 4
+DEFAULT_PREFETCH = 8
 MAX_PREFETCH = 64
+MAX_STEPS_PER_EVENT = 32  # consecutive ready steps sent as one StepBatches message
 
 
 class TrainerService(trainer_pb2_grpc.TrainerServicer):
@@ -61,7 +62,11 @@ class TrainerService(trainer_pb2_grpc.TrainerServicer):
                     item = await _first(queue.next_to_send(prefetch), reader)
                 if item is None:
                     return
-                yield item.event
+                if not item.is_step:
+                    yield item.event  # a marker: always alone
+                    continue
+                more = queue.take_ready_steps(prefetch, MAX_STEPS_PER_EVENT - 1)
+                yield _steps_event([item, *more]) if more else item.event
         finally:
             reader.cancel()
             queue.attached = False
@@ -102,6 +107,14 @@ class TrainerService(trainer_pb2_grpc.TrainerServicer):
                 delivered = message.delivered
                 self._on_free(queue.deliver(delivered.epoch, delivered.step))
                 self._on_delivered(queue.rank, delivered)
+
+
+def _steps_event(items: list[QueuedItem]) -> trainer_pb2.TrainerEvent:
+    """One message for several steps: per message, gRPC costs both sides far more than the
+    bytes (a StepBatch is a few hundred bytes; the samples stay in shared memory)."""
+    return trainer_pb2.TrainerEvent(
+        steps=trainer_pb2.StepBatches(steps=[item.event.step for item in items])
+    )
 
 
 async def _first(

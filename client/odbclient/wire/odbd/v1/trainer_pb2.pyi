@@ -25,16 +25,18 @@ class TrainerHello(_message.Message):
     def __init__(self, protocol_version: _Optional[int] = ..., job_id: _Optional[str] = ..., rank: _Optional[int] = ..., resume: _Optional[bool] = ..., resume_epoch: _Optional[int] = ..., resume_step: _Optional[int] = ..., prefetch: _Optional[int] = ...) -> None: ...
 
 class Delivered(_message.Message):
-    __slots__ = ("epoch", "step", "wait_s", "compute_s")
+    __slots__ = ("epoch", "step", "wait_s", "compute_s", "steps")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     WAIT_S_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
     epoch: int
     step: int
     wait_s: float
     compute_s: float
-    def __init__(self, epoch: _Optional[int] = ..., step: _Optional[int] = ..., wait_s: _Optional[float] = ..., compute_s: _Optional[float] = ...) -> None: ...
+    steps: int
+    def __init__(self, epoch: _Optional[int] = ..., step: _Optional[int] = ..., wait_s: _Optional[float] = ..., compute_s: _Optional[float] = ..., steps: _Optional[int] = ...) -> None: ...
 
 class TrainerMessage(_message.Message):
     __slots__ = ("hello", "delivered")
@@ -129,14 +131,22 @@ class JobEnd(_message.Message):
     failed: bool
     def __init__(self, reason: _Optional[str] = ..., failed: _Optional[bool] = ...) -> None: ...
 
+class StepBatches(_message.Message):
+    __slots__ = ("steps",)
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    steps: _containers.RepeatedCompositeFieldContainer[StepBatch]
+    def __init__(self, steps: _Optional[_Iterable[_Union[StepBatch, _Mapping]]] = ...) -> None: ...
+
 class TrainerEvent(_message.Message):
-    __slots__ = ("welcome", "step", "epoch_end", "job_end")
+    __slots__ = ("welcome", "step", "epoch_end", "job_end", "steps")
     WELCOME_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     EPOCH_END_FIELD_NUMBER: _ClassVar[int]
     JOB_END_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
     welcome: TrainerWelcome
     step: StepBatch
     epoch_end: EpochEnd
     job_end: JobEnd
-    def __init__(self, welcome: _Optional[_Union[TrainerWelcome, _Mapping]] = ..., step: _Optional[_Union[StepBatch, _Mapping]] = ..., epoch_end: _Optional[_Union[EpochEnd, _Mapping]] = ..., job_end: _Optional[_Union[JobEnd, _Mapping]] = ...) -> None: ...
+    steps: StepBatches
+    def __init__(self, welcome: _Optional[_Union[TrainerWelcome, _Mapping]] = ..., step: _Optional[_Union[StepBatch, _Mapping]] = ..., epoch_end: _Optional[_Union[EpochEnd, _Mapping]] = ..., job_end: _Optional[_Union[JobEnd, _Mapping]] = ..., steps: _Optional[_Union[StepBatches, _Mapping]] = ...) -> None: ...
