@@ -32,6 +32,10 @@ from odbclient.stream import EpochEnd, JobEnd, TrainerStream
 __all__ = ["DEFAULT_SOCKET", "ODBClient"]
 
 STATE_VERSION = 1
+# Batches pushed ahead: 8 lets the daemon send and the client report 4 steps per message
+# (8 KiB samples: 19-21k -> 23k samples/s over 4). The cost: when a peer node dies, a rank may
+# still train on up to this many batches before JobFailedError.
+DEFAULT_PREFETCH = 8
 
 
 class ODBClient:
@@ -49,7 +53,7 @@ class ODBClient:
         socket: str | None = None,
         *,
         job_id: str = "",
-        prefetch: int = 8,
+        prefetch: int = DEFAULT_PREFETCH,
         connect_timeout_s: float = 60.0,
         deadline_s: float = 600.0,
     ) -> None:
