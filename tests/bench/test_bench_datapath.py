@@ -10,7 +10,10 @@ test, interleaved with ours, so load from other work on the machine hits both al
 number is the median of RUNS runs. Nothing asserts speed. Results go to docs/bench/datapath.md.
 
 1. throughput at the trainer vs the raw shm slot ring (tests/bench/shm_ring.py, 2 processes),
-   8 KiB and 1 MiB samples, the trainer doing no compute;
+   8 KiB and 1 MiB samples, the trainer doing no compute. The baseline ring has 16 slots, so
+   its bytes stay in cache; a second ring with as many slots as one odbd producer lane holds
+   (`lane_slots`, up to 1024) shows what holding a planning buffer's bytes in flight costs
+   any design (at 1 MiB: 170 MiB, far past the cache);
 2. next() latency when data is ready: the trainer computes 5-10 ms per step so its queue stays
    full; baselines: a ready queue.Queue.get() after the same compute, and a gRPC aio unary round
    trip on a unix socket (2 processes; tests/bench/datapath_baselines.py);
@@ -69,7 +72,7 @@ THROUGHPUT_CASES = (
             shm_bytes=512 << 20,
             warmup_steps=WARMUP_STEPS,
         ),
-        2_000,
+        3_000,
     ),
 )
 LATENCY_CASE = DatapathCase(
@@ -99,19 +102,35 @@ def test_bench_datapath_throughput_vs_raw_ring() -> None:
     ]
     for case, ring_samples in THROUGHPUT_CASES:
         rings: list[RingResult] = []
+        deep_rings: list[RingResult] = []
         ours: list[DatapathRun] = []
         for _ in range(RUNS):
             rings.append(run_ring(slot_bytes=case.nbytes, num_samples=ring_samples))
+            deep_rings.append(
+                run_ring(
+                    slot_bytes=case.nbytes, num_samples=ring_samples, num_slots=lane_slots(case)
+                )
+            )
             ours.append(run_datapath(case))
-        lines += _throughput_rows(case, rings, ours)
+        lines += _throughput_rows(case, rings, deep_rings, ours)
     _finish(lines)
 
 
+def lane_slots(case: DatapathCase) -> int:
+    """Samples one producer lane of the odbd run holds: the daemon splits --shm-size into
+    workers + 2 lanes (1 worker here); at most 1024, past which the ring loop is the cost."""
+    return min(1024, case.shm_bytes // 3 // case.nbytes)
+
+
 def _throughput_rows(
-    case: DatapathCase, rings: list[RingResult], ours: list[DatapathRun]
+    case: DatapathCase,
+    rings: list[RingResult],
+    deep_rings: list[RingResult],
+    ours: list[DatapathRun],
 ) -> list[str]:
     size = f"{case.nbytes // 1024} KiB"
     ring_sps = median([r.samples_per_s for r in rings])
+    deep_sps = median([r.samples_per_s for r in deep_rings])
     ours_sps = median([r.samples_per_s for r in ours])
     names = ("daemon", "producer", "trainer")
     share = {n: median([r.cpu_share().get(n, 0.0) for r in ours]) for n in names}
@@ -120,13 +139,16 @@ def _throughput_rows(
     }
     runs = ", ".join(f"{r.samples_per_s:,.0f}" for r in ours)
     return [
-        f"| {size} | raw ring (eventfd) | {ring_sps:,.0f} | {ring_sps * case.nbytes / 1e9:.2f} "
-        "| 1.00x | 2 | - | - |",
+        f"| {size} | raw ring (eventfd), 16 slots | {ring_sps:,.0f} "
+        f"| {ring_sps * case.nbytes / 1e9:.2f} | 1.00x | 2 | - | - |",
+        f"| {size} | raw ring, {lane_slots(case)} slots (one odbd lane) | {deep_sps:,.0f} "
+        f"| {deep_sps * case.nbytes / 1e9:.2f} | {deep_sps / ring_sps:.3f}x | 2 | - | - |",
         f"| {size} | odbd, {case.batch_samples}/batch | {ours_sps:,.0f} "
         f"| {ours_sps * case.nbytes / 1e9:.2f} | {ours_sps / ring_sps:.3f}x | 3 "
         f"| {' / '.join(f'{share[n]:.2f}' for n in names)} "
         f"| {' / '.join(f'{per_sample_us[n]:.0f}' for n in names)} |",
-        f"|  | (odbd runs: {runs} samples/s) | | | | | | |",
+        f"|  | (odbd runs: {runs} samples/s; {ours_sps / deep_sps:.3f}x the "
+        f"{lane_slots(case)}-slot ring) | | | | | | |",
     ]
 
 
