@@ -24,7 +24,9 @@ from odbclient.errors import (
     RankRefusedError,
 )
 
-PROTOCOL_VERSION = 1  # odbd.v1 trainer and ingest services; the daemon refuses other versions
+# The odbd.v1 trainer and ingest services; the daemon refuses other versions. 2: steps may come
+# as StepBatches and a Delivered may cover several steps (a version 1 client would drop them).
+PROTOCOL_VERSION = 2
 SOCKET_ENV = "ODBD_SOCKET"
 DEFAULT_SOCKET = f"/tmp/odbd-{os.getuid()}.sock"
 

@@ -17,6 +17,7 @@ from grpc_health.v1 import health_pb2
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from odbclient.connect import PROTOCOL_VERSION
 from odbclient.wire.odbd.v1 import admin_pb2, ingest_pb2, peer_pb2, trainer_pb2
 from tests.integration import faults_wire as wire
 from tests.integration.faults_cluster import FaultCluster
@@ -39,7 +40,7 @@ u64 = st.integers(0, 2**64 - 1)
 i64 = st.integers(-(2**63), 2**63 - 1)
 garbage = st.binary(max_size=48)  # packed arrays of any length, multiples of 8 or not
 job_ids = st.sampled_from([JOB, "", "other-job"]) | st.text(max_size=20)
-versions = st.sampled_from([1, 0, 2, 2**32 - 1])
+versions = st.sampled_from([PROTOCOL_VERSION, 0, 1, 3, 2**32 - 1])
 
 
 @pytest.fixture(scope="module")
@@ -137,7 +138,10 @@ def test_fuzz_ingest(job, first, rest):
     hello = wire.parses(wire.as_bytes(first), ingest_pb2.ProducerMessage)
     if hello is None or not hello.HasField("hello"):
         _check(answer, {Code.INVALID_ARGUMENT})
-    elif hello.hello.protocol_version != 1 or hello.hello.job_id not in ("", _job(JOB, fc)):
+    elif hello.hello.protocol_version != PROTOCOL_VERSION or hello.hello.job_id not in (
+        "",
+        _job(JOB, fc),
+    ):
         _check(answer, {Code.FAILED_PRECONDITION})
     else:
         _check(answer, {Code.OK, Code.INVALID_ARGUMENT})
@@ -145,7 +149,11 @@ def test_fuzz_ingest(job, first, rest):
 
 def _lease_one(channel: grpc.Channel) -> tuple[wire.Session, ingest_pb2.IngestWelcome, bytes]:
     session = wire.Session(channel, wire.INGEST)
-    session.send(ingest_pb2.ProducerMessage(hello=ingest_pb2.ProducerHello(protocol_version=1)))
+    session.send(
+        ingest_pb2.ProducerMessage(
+            hello=ingest_pb2.ProducerHello(protocol_version=PROTOCOL_VERSION)
+        )
+    )
     session.send(ingest_pb2.ProducerMessage(lease=ingest_pb2.LeaseRequest(count=1)))
     welcome = ingest_pb2.IngestMessage.FromString(session.read()).welcome
     grant = ingest_pb2.IngestMessage.FromString(session.read()).lease
@@ -225,7 +233,10 @@ def test_fuzz_trainer(job, first, rest):
     hello = wire.parses(wire.as_bytes(first), trainer_pb2.TrainerMessage)
     if hello is None or not hello.HasField("hello"):
         _check(answer, {Code.INVALID_ARGUMENT})
-    elif hello.hello.protocol_version != 1 or hello.hello.job_id not in ("", _job(JOB, fc)):
+    elif hello.hello.protocol_version != PROTOCOL_VERSION or hello.hello.job_id not in (
+        "",
+        _job(JOB, fc),
+    ):
         _check(answer, {Code.FAILED_PRECONDITION})
     elif hello.hello.rank != 0:
         _check(answer, {Code.INVALID_ARGUMENT})

@@ -12,6 +12,7 @@ from pathlib import Path
 import grpc
 import pytest
 
+from odbclient.connect import PROTOCOL_VERSION
 from odbclient.wire.odbd.v1 import ingest_pb2
 from tests.integration import faults_wire as wire
 from tests.integration.faults_cluster import FaultCluster
@@ -62,7 +63,9 @@ def test_tcp_listeners_bind_loopback_unless_told_otherwise():
 def test_oversized_messages_are_refused_and_the_daemon_stays_up():
     with FaultCluster(nodes=1, ranks_per_node=1, daemon_args=["--dataset-size", "10"]) as fc:
         channel = grpc.insecure_channel(f"unix:{fc.cluster.sockets[0]}")
-        hello = ingest_pb2.ProducerHello(protocol_version=1, name="x" * (LOCAL_BYTES + 1024))
+        hello = ingest_pb2.ProducerHello(
+            protocol_version=PROTOCOL_VERSION, name="x" * (LOCAL_BYTES + 1024)
+        )
         answer = wire.stream(channel, wire.INGEST, [ingest_pb2.ProducerMessage(hello=hello)])
         assert answer.code is grpc.StatusCode.RESOURCE_EXHAUSTED, answer
         answer = wire.unary(channel, wire.ADMIN, b"\x00" * (LOCAL_BYTES + 1024))

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from odbclient import Producer, RejectReason, producer_main
+from odbclient.connect import PROTOCOL_VERSION
 from odbclient.errors import DaemonUnavailableError, ODBClientError, ProtocolError
 from odbclient.lane import CommitBuffer, LaneAllocator, LeaseCredits
 from odbclient.producer import ProducerCore
@@ -404,7 +405,7 @@ def test_producer_run_commits_into_shared_memory_until_shutdown(
     producer.run()
     assert producer.shutdown_reason == "all epochs done"
     assert servicer.hello is not None and servicer.hello.name == "worker-3"
-    assert servicer.hello.job_id == "j" and servicer.hello.protocol_version == 1
+    assert servicer.hello.job_id == "j" and servicer.hello.protocol_version == PROTOCOL_VERSION
     assert committed_input_ids(servicer) == {
         1000 + i: sample["input_ids"].tolist() for i, sample in enumerate(samples)
     }

@@ -7,7 +7,7 @@ from typing import Any
 
 import grpc
 
-PROTOCOL_VERSION = 1
+from odbclient.connect import PROTOCOL_VERSION  # one number for both ends of a socket
 
 
 async def read_hello(
