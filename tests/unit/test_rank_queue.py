@@ -1,10 +1,18 @@
-"""RankQueue: what a rank's stream may send now (prefetch window, consecutive steps batched,
-markers alone), cumulative delivery and re-sending after a reconnect."""
+"""RankQueue and the Train stream's batching: what a rank's stream may send now (prefetch
+window, consecutive steps in one message within its limits, markers alone), cumulative
+delivery and re-sending after a reconnect."""
 
 from __future__ import annotations
 
+from odbclient.wire.odbd.v1 import trainer_pb2
 from odbd.daemon.node_state import Location
 from odbd.serve.rank_queue import QueuedItem, RankQueue
+from odbd.serve.trainer_service import (
+    MAX_EVENT_BYTES,
+    MAX_STEPS_PER_EVENT,
+    _ready_steps,
+    _steps_event,
+)
 
 
 def step(epoch: int, index: int) -> QueuedItem:
@@ -21,6 +29,13 @@ def keys(items: list[QueuedItem]) -> list[tuple[int, int]]:
     return [(i.epoch, i.step) for i in items]
 
 
+def ready_steps(queue: RankQueue, prefetch: int) -> list[QueuedItem]:
+    taken = []
+    while (item := queue.take_ready_step(prefetch)) is not None:
+        taken.append(item)
+    return taken
+
+
 def test_take_ready_stops_at_the_prefetch_window_until_a_delivery() -> None:
     queue = RankQueue(rank=0)
     queue.push([step(0, s) for s in range(5)])
@@ -33,25 +48,23 @@ def test_take_ready_stops_at_the_prefetch_window_until_a_delivery() -> None:
     assert third is not None and (third.epoch, third.step) == (0, 2)
 
 
-def test_take_ready_steps_takes_consecutive_steps_up_to_the_window_and_limit() -> None:
+def test_take_ready_step_takes_steps_up_to_the_window_but_never_a_marker() -> None:
     queue = RankQueue(rank=0)
     queue.push([*(step(0, s) for s in range(6)), marker(0), step(1, 0)])
-    assert keys(queue.take_ready_steps(prefetch=4, limit=2)) == [(0, 0), (0, 1)]
-    assert keys(queue.take_ready_steps(prefetch=4, limit=8)) == [(0, 2), (0, 3)]  # window full
+    assert keys(ready_steps(queue, prefetch=4)) == [(0, 0), (0, 1), (0, 2), (0, 3)]
     queue.deliver(0, 3)
-    assert keys(queue.take_ready_steps(prefetch=4, limit=8)) == [(0, 4), (0, 5)]  # not the marker
-    assert queue.take_ready_steps(prefetch=4, limit=8) == []
+    assert keys(ready_steps(queue, prefetch=4)) == [(0, 4), (0, 5)]  # not the marker
     end = queue.take_ready(prefetch=4)
     assert end is not None and not end.is_step
-    assert keys(queue.take_ready_steps(prefetch=4, limit=8)) == [(1, 0)]
+    assert keys(ready_steps(queue, prefetch=4)) == [(1, 0)]
 
 
 def test_delivery_is_cumulative_and_drops_markers_before_it() -> None:
     queue = RankQueue(rank=0)
     queue.push([step(0, 0), step(0, 1), marker(0), step(1, 0), step(1, 1)])
-    assert len(queue.take_ready_steps(prefetch=8, limit=8)) == 2
+    assert len(ready_steps(queue, prefetch=8)) == 2
     queue.take_ready(prefetch=8)
-    assert len(queue.take_ready_steps(prefetch=8, limit=8)) == 2
+    assert len(ready_steps(queue, prefetch=8)) == 2
     freed = queue.deliver(1, 0)  # one report covering three steps across an epoch end
     assert freed == [Location(0, 0, 8), Location(0, 1, 8), Location(0, 0, 8)]
     assert queue.delivered_steps == 3 and queue.first_undelivered() == (1, 1)
@@ -60,7 +73,28 @@ def test_delivery_is_cumulative_and_drops_markers_before_it() -> None:
 def test_a_reconnect_is_sent_every_undelivered_step_again() -> None:
     queue = RankQueue(rank=0)
     queue.push([step(0, s) for s in range(3)])
-    assert len(queue.take_ready_steps(prefetch=8, limit=8)) == 3
+    assert len(ready_steps(queue, prefetch=8)) == 3
     queue.deliver(0, 0)
     queue.rewind()
-    assert keys(queue.take_ready_steps(prefetch=8, limit=8)) == [(0, 1), (0, 2)]
+    assert keys(ready_steps(queue, prefetch=8)) == [(0, 1), (0, 2)]
+
+
+def test_a_message_of_steps_stays_within_its_step_and_byte_limits() -> None:
+    def planned(index: int, sample_bytes: int) -> QueuedItem:
+        batch = trainer_pb2.StepBatch(epoch=0, step=index, sample_ids=bytes(sample_bytes))
+        return QueuedItem(0, index, event=trainer_pb2.TrainerEvent(step=batch))
+
+    queue = RankQueue(rank=0)
+    queue.push([planned(s, 400_000) for s in range(5)])
+    first = queue.take_ready(prefetch=64)
+    assert first is not None
+    steps = _ready_steps(queue, 64, first=first)
+    assert keys(steps) == [(0, 0), (0, 1), (0, 2)]  # stops once past MAX_EVENT_BYTES
+    assert sum(s.event.ByteSize() for s in steps[:-1]) < MAX_EVENT_BYTES
+    assert len(_steps_event(steps).SerializeToString()) < 4 << 20  # the client's limit
+
+    small = RankQueue(rank=0)
+    small.push([planned(s, 8) for s in range(MAX_STEPS_PER_EVENT + 5)])
+    first = small.take_ready(prefetch=64)
+    assert first is not None
+    assert len(_ready_steps(small, 64, first=first)) == MAX_STEPS_PER_EVENT

@@ -60,15 +60,11 @@ class RankQueue:
         self._sent += 1
         return item
 
-    def take_ready_steps(self, prefetch: int, limit: int) -> list[QueuedItem]:
-        """Up to `limit` consecutive steps that may be sent now (take_ready); stops before a
-        marker, which goes in its own message."""
-        taken: list[QueuedItem] = []
-        while len(taken) < limit and self._sent < len(self._items):
-            if not self._items[self._sent].is_step or self.take_ready(prefetch) is None:
-                break
-            taken.append(self._items[self._sent - 1])
-        return taken
+    def take_ready_step(self, prefetch: int) -> QueuedItem | None:
+        """Like take_ready, but only a step: a marker waits for a message of its own."""
+        if self._sent < len(self._items) and self._items[self._sent].is_step:
+            return self.take_ready(prefetch)
+        return None
 
     async def next_to_send(self, prefetch: int) -> QueuedItem:
         """The next item, once it may be sent (take_ready)."""

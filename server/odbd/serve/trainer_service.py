@@ -18,7 +18,10 @@ log = logging.getLogger("odbd.serve")
 
 DEFAULT_PREFETCH = 8
 MAX_PREFETCH = 64
-MAX_STEPS_PER_EVENT = 32  # consecutive ready steps sent as one StepBatches message
+# Consecutive ready steps go as one StepBatches message of at most this many steps and about
+# this many bytes (a step of many tiny samples is large; the client accepts up to 4 MiB).
+MAX_STEPS_PER_EVENT = 32
+MAX_EVENT_BYTES = 1 << 20
 
 
 class TrainerService(trainer_pb2_grpc.TrainerServicer):
@@ -65,8 +68,8 @@ class TrainerService(trainer_pb2_grpc.TrainerServicer):
                 if not item.is_step:
                     yield item.event  # a marker: always alone
                     continue
-                more = queue.take_ready_steps(prefetch, MAX_STEPS_PER_EVENT - 1)
-                yield _steps_event([item, *more]) if more else item.event
+                steps = _ready_steps(queue, prefetch, first=item)
+                yield item.event if len(steps) == 1 else _steps_event(steps)
         finally:
             reader.cancel()
             queue.attached = False
@@ -107,6 +110,18 @@ class TrainerService(trainer_pb2_grpc.TrainerServicer):
                 delivered = message.delivered
                 self._on_free(queue.deliver(delivered.epoch, delivered.step))
                 self._on_delivered(queue.rank, delivered)
+
+
+def _ready_steps(queue: RankQueue, prefetch: int, *, first: QueuedItem) -> list[QueuedItem]:
+    """`first` and the steps that may follow it now, within the per-message limits."""
+    steps, nbytes = [first], first.event.ByteSize()
+    while len(steps) < MAX_STEPS_PER_EVENT and nbytes < MAX_EVENT_BYTES:
+        item = queue.take_ready_step(prefetch)
+        if item is None:
+            break
+        steps.append(item)
+        nbytes += item.event.ByteSize()
+    return steps
 
 
 def _steps_event(items: list[QueuedItem]) -> trainer_pb2.TrainerEvent:
