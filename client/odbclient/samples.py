@@ -131,8 +131,16 @@ def _hash_of(structure: tuple[tuple[str, str, int, tuple[int, ...]], ...]) -> in
 
 def _dtype_name(value: Any) -> str:
     if isinstance(value, np.ndarray | np.generic):
-        return value.dtype.name
+        # Cached: numpy computes `dtype.name` in Python on every access, which was ~5 % of a
+        # producer's time with 8 KiB samples.
+        name = _NUMPY_DTYPE_NAMES.get(value.dtype)
+        if name is None:
+            name = _NUMPY_DTYPE_NAMES[value.dtype] = value.dtype.name
+        return name
     return str(value.dtype).removeprefix("torch.")
+
+
+_NUMPY_DTYPE_NAMES: dict[np.dtype, str] = {}
 
 
 def one_line(text: str) -> str:
