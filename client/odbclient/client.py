@@ -42,7 +42,10 @@ class ODBClient:
     """The batches of one trainer rank, one epoch per iteration.
 
     `socket`: the daemon's unix socket; else $ODBD_SOCKET, else `DEFAULT_SOCKET`.
-    `prefetch`: batches the daemon may push ahead of the one the trainer is on.
+    `prefetch`: batches the daemon may push ahead of the one the trainer is on. Raise it for
+        very short steps (8 KiB samples, no compute: 24k samples/s at 8, 27-28k at 32); each
+        prefetched batch costs trainer memory, and a rank may train that many batches after a
+        peer node dies before JobFailedError.
     `connect_timeout_s`: how long the first iteration waits for the daemon to start and welcome.
     `deadline_s`: the longest wait for any batch; past it DaemonTimeoutError names the socket.
     """
