@@ -20,6 +20,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
+from typing import NamedTuple
 
 from odbclient.connect import Outbox, start_reader
 from odbclient.wire.odbd.v1 import trainer_pb2
@@ -28,7 +29,16 @@ DEFAULT_POLL_S = 0.005
 DEFAULT_PARK_AFTER_S = 0.05
 
 
+class _Report(NamedTuple):
+    epoch: int
+    step: int
+    wait_s: float
+    compute_s: float
+
+
 class DeliveryReports:
+    """The Delivered reports of one trainer stream, queued by next() and sent in batches."""
+
     def __init__(
         self,
         outbox: Outbox,
@@ -39,7 +49,7 @@ class DeliveryReports:
     ) -> None:
         self._outbox = outbox
         self._poll_s, self._park_after_s = poll_s, park_after_s
-        self._unsent: deque[tuple[int, int, float, float]] = deque()
+        self._unsent: deque[_Report] = deque()
         self._lock = threading.Lock()  # one flush at a time: reports leave in step order
         self._wake = threading.Event()
         self._parked = True
@@ -49,7 +59,7 @@ class DeliveryReports:
     def add(self, epoch: int, step: int, *, wait_s: float, compute_s: float) -> int:
         """Queues one report (any thread; wakes nobody unless the pump is parked); returns how
         many reports are unsent."""
-        self._unsent.append((epoch, step, wait_s, compute_s))
+        self._unsent.append(_Report(epoch, step, wait_s, compute_s))
         if self._parked:
             self._wake.set()
         return len(self._unsent)
@@ -62,12 +72,11 @@ class DeliveryReports:
             taken = [self._unsent.popleft() for _ in range(len(self._unsent))]
             if not taken:
                 return
-            epoch, step = taken[-1][:2]
             delivered = trainer_pb2.Delivered(
-                epoch=epoch,
-                step=step,
-                wait_s=sum(report[2] for report in taken),
-                compute_s=sum(report[3] for report in taken),
+                epoch=taken[-1].epoch,
+                step=taken[-1].step,
+                wait_s=sum(report.wait_s for report in taken),
+                compute_s=sum(report.compute_s for report in taken),
                 steps=len(taken),
             )
             self._outbox.put(trainer_pb2.TrainerMessage(delivered=delivered))
