@@ -1,12 +1,17 @@
 """NodeState: leasing runs one buffer ahead of the round, a round takes one buffer, and a unit
-is dry only once nothing is left for a later round; stale commits are freed, not buffered."""
+is dry only once nothing is left for a later round; stale commits are freed, not buffered;
+the node's lanes count as full once every producer holding leases waits for lane space."""
 
 from __future__ import annotations
 
+import asyncio
+
 import numpy as np
 
+from odbclient.wire.odbd.v1 import ingest_pb2
 from odbd.config import DaemonConfig
 from odbd.daemon.node_state import RUN_AHEAD_BUFFERS, Location, NodeState
+from odbd.ingest.service import IngestService, ProducerSession
 from odbd.world import World
 
 BUFFER = 4
@@ -68,3 +73,34 @@ def test_a_commit_for_a_lease_another_producer_now_holds_is_freed_not_buffered()
     accepted, _, stale = state.commit(0, keys, [location] * 2, ones * 3, ones * 3, ones)
     assert accepted == 0 and stale == [location, location]
     assert state.buffered_now() == 0
+
+
+def test_lanes_are_full_once_every_lease_holder_waits_for_lane_space() -> None:
+    """IngestService.lanes_full: the round loop plans a short round on it (no I/O involved)."""
+    state = make_state()
+    service = IngestService(
+        state=state,
+        lanes=None,  # type: ignore[arg-type]  # lanes_full and give_back never touch them
+        welcome=ingest_pb2.IngestWelcome(),
+        lease_timeout_s=10.0,
+        on_progress=lambda: None,
+        on_rejected=lambda rejected: None,
+        stats=None,  # type: ignore[arg-type]
+    )
+    for producer in (0, 1):
+        service.sessions[producer] = ProducerSession(
+            producer=producer,
+            name=f"p{producer}",
+            lane=None,  # type: ignore[arg-type]
+            outbox=asyncio.Queue(),
+        )
+        state.lease(producer=producer, count=2, deadline=10.0)
+    assert not service.lanes_full()
+    service.sessions[0].lane_full = True
+    assert not service.lanes_full()  # producer 1 holds leases and can still commit
+    service.sessions[1].lane_full = True
+    assert service.lanes_full()
+    service.give_back({1: [0]})  # a FreeBatch may make room: producer 1 says again if not
+    assert not service.sessions[1].lane_full and not service.lanes_full()
+    state.release(state.leases_of(1))  # producer 1 holds nothing: only producer 0 matters
+    assert service.lanes_full()

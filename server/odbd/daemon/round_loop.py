@@ -121,7 +121,10 @@ class RoundLoop:
         while True:
             self.barrier.raise_failure()  # a lost peer fails the job now, not at the next round
             room = self._queued_min() <= self.config.steps_ahead
-            if room and (self.state.units_ready() or self._buffer_capped_by_lanes()):
+            if room and self.state.units_ready():
+                return
+            if room and self._buffer_capped_by_lanes():
+                self._count_lanes_full_round()
                 return
             self.progress.clear()
             try:
@@ -136,28 +139,29 @@ class RoundLoop:
     def _buffer_capped_by_lanes(self) -> bool:
         """Every producer waits for lane space with samples buffered: the buffer cannot fill
         before this round frees shared memory, so plan now rather than wait stall_s."""
-        buffered = self.state.buffered_now()
-        if buffered == 0 or not self.lanes_full():
-            return False
+        return self.state.buffered_now() > 0 and self.lanes_full()
+
+    def _count_lanes_full_round(self) -> None:
+        """Counts a round offered short because the lanes are full; the first one warns."""
         self.stats.lanes_full_rounds += 1
-        if not self.lanes_full_warned:
-            self.lanes_full_warned = True
-            per_sample = self.stats.ingest_bytes / max(self.stats.ingest_samples, 1)
-            capacity = self.state.planner.unit_capacity * len(self.state.local_unit_ids())
-            log.warning(
-                "round %d: the producer lanes (%.1f MiB each) filled up with %d samples "
-                "buffered, short of the %d a round takes (%.1f MiB at %.2f MiB per sample), so "
-                "rounds are planned with what the lanes hold: smaller rounds, more of them. For "
-                "full rounds raise --shm-size or lower --buffer (odbd_lanes_full_rounds_total "
-                "counts these rounds).",
-                self.round_index,
-                self.lanes.lane_bytes / 2**20,
-                buffered,
-                capacity,
-                capacity * per_sample / 2**20,
-                per_sample / 2**20,
-            )
-        return True
+        if self.lanes_full_warned:
+            return
+        self.lanes_full_warned = True
+        per_sample = self.stats.ingest_bytes / max(self.stats.ingest_samples, 1)
+        capacity = self.state.planner.unit_capacity * len(self.state.local_unit_ids())
+        log.warning(
+            "round %d: the producer lanes (%.1f MiB each) filled up with %d samples "
+            "buffered, short of the %d a round takes (%.1f MiB at %.2f MiB per sample), so "
+            "rounds are planned with what the lanes hold: smaller rounds, more of them. For "
+            "full rounds raise --shm-size or lower --buffer (odbd_lanes_full_rounds_total "
+            "counts these rounds).",
+            self.round_index,
+            self.lanes.lane_bytes / 2**20,
+            self.state.buffered_now(),
+            capacity,
+            capacity * per_sample / 2**20,
+            per_sample / 2**20,
+        )
 
     def _log_waiting(self, room: bool) -> None:
         now = time.monotonic()
