@@ -217,13 +217,15 @@ def ingest(b: Board) -> None:
         "Producers, restarts, expired leases, full lanes",
         [
             (f"sum(odbd_producers{J})", "producers"),
+            (f"sum(odbd_producers_lane_full{J})", "waiting for lane space"),
             (f"sum(increase(odbd_producer_restarts_total{J}{RI}))", "restarts"),
             (f"sum(increase(odbd_expired_leases_total{J}{RI}))", "expired leases"),
             (f"sum(increase(odbd_lanes_full_rounds_total{J}{RI}))", "rounds on full lanes"),
         ],
         "short",
-        "Connected producers; restarts and expired leases mean producers are dying. Rounds on "
-        "full lanes: --shm-size is too small for --buffer, rounds run short.",
+        "Connected producers and those waiting for room in their shm lane (backpressure); "
+        "restarts and expired leases mean producers are dying. Rounds on full lanes: "
+        "--shm-size is too small for --buffer, rounds run short.",
     )
 
 

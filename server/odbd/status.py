@@ -30,7 +30,8 @@ def render(reply: admin_pb2.StatusReply) -> str:
         f"epoch {reply.epoch}  rounds {reply.round}  quota {emitted}/{reply.dataset_size} "
         f"({emitted / max(reply.dataset_size, 1):.1%})",
         f"buffered {reply.buffered_samples}  leased {reply.leased_samples}  producers "
-        f"{reply.producers}  shm {used:.1f}/{capacity:.1f} MiB",
+        f"{reply.producers}{_waiting(reply.producers_lane_full)}  "
+        f"shm {used:.1f}/{capacity:.1f} MiB",
         "rejected "
         + (", ".join(f"{k}={v}" for k, v in reply.rejected_by_reason.items()) or "none"),
         "rank  trainer  queued  delivered  overlap",
@@ -45,6 +46,10 @@ def render(reply: admin_pb2.StatusReply) -> str:
     if reply.last_error:
         lines.append(f"last error: {reply.last_error}")
     return "\n".join(lines)
+
+
+def _waiting(lane_full: int) -> str:
+    return f" ({lane_full} waiting for lane space)" if lane_full else ""
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -309,6 +309,7 @@ class Daemon:
             "shm_used_bytes": self.arena.used_bytes,
             "shm_capacity_bytes": self.arena.capacity_bytes,
             "producers": len(self.ingest.sessions) if self.ingest else 0,
+            "producers_lane_full": self.ingest.num_lane_full() if self.ingest else 0,
             "trainers": sum(q.attached for q in self.queues.values()),
         }
 
@@ -337,6 +338,7 @@ class Daemon:
             buffered_samples=self.state.buffered_now(),
             leased_samples=len(self.state.leases),
             producers=len(self.ingest.sessions) if self.ingest else 0,
+            producers_lane_full=self.ingest.num_lane_full() if self.ingest else 0,
             shm_used_bytes=arena.used_bytes if arena else 0,
             shm_capacity_bytes=arena.capacity_bytes if arena else 0,
             ranks=ranks,

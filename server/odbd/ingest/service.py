@@ -188,6 +188,10 @@ class IngestService(ingest_pb2_grpc.IngestServicer):
         session.lane_full = False  # it says LaneFull again if this made too little room
         session.outbox.put_nowait(_free_message(offsets))
 
+    def num_lane_full(self) -> int:
+        """Producers waiting for lane space (backpressure, or a buffer too big for the lanes)."""
+        return sum(s.lane_full for s in self.sessions.values())
+
     def lanes_full(self) -> bool:
         """Every producer holding leases waits for lane space: no commit can come before
         shared memory is freed, so the node's buffer cannot fill any further."""

@@ -163,5 +163,6 @@ _LIVE_HELP = {
     "shm_used_bytes": "shared-memory arena bytes in use",
     "shm_capacity_bytes": "shared-memory arena capacity",
     "producers": "connected producers",
+    "producers_lane_full": "producers waiting for room in their shared-memory lane",
     "trainers": "attached trainer clients",
 }

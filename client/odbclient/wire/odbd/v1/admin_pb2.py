@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13odbd/v1/admin.proto\x12\x07odbd.v1\"\x0f\n\rStatusRequest\"~\n\nRankStatus\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\x10\n\x08\x61ttached\x18\x02 \x01(\x08\x12\x14\n\x0cqueued_steps\x18\x03 \x01(\x04\x12\x17\n\x0f\x64\x65livered_steps\x18\x04 \x01(\x04\x12\x0e\n\x06wait_s\x18\x05 \x01(\x01\x12\x11\n\tcompute_s\x18\x06 \x01(\x01\"\xe9\x03\n\x0bStatusReply\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x11\n\tnode_rank\x18\x02 \x01(\r\x12\x11\n\tnum_nodes\x18\x03 \x01(\r\x12\r\n\x05\x65poch\x18\x04 \x01(\r\x12\r\n\x05round\x18\x05 \x01(\x04\x12\x14\n\x0c\x64\x61taset_size\x18\x06 \x01(\x04\x12\x1d\n\x15\x65poch_emitted_samples\x18\x07 \x01(\x04\x12\x18\n\x10\x62uffered_samples\x18\x08 \x01(\x04\x12\x16\n\x0eleased_samples\x18\t \x01(\x04\x12\x11\n\tproducers\x18\n \x01(\r\x12\x16\n\x0eshm_used_bytes\x18\x0b \x01(\x04\x12\x1a\n\x12shm_capacity_bytes\x18\x0c \x01(\x04\x12\"\n\x05ranks\x18\r \x03(\x0b\x32\x13.odbd.v1.RankStatus\x12\x46\n\x12rejected_by_reason\x18\x0e \x03(\x0b\x32*.odbd.v1.StatusReply.RejectedByReasonEntry\x12\x10\n\x08uptime_s\x18\x0f \x01(\x01\x12\r\n\x05phase\x18\x10 \x01(\t\x12\x12\n\nlast_error\x18\x11 \x01(\t\x1a\x37\n\x15RejectedByReasonEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\x32?\n\x05\x41\x64min\x12\x36\n\x06Status\x12\x16.odbd.v1.StatusRequest\x1a\x14.odbd.v1.StatusReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13odbd/v1/admin.proto\x12\x07odbd.v1\"\x0f\n\rStatusRequest\"~\n\nRankStatus\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\x10\n\x08\x61ttached\x18\x02 \x01(\x08\x12\x14\n\x0cqueued_steps\x18\x03 \x01(\x04\x12\x17\n\x0f\x64\x65livered_steps\x18\x04 \x01(\x04\x12\x0e\n\x06wait_s\x18\x05 \x01(\x01\x12\x11\n\tcompute_s\x18\x06 \x01(\x01\"\x86\x04\n\x0bStatusReply\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x11\n\tnode_rank\x18\x02 \x01(\r\x12\x11\n\tnum_nodes\x18\x03 \x01(\r\x12\r\n\x05\x65poch\x18\x04 \x01(\r\x12\r\n\x05round\x18\x05 \x01(\x04\x12\x14\n\x0c\x64\x61taset_size\x18\x06 \x01(\x04\x12\x1d\n\x15\x65poch_emitted_samples\x18\x07 \x01(\x04\x12\x18\n\x10\x62uffered_samples\x18\x08 \x01(\x04\x12\x16\n\x0eleased_samples\x18\t \x01(\x04\x12\x11\n\tproducers\x18\n \x01(\r\x12\x16\n\x0eshm_used_bytes\x18\x0b \x01(\x04\x12\x1a\n\x12shm_capacity_bytes\x18\x0c \x01(\x04\x12\"\n\x05ranks\x18\r \x03(\x0b\x32\x13.odbd.v1.RankStatus\x12\x46\n\x12rejected_by_reason\x18\x0e \x03(\x0b\x32*.odbd.v1.StatusReply.RejectedByReasonEntry\x12\x10\n\x08uptime_s\x18\x0f \x01(\x01\x12\r\n\x05phase\x18\x10 \x01(\t\x12\x12\n\nlast_error\x18\x11 \x01(\t\x12\x1b\n\x13producers_lane_full\x18\x12 \x01(\r\x1a\x37\n\x15RejectedByReasonEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\x32?\n\x05\x41\x64min\x12\x36\n\x06Status\x12\x16.odbd.v1.StatusRequest\x1a\x14.odbd.v1.StatusReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -38,9 +38,9 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_RANKSTATUS']._serialized_start=49
   _globals['_RANKSTATUS']._serialized_end=175
   _globals['_STATUSREPLY']._serialized_start=178
-  _globals['_STATUSREPLY']._serialized_end=667
-  _globals['_STATUSREPLY_REJECTEDBYREASONENTRY']._serialized_start=612
-  _globals['_STATUSREPLY_REJECTEDBYREASONENTRY']._serialized_end=667
-  _globals['_ADMIN']._serialized_start=669
-  _globals['_ADMIN']._serialized_end=732
+  _globals['_STATUSREPLY']._serialized_end=696
+  _globals['_STATUSREPLY_REJECTEDBYREASONENTRY']._serialized_start=641
+  _globals['_STATUSREPLY_REJECTEDBYREASONENTRY']._serialized_end=696
+  _globals['_ADMIN']._serialized_start=698
+  _globals['_ADMIN']._serialized_end=761
 # @@protoc_insertion_point(module_scope)

@@ -1,0 +1,29 @@
+"""`odbd status` text: one screen of facts, with producers waiting for lane space called out."""
+
+from __future__ import annotations
+
+from odbclient.wire.odbd.v1 import admin_pb2
+from odbd.status import render
+
+
+def reply(**fields: object) -> admin_pb2.StatusReply:
+    base: dict[str, object] = dict(
+        job_id="j", node_rank=0, num_nodes=2, epoch=1, round=7, dataset_size=100,
+        epoch_emitted_samples=25, buffered_samples=12, leased_samples=30, producers=2,
+        shm_used_bytes=3 << 20, shm_capacity_bytes=64 << 20, phase="running",
+        ranks=[admin_pb2.RankStatus(rank=0, attached=True, queued_steps=3, delivered_steps=9,
+                                    wait_s=1.0, compute_s=99.0)],
+    )  # fmt: skip
+    base.update(fields)
+    return admin_pb2.StatusReply(**base)  # type: ignore[arg-type]
+
+
+def test_status_shows_the_node_quota_and_ranks() -> None:
+    text = render(reply())
+    assert "node 0/2" in text and "quota 25/100 (25.0%)" in text
+    assert "producers 2  shm 3.0/64.0 MiB" in text  # nobody waiting: no remark
+    assert "99.0%" in text  # rank 0's overlap
+
+
+def test_status_names_producers_waiting_for_lane_space() -> None:
+    assert "producers 2 (1 waiting for lane space)  shm" in render(reply(producers_lane_full=1))
