@@ -20,7 +20,13 @@ from collections.abc import Iterator
 from typing import Any
 
 from odbclient.batch import Batch
-from odbclient.connect import DEFAULT_SOCKET, Failure, StreamEnd, resolve_socket
+from odbclient.connect import (
+    DEFAULT_PREFETCH,
+    DEFAULT_SOCKET,
+    Failure,
+    StreamEnd,
+    resolve_socket,
+)
 from odbclient.errors import (
     DaemonConnectionError,
     DaemonTimeoutError,
@@ -32,10 +38,6 @@ from odbclient.stream import EpochEnd, JobEnd, TrainerStream
 __all__ = ["DEFAULT_SOCKET", "ODBClient"]
 
 STATE_VERSION = 1
-# Batches pushed ahead: 8 lets the daemon send and the client report 4 steps per message
-# (8 KiB samples: 19-21k -> 23k samples/s over 4). The cost: when a peer node dies, a rank may
-# still train on up to this many batches before JobFailedError.
-DEFAULT_PREFETCH = 8
 
 
 class ODBClient:

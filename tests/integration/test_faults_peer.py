@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from odbclient.client import DEFAULT_PREFETCH
+from odbclient.connect import DEFAULT_PREFETCH
 from tests.integration.faults_cluster import FaultCluster, synthetic
 from tests.integration.harness import http_get
 

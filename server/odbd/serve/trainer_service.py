@@ -9,6 +9,7 @@ from typing import Any
 
 import grpc
 
+from odbclient.connect import DEFAULT_PREFETCH
 from odbclient.wire.odbd.v1 import trainer_pb2, trainer_pb2_grpc
 from odbd.daemon.node_state import Location
 from odbd.serve.hello import read_hello
@@ -16,7 +17,6 @@ from odbd.serve.rank_queue import QueuedItem, RankQueue
 
 log = logging.getLogger("odbd.serve")
 
-DEFAULT_PREFETCH = 8
 MAX_PREFETCH = 64
 # Consecutive ready steps go as one StepBatches message of at most this many steps and about
 # this many bytes (a step of many tiny samples is large; the client accepts up to 4 MiB).
