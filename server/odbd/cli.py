@@ -60,6 +60,15 @@ def daemon_parser() -> argparse.ArgumentParser:
     add("--metrics-host", default="127.0.0.1", metavar="HOST", help="address /metrics binds")
     add("--health-listen", default="", metavar="HOST:PORT", help="grpc.health.v1 over TCP")
     add("--drain-timeout", type=float, default=30.0, metavar="S", help="SIGTERM grace period")
+    add(
+        "--attach-timeout",
+        type=float,
+        default=1800.0,
+        metavar="S",
+        help="a local rank not attached this long (from start-up or its detach) fails the job; "
+        "generous because loading a model can take many minutes. The job ends only once "
+        "every local rank took its end (no fixed grace)",
+    )
     add("--dataset", metavar="MODULE:FACTORY", help="spawn producers importing this dataset")
     add("--dataset-arg", type=_key_value, action="append", default=[], metavar="KEY=VALUE")
     add("--workers", type=int, default=2, metavar="K", help="producer processes to spawn")
@@ -138,6 +147,7 @@ def config_from_args(args: argparse.Namespace) -> DaemonConfig:
         metrics_host=args.metrics_host,
         health_listen=args.health_listen,
         drain_timeout_s=args.drain_timeout,
+        attach_timeout_s=args.attach_timeout,
         dataset=args.dataset,
         dataset_args=tuple(args.dataset_arg),
         workers=args.workers,

@@ -43,6 +43,10 @@ class DaemonConfig:
     metrics_host: str = "127.0.0.1"  # a pod's IP (or 0.0.0.0) so Prometheus can scrape it
     health_listen: str = ""  # "HOST:PORT": grpc.health.v1 over TCP for probes; "" = socket only
     drain_timeout_s: float = 30.0  # after SIGTERM: time the trainers get to take queued steps
+    # A local rank not attached this long (from start-up, or from its detach) fails the job.
+    # Generous: a trainer loads its model (minutes for a large one from network storage, more
+    # with torch.compile) before its first batch, and torchrun restarts take time too.
+    attach_timeout_s: float = 1800.0
     dataset: str | None = None  # MODULE:FACTORY for daemon-spawned producers
     dataset_args: tuple[tuple[str, str], ...] = ()
     workers: int = 2
@@ -96,6 +100,11 @@ class DaemonConfig:
             raise ConfigError(f"--workers must be >= 0, got {self.workers}")
         if self.drain_timeout_s < 0:
             raise ConfigError(f"--drain-timeout must be >= 0 seconds, got {self.drain_timeout_s}")
+        if not self.attach_timeout_s > 0:
+            raise ConfigError(
+                f"--attach-timeout must be > 0 seconds, got {self.attach_timeout_s}; it bounds "
+                "how long a rank's trainer may stay away before the job fails"
+            )
         if self.shm_size < (1 << 20):
             raise ConfigError(f"--shm-size must be at least 1 MiB, got {self.shm_size} bytes")
         self.planner(0)  # validates budget and buffer with the planner's own messages
