@@ -13,6 +13,8 @@ import odbd.daemon.app
 from odbd import cli, flags
 from odbd.cli import apply_environment, config_from_args, daemon_parser, run_daemon_command
 from odbd.config import node_rank_from_environment
+from odbd.demo.command import ProgressPrinter
+from odbd.demo.command import main as demo_main
 from odbd.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[2]
@@ -280,3 +282,42 @@ def test_a_bad_flag_exits_2_at_once_without_a_traceback_or_leftovers(tmp_path):
     assert cpu_s < 1.0, f"a bad flag took {cpu_s:.2f} s of CPU ({wall_s:.2f} s wall)"
     assert not (tmp_path / "s.sock").exists()
     assert [n for n in os.listdir("/dev/shm") if job in n] == []
+
+
+def test_demo_progress_off_a_terminal_prints_only_changed_lines_and_the_last():
+    printer = ProgressPrinter(tty=False, every_s=10.0)
+    shown = [
+        (t, line)
+        for t, line, final in [
+            (0.0, "0%", False), (0.2, "0%", False), (20.0, "0%", False),  # unchanged: once
+            (21.0, "5%", False), (25.0, "9%", False),  # changed, but within 10 s of the last
+            (31.5, "50%", False), (31.7, "100%", True),  # the final line always shows
+            (31.9, "100%", True),  # ...once
+        ]
+        if printer.due(line, t, final)
+    ]  # fmt: skip
+    assert shown == [(0.0, "0%"), (21.0, "5%"), (31.5, "50%"), (31.7, "100%")]
+
+
+def test_demo_progress_on_a_terminal_redraws_every_poll():
+    printer = ProgressPrinter(tty=True)
+    assert all(printer.due("0%", t, False) for t in (0.0, 0.1, 0.2))
+
+
+@pytest.mark.parametrize(
+    ("argv", "names"),
+    [
+        (["--nodes", "0"], "--nodes"),
+        (["--epochs", "0"], "--epochs"),
+        (["--num-samples", "-5"], "--num-samples"),
+        (["--dist", "sharegtp4o"], "did you mean sharegpt4o?"),
+        (["--timeout", "0"], "--timeout"),
+        (["--seconds-per-token", "-1"], "--seconds-per-token"),
+        (["--node", "2"], "did you mean --nodes?"),
+    ],
+)
+def test_bad_demo_input_exits_2_with_one_line(argv, names, capsys):
+    with pytest.raises(SystemExit) as stop:
+        demo_main(argv)
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and names in err and err.count("\n") == 1, err
