@@ -132,3 +132,14 @@ def test_a_length_key_that_is_not_1d_is_refused_naming_its_shape(ids: Any, hint:
     shape = list(np.asarray(ids).shape)
     assert f"length key 'input_ids' has shape {shape}" in info.value.detail
     assert hint in info.value.detail
+
+
+def test_a_hf_dataset_row_with_its_text_column_is_refused_naming_the_column() -> None:
+    datasets = pytest.importorskip("datasets")
+    ds = datasets.Dataset.from_dict({"text": ["a cat"], "input_ids": [[5, 6]]})
+    with pytest.raises(SampleRejected) as info:
+        fetch_sample(ds, 0)
+    assert info.value.detail.startswith("sample key 'text' holds a str: odbd carries numbers only")
+    assert "dataset.remove_columns(['text'])" in info.value.detail
+    accepted = fetch_sample(ds.remove_columns(["text"]), 0)
+    assert accepted["input_ids"].dtype == np.int64
