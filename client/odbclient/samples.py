@@ -32,7 +32,13 @@ from typing import Any
 
 import numpy as np
 
-from odbclient.shm import SampleEncodeError, UnsupportedDtypeError, encoded_size
+from odbclient.shm import (
+    FieldMeta,
+    SampleEncodeError,
+    SampleMeta,
+    UnsupportedDtypeError,
+    encoded_size,
+)
 
 _MAX_DETAIL_CHARS = 300
 _UINT32_MAX = 0xFFFF_FFFF
@@ -256,6 +262,30 @@ def schema_hash(sample: Mapping[str, Any]) -> int:
             (key, _dtype_name(v), v.ndim, tuple(v.shape[1:])) for key, v in sorted(sample.items())
         )
     )
+
+
+def schema_difference(first: SampleMeta, other: SampleMeta) -> str:
+    """One line naming what makes `other` hash unlike `first` (the keys, dtypes and dimensions
+    after the first that schema_hash covers), with both shapes and dtypes."""
+    mine = {f.name: f for f in first.fields}
+    theirs = {f.name: f for f in other.fields}
+    if set(mine) != set(theirs):
+        extra, missing = sorted(set(theirs) - set(mine)), sorted(set(mine) - set(theirs))
+        parts = [f"has key {k!r} ({_field_text(theirs[k])})" for k in extra]
+        parts += [f"lacks key {k!r} ({_field_text(mine[k])})" for k in missing]
+        return f"this sample {' and '.join(parts)} unlike the first sample"
+    for key, f in mine.items():
+        g = theirs[key]
+        if (f.dtype, len(f.shape), f.shape[1:]) != (g.dtype, len(g.shape), g.shape[1:]):
+            return (
+                f"key {key!r} is {_field_text(g)} here but {_field_text(f)} in the first sample; "
+                "only the first dimension may differ between samples"
+            )
+    return "keys, dtypes and shapes match the first sample's but the schema hashes differ"
+
+
+def _field_text(field: FieldMeta) -> str:
+    return f"{field.dtype} of shape {list(field.shape)}"
 
 
 @functools.lru_cache(maxsize=256)
