@@ -21,6 +21,7 @@ import torch
 
 from odbclient import ODBClient
 from odbd.demo.cluster import ClusterSpec, LocalCluster
+from tests.integration.harness import http_get
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -37,14 +38,20 @@ def load_example(name: str) -> ModuleType:
 
 
 def serve_one_epoch(
-    example: str, args: dict[str, Any], *, token_budget: int
+    example: str,
+    args: dict[str, Any],
+    *,
+    token_budget: int,
+    on_batch: Callable[[LocalCluster], None] = lambda cluster: None,
 ) -> tuple[list[tuple[list[int], dict[str, torch.Tensor]]], LocalCluster]:
-    """Every non-idle batch of one epoch of `example:build(**args)` on 1 node, 1 rank."""
+    """Every non-idle batch of one epoch of `example:build(**args)` on 1 node, 1 rank;
+    `on_batch(cluster)` runs after each batch, while the daemon still serves."""
     daemon_args = ["--dataset", f"{EXAMPLES / example}.py:build", "--workers", "1"]
     for key, value in args.items():
         daemon_args += ["--dataset-arg", f"{key}={value}"]
     daemon_args += ["--epochs", "1", "--shm-size", "32M", "--token-budget", str(token_budget)]
-    cluster = LocalCluster(ClusterSpec(nodes=1, ranks_per_node=1, daemon_args=daemon_args))
+    spec = ClusterSpec(nodes=1, ranks_per_node=1, daemon_args=daemon_args, metrics=True)
+    cluster = LocalCluster(spec)
     batches = []
     with cluster:
         cluster.wait_sockets(TIMEOUT_S)
@@ -53,6 +60,7 @@ def serve_one_epoch(
                 if not batch.is_idle:
                     tensors = {key: batch[key].clone() for key in batch.keys()}
                     batches.append((list(batch.sample_ids), tensors))
+                on_batch(cluster)
         codes = cluster.wait(TIMEOUT_S)
     assert codes == [0], cluster.log(0)
     assert cluster.leftover_segments() == [], "shared memory left behind"
@@ -117,3 +125,28 @@ def test_multimodal_example_stacks_images_and_pads_tokens() -> None:
         image_tokens = (tensors["input_ids"] == module.IMAGE_TOKEN).sum(dim=1)
         assert torch.equal(image_tokens, tensors["num_image_tokens"])
     assert math.isfinite(float(sum(t["pixel_values"].sum() for _, t in batches)))
+
+
+def test_samples_longer_than_the_budget_are_counted_and_the_first_is_logged_once() -> None:
+    size, budget = 40, 64
+    args = {"size": size, "min_len": 8, "max_len": 96}
+    scraped: list[str] = []
+
+    def scrape(cluster: LocalCluster) -> None:  # the daemon exits once the epoch is done
+        scraped.append(http_get(f"http://127.0.0.1:{cluster.metrics_ports[0]}/metrics"))
+
+    batches, cluster = serve_one_epoch("numpy_dataset", args, token_budget=budget, on_batch=scrape)
+    ds = load_example("numpy_dataset").build(**args)
+    longer = [i for i in range(size) if len(ds[i]["input_ids"]) > budget]
+    assert longer, "the dataset should have samples over the budget"
+    for ids, tensors in batches:  # each trained alone
+        if any(i in longer for i in ids):
+            assert len(ids) == 1 and tensors["input_ids"].shape[1] > budget
+    assert f"odbd_oversized_samples_total {float(len(longer))}" in scraped[-1]
+    log = cluster.log(0)
+    assert log.count("more than --token-budget") == 1, log
+    first = next(i for i in log.split("\n") if "more than --token-budget" in i)
+    identity = int(first.split("sample ")[1].split()[0])
+    assert identity in longer
+    assert f"sample {identity} has {len(ds[identity]['input_ids'])} tokens" in first
+    assert "trained alone in its own group" in first and "raise --token-budget" in first
