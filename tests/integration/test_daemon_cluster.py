@@ -127,6 +127,7 @@ def test_bad_samples_are_rejected_counted_and_the_epoch_completes():
     assert_join_coverage(result, size, 1, rejected=sum(rejected.values()))
     log = (result.cluster.log_dir / "daemon0.log").read_text()
     assert "rejected sample 9 " in log and "missing_length_key" in log
+    assert "this sample has key 'extra' (int64 of shape [12]) unlike the first sample" in log
 
 
 def test_a_buffer_larger_than_the_lanes_is_planned_from_what_they_hold():

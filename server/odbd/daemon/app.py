@@ -32,7 +32,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry, start_http_server
 
-from odbclient.shm import SAMPLE_LAYOUT_VERSION, Allocation
+from odbclient.shm import SAMPLE_LAYOUT_VERSION, Allocation, read_meta
 from odbclient.wire.odbd.v1 import (
     admin_pb2,
     admin_pb2_grpc,
@@ -129,6 +129,10 @@ class Daemon:
         _claim_socket_path(config.socket)
         self.arena = Arena.create(config.job_id, config.node_rank, config.shm_size)
         lanes = Lanes(self.arena, self._lane_bytes())
+        # Read only for the first sample and mismatches: a schema_mismatch then names the key.
+        self.state.sample_meta = lambda at: read_meta(
+            self._read_sample(*lanes.resolve(at), at.nbytes)
+        )
         self.ingest = IngestService(
             state=self.state,
             lanes=lanes,

@@ -350,6 +350,7 @@ class RoundLoop:
         kept = len(step_epochs)
         end = int(unit.slot_offsets[kept * g])
         self.state.mark_emitted(unit.emitted.views[:end])
+        self._count_oversized(unit.emitted.views[:end], unit.emitted.lengths[:end])
         tail = unit.emitted.take(np.arange(end, len(unit.emitted)))  # past the quota: not run
         self.state.return_samples(unit.unit, unit.leftover.concat(tail))
         for local_rank, rank in enumerate(ranks):
@@ -361,6 +362,27 @@ class RoundLoop:
                 for step in range(kept)
             ]  # fmt: skip
             self.queues[rank].push(items)
+
+    def _count_oversized(self, views: np.ndarray, lengths: np.ndarray) -> None:
+        """Counts emitted samples longer than the token budget; warns once, at the first.
+
+        Grouping gives such a sample a group of its own (B(l) = max(budget // l, 1) = 1), so it
+        trains, but its step exceeds the budget the operator sized memory for."""
+        over = np.flatnonzero(lengths > self.config.token_budget)
+        if over.size == 0:
+            return
+        if self.stats.oversized_samples == 0:
+            identity = int(self.state.identities_of(views[over[:1]])[0])
+            log.warning(
+                "sample %d has %d tokens, more than --token-budget %d: it is trained alone in "
+                "its own group, whose padded area exceeds the budget (shown once; "
+                "odbd_oversized_samples_total counts them all); raise --token-budget or "
+                "truncate samples in preprocessing",
+                identity,
+                int(lengths[over[0]]),
+                self.config.token_budget,
+            )
+        self.stats.oversized_samples += int(over.size)
 
     def _step_item(
         self,
