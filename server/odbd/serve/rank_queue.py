@@ -33,7 +33,17 @@ class RankQueue:
         self._sent = 0  # items[:_sent] were sent on the current connection
         self._changed = asyncio.Event()
         self.delivered_steps = 0
-        self.attached = False
+        self._attached = False
+        self.attaches = 0  # trainer connections so far: a failed job waits until each was told
+
+    @property
+    def attached(self) -> bool:
+        return self._attached
+
+    @attached.setter
+    def attached(self, value: bool) -> None:
+        self.attaches += value and not self._attached
+        self._attached = value
 
     def push(self, items: list[QueuedItem]) -> None:
         self._items.extend(items)
