@@ -57,6 +57,7 @@ from odbd.errors import ConfigError, OdbdError
 from odbd.grpc_guard import DecodeGuard
 from odbd.ingest.arena import Arena
 from odbd.ingest.lanes import Lanes
+from odbd.ingest.rejections import RejectionLog
 from odbd.ingest.service import IngestService
 from odbd.ingest.supervisor import ProducerSupervisor, SupervisorConfig
 from odbd.metrics.collector import DaemonCollector
@@ -100,6 +101,7 @@ class Daemon:
         self.ingest: IngestService | None = None
         self.exit_code = 0
         self.rejections: list[Rejected] = []
+        self._rejection_log = RejectionLog()
         self.stats = DaemonStats.for_config(config, dataset_size)
         self.metrics_address = ""
         self.phase = "starting"
@@ -443,13 +445,20 @@ class Daemon:
             self.loop.progress.set()
 
     def _on_rejected(self, rejected: Rejected) -> None:
-        log.warning(
-            "rejected sample %d (view %d): %s: %s",
-            rejected.identity,
-            rejected.view_key,
-            rejected.reason,
-            rejected.detail,
-        )
+        in_full, summary = self._rejection_log.record(rejected.reason, time.monotonic())
+        if in_full:
+            log.warning(
+                "rejected sample %d (view %d): %s: %s (further %s rejections are counted, "
+                "summarised every %.0f s and at epoch end)",
+                rejected.identity,
+                rejected.view_key,
+                rejected.reason,
+                rejected.detail,
+                rejected.reason,
+                self._rejection_log.interval_s,
+            )
+        if summary:
+            log.warning("rejected since the last summary: %s", summary)
         self.rejections.append(rejected)
         self.stats.rejected[rejected.reason] += 1
 

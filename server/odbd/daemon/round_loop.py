@@ -26,8 +26,9 @@ from odbd.config import DaemonConfig
 from odbd.daemon import offer_codec
 from odbd.daemon.journal import Journal, ResumeState
 from odbd.daemon.node_state import NodeState
-from odbd.errors import InvariantError
+from odbd.errors import InvariantError, OdbdError
 from odbd.ingest.lanes import Lanes
+from odbd.ingest.rejections import empty_epoch_failure
 from odbd.metrics.stats import DaemonStats
 from odbd.planner.round import plan_round
 from odbd.planner.types import RoundPlan, UnitPlan
@@ -37,6 +38,11 @@ from odbd.serve.rank_queue import QueuedItem, RankQueue
 log = logging.getLogger("odbd.round")
 
 _WAIT_LOG_S = 10.0
+_TELL_FAILURE_S = 60.0  # a failed job waits this long for unattached trainers to learn why
+
+
+class JobFailed(OdbdError):
+    """The job cannot train (an epoch emitted nothing): trainers got JobEnd(failed) first."""
 
 
 @dataclass(slots=True)
@@ -80,6 +86,7 @@ class RoundLoop:
         self.progress = asyncio.Event()
         self.round_index = 0
         self.done = False
+        self.failure: str | None = None  # an epoch trained nothing: the same round everywhere
         self.quota_consumed = 0  # non-join: views emitted or rejected, over every node
         self.filler_schema = ""
         self.steps_in_epoch: Counter[int] = Counter()
@@ -111,6 +118,9 @@ class RoundLoop:
             self._record_round(plan)
             self.on_planned(plan)
             self.round_index += 1
+        if self.failure is not None:
+            await self._tell_trainers()
+            raise JobFailed(self.failure)
 
     # -- 1. readiness ------------------------------------------------------------------------
 
@@ -121,7 +131,7 @@ class RoundLoop:
         while True:
             self.barrier.raise_failure()  # a lost peer fails the job now, not at the next round
             room = self._queued_min() <= self.config.steps_ahead
-            if room and self.state.units_ready():
+            if room and (self.state.units_ready() or self._round_rejected()):
                 return
             if room and self._buffer_capped_by_lanes():
                 self._count_lanes_full_round()
@@ -135,6 +145,14 @@ class RoundLoop:
                 if self._queued_min() <= 1 and self.state.buffered_now() > 0:
                     return
                 self._log_waiting(room)
+
+    def _round_rejected(self) -> bool:
+        """A round's worth of this node's samples was rejected and none is buffered: offer the
+        empty round anyway, so the counts reach every node and the epoch can end (non-join
+        epochs end by counting rejections against the quota)."""
+        capacity = self.state.planner.unit_capacity * len(self.state.local_unit_ids())
+        rejected = sum(self.state.rejected.values())
+        return self.state.buffered_now() == 0 and rejected >= capacity
 
     def _buffer_capped_by_lanes(self) -> bool:
         """Every producer waits for lane space with samples buffered: the buffer cannot fill
@@ -449,6 +467,12 @@ class RoundLoop:
     def _end_epoch(self, epoch: int) -> None:
         tally = self.tally
         assert tally.seen is not None and tally.rejected is not None
+        if tally.samples == 0:
+            # Decided from global facts (every node's offers), so every daemon fails alike; the
+            # trainers get the failed JobEnd instead of an empty epoch.
+            self.failure = empty_epoch_failure(epoch, tally.rejected, self.state.first_rejection)
+            self._end_job(self.failure, failed=True)
+            return
         end = trainer_pb2.EpochEnd(
             epoch=epoch,
             num_steps=tally.steps,
@@ -472,15 +496,27 @@ class RoundLoop:
         self.stats.epochs_done += 1
 
     def _end_job(self, reason: str, failed: bool = False) -> None:
+        if self.done:
+            return  # a failure ended it already (then "all epochs done" follows)
         self.done = True
         end = trainer_pb2.JobEnd(reason=reason, failed=failed)
         for queue in self.queues.values():
             queue.push([QueuedItem(self.state.epoch, -1, trainer_pb2.TrainerEvent(job_end=end))])
 
+    async def _tell_trainers(self) -> None:
+        """A job can fail before its trainers attach (every sample rejected in seconds): wait,
+        bounded, until each local rank connected once, so it raises JobFailedError with the
+        reason rather than finding no daemon. Ranks still attached are drained by the daemon."""
+        deadline = time.monotonic() + _TELL_FAILURE_S
+        while missing := [r for r, q in self.queues.items() if q.attaches == 0]:
+            if time.monotonic() > deadline:
+                log.warning("ranks %s never attached to learn that the job failed", missing)
+                return
+            await asyncio.sleep(0.05)
+
     def fail(self, reason: str) -> None:
         """The job stops (SIGTERM): trainers take what is queued, then learn why."""
-        if not self.done:
-            self._end_job(reason, failed=True)
+        self._end_job(reason, failed=True)
 
     def abort(self, reason: str) -> None:
         """The job cannot go on (peer lost, round timeout): trainers learn it next.
