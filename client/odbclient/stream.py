@@ -19,7 +19,7 @@ from typing import Any
 import grpc
 import numpy as np
 
-from odbclient.batch import Batch
+from odbclient.batch import Batch, Progress
 from odbclient.collate import KeySchema, collate, filler_tensors, parse_filler_schema
 from odbclient.connect import (
     PROTOCOL_VERSION,
@@ -60,6 +60,18 @@ class EpochEnd:
 class JobEnd:
     reason: str
     failed: bool
+
+
+def _progress(p: trainer_pb2.Progress) -> Progress:
+    return Progress(
+        epoch_steps_estimate=p.epoch_steps_estimate,
+        epoch_steps_exact=p.epoch_steps_exact,
+        epoch_sample_fraction=p.epoch_sample_fraction,
+        epoch_token_fraction=p.epoch_token_fraction,
+        epoch_tokens=p.epoch_tokens,
+        job_fraction=p.job_fraction,
+        job_steps_estimate=p.job_steps_estimate,
+    )
 
 
 class TrainerStream:
@@ -233,6 +245,7 @@ class TrainerStream:
             sample_ids=sample_ids,
             is_idle=step.is_idle,
             loss_scale=step.loss_scale,
+            progress=_progress(step.progress),
         )
 
     def _filler_schema(self, step: trainer_pb2.StepBatch) -> tuple[KeySchema, ...]:
