@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import time
@@ -30,6 +31,7 @@ from odbd.errors import InvariantError, OdbdError
 from odbd.ingest.lanes import Lanes
 from odbd.ingest.rejections import empty_epoch_failure
 from odbd.metrics.stats import DaemonStats
+from odbd.planner.progress import JobShape, Progress, StepFacts, step_progress
 from odbd.planner.round import plan_round
 from odbd.planner.types import RoundPlan, UnitPlan
 from odbd.round import RoundBarrier
@@ -92,6 +94,9 @@ class RoundLoop:
         self.steps_in_epoch: Counter[int] = Counter()
         self.tally = self._new_tally()
         self.last_wait_log = time.monotonic()
+        # Per epoch, over every node: samples and loss tokens planned (StepBatch.progress).
+        self.epoch_emitted: Counter[int] = Counter()
+        self.epoch_tokens: Counter[int] = Counter()
 
     def _new_tally(self) -> EpochTally:
         return EpochTally(0, 0, np.zeros(self.state.dataset_size, dtype=bool), Counter())
@@ -226,9 +231,11 @@ class RoundLoop:
     # -- 4. apply ----------------------------------------------------------------------------
 
     def _apply(self, plan: RoundPlan, offers: list[offer_codec.NodeOffer]) -> None:
+        quota_before = self.quota_consumed
         step_epochs = self._step_epochs(plan)
         kept = len(step_epochs)
         step_numbers = self._number_steps(step_epochs)
+        progress = self._plan_progress(plan, quota_before, step_epochs, step_numbers)
         if self.journal is not None:
             rejected: Counter[str] = Counter()
             for o in offers:
@@ -238,7 +245,7 @@ class RoundLoop:
         for unit in plan.units:
             self._tally_identities(unit, kept)
             if unit.unit in local:
-                self._queue_unit(plan, unit, step_epochs, step_numbers)
+                self._queue_unit(plan, unit, step_epochs, step_numbers, progress)
         self._record_steps(plan, kept)
         self._advance_epochs(plan, step_epochs)
 
@@ -318,6 +325,7 @@ class RoundLoop:
         for s in resume.trained_steps:
             self.steps_in_epoch[s.epoch] = max(self.steps_in_epoch[s.epoch], s.step + 1)
             self.quota_consumed += s.global_samples
+            self.epoch_emitted[s.epoch] += s.global_samples
             if s.epoch == resume.epoch:
                 self.tally.steps += 1
                 self.tally.samples += s.global_samples
@@ -353,6 +361,41 @@ class RoundLoop:
             self.quota_consumed += count
         return epochs
 
+    def _plan_progress(
+        self, plan: RoundPlan, quota_before: int, step_epochs: list[int], step_numbers: list[int]
+    ) -> list[Progress]:
+        """Each kept step's StepBatch.progress, from global facts only (the same on every
+        daemon): non-join counts the epoch's views by the sample quota (rejections included,
+        the step reaching the epoch's share is its last); join by the epoch's emitted and
+        rejected samples (the flush round's last step is the epoch's last)."""
+        n = self.state.dataset_size
+        job = JobShape(dataset_size=n, epochs=self.config.epochs)
+        assert self.tally.rejected is not None
+        rejected = sum(self.tally.rejected.values())  # join: of the epoch being planned
+        quota = quota_before
+        progress = []
+        for i, (epoch, number) in enumerate(zip(step_epochs, step_numbers, strict=True)):
+            samples = int(plan.stats.global_num_samples[i])
+            self.epoch_emitted[epoch] += samples
+            self.epoch_tokens[epoch] += int(plan.stats.global_num_tokens[i])
+            quota += samples
+            if self.config.join:
+                consumed = self.epoch_emitted[epoch] + rejected
+                last = plan.final and i == len(step_epochs) - 1
+            else:
+                consumed, last = quota - epoch * n, quota >= (epoch + 1) * n
+            facts = StepFacts(
+                epoch=epoch,
+                step=number,
+                consumed=consumed,
+                emitted=self.epoch_emitted[epoch],
+                tokens=self.epoch_tokens[epoch],
+                last=last,
+                steps_before_epoch=sum(c for e, c in self.steps_in_epoch.items() if e < epoch),
+            )
+            progress.append(step_progress(job, facts))
+        return progress
+
     def _tally_identities(self, unit: UnitPlan, kept: int) -> None:
         g = self.state.planner.ranks_per_unit
         end = int(unit.slot_offsets[kept * g])
@@ -361,7 +404,12 @@ class RoundLoop:
         self.tally.seen[self.state.identities_of(keys)] = True
 
     def _queue_unit(
-        self, plan: RoundPlan, unit: UnitPlan, step_epochs: list[int], step_numbers: list[int]
+        self,
+        plan: RoundPlan,
+        unit: UnitPlan,
+        step_epochs: list[int],
+        step_numbers: list[int],
+        progress: list[Progress],
     ) -> None:
         g = self.state.planner.ranks_per_unit
         ranks = self.state.planner.unit_ranks(unit.unit)
@@ -375,7 +423,7 @@ class RoundLoop:
             items = [
                 self._step_item(
                     plan, unit, step, rank, unit.slot(step, local_rank, g),
-                    step_epochs[step], step_numbers[step],
+                    step_epochs[step], step_numbers[step], progress[step],
                 )
                 for step in range(kept)
             ]  # fmt: skip
@@ -411,6 +459,7 @@ class RoundLoop:
         rows: slice,
         epoch: int,
         number: int,
+        progress: Progress,
     ) -> QueuedItem:
         keys = unit.emitted.views[rows]
         locations = [self.state.locations.pop(int(k)) for k in keys.tolist()]
@@ -433,6 +482,7 @@ class RoundLoop:
             offsets=np.asarray([o for _, o in where], dtype="<u8").tobytes(),
             nbytes=np.asarray([loc.nbytes for loc in locations], dtype="<u8").tobytes(),
             filler_schema=self.filler_schema if idle else "",
+            progress=trainer_pb2.Progress(**dataclasses.asdict(progress)),
         )
         return QueuedItem(epoch, number, trainer_pb2.TrainerEvent(step=batch), locations)
 
