@@ -5,6 +5,7 @@ second daemon on a live socket, and a failure that still releases everything."""
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -355,4 +356,59 @@ def test_a_second_daemon_on_a_live_socket_exits_2_in_one_line_and_leaves_it_serv
         assert status(sock).job_id == cluster.spec.job_id  # the first one still answers
         assert not any(n.startswith("odbd-other-job-") for n in os.listdir("/dev/shm"))
     assert cluster.processes[0].returncode == 0, cluster.log(0)
+    assert_released(cluster)
+
+
+# -- 4. a failure still releases everything ----------------------------------------------------
+
+
+def _can_mount_a_private_tmpfs() -> bool:
+    if shutil.which("unshare") is None:
+        return False
+    probe = "d=$(mktemp -d) && mount -t tmpfs -o size=16k tmpfs $d && umount $d && rmdir $d"
+    return (
+        subprocess.run(["unshare", "-rm", "sh", "-c", probe], capture_output=True).returncode == 0
+    )
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(
+    not _can_mount_a_private_tmpfs(), reason="needs unshare -rm (user + mount namespaces)"
+)
+def test_a_full_state_dir_fails_the_job_cleanly_and_still_releases_shm_and_socket(
+    tmp_path: Path,
+) -> None:
+    """Issue 11: ENOSPC in --state-dir killed the round loop with a raw traceback, a second
+    ENOSPC in the journal's close() stopped shutdown before the arena was unlinked, and the
+    trainers got DaemonConnectionError. The daemon runs in its own mount namespace where
+    --state-dir is a 16 KiB tmpfs: the journal really runs out of space after a few rounds."""
+    state = tmp_path / "state"
+    state.mkdir()
+    args = [*SMALL_JOB, "--epochs", "0", "--state-dir", str(state)]
+    cluster = LocalCluster(ClusterSpec(nodes=1, ranks_per_node=2, daemon_args=args))
+    mount = f'mount -t tmpfs -o size=16k tmpfs "{state}" && exec "$@"'
+    log = open(cluster.log_dir / "daemon0.log", "ab")  # noqa: SIM115 (closed below)
+    command = ["unshare", "-rm", "sh", "-c", mount, "sh", *cluster.command(0)]
+    cluster.processes.append(subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT))
+    log.close()
+    try:
+        cluster.wait_sockets(60)
+        clients = [
+            ODBClient(rank=r, socket=cluster.sockets[0], connect_timeout_s=60) for r in (0, 1)
+        ]
+        try:
+            iterators = [iter(c) for c in clients]  # both attached before the disk fills
+            for client, batches in zip(clients, iterators, strict=True):
+                with pytest.raises(JobFailedError, match="No space left on device"):
+                    train_to_the_end(client, batches, epochs=sys.maxsize)
+        finally:
+            for c in clients:
+                c.close()
+        code = cluster.processes[0].wait(timeout=60)
+    finally:
+        cluster.stop()
+    daemon_log = cluster.log(0)
+    assert code == 1, daemon_log
+    assert "No space left on device" in daemon_log, daemon_log
+    assert "Traceback" not in daemon_log, daemon_log
     assert_released(cluster)

@@ -728,8 +728,8 @@ def _describe_failure(error: Exception) -> str:
         return str(error)
     if isinstance(error, OSError):
         return (
-            f"the job stopped on an operating-system error: {error}; check the file, disk or "
-            "limit it names, then restart the job (with --state-dir it resumes)"
+            f"the job stopped on an operating-system error: {error}; free the disk space or "
+            "fix the file or limit behind it, then restart the job (with --state-dir it resumes)"
         )
     return (
         f"the job stopped on an internal error (a bug in odbd; please report it with this "
