@@ -208,6 +208,7 @@ def test_an_absent_rank_fails_the_job_at_the_attach_deadline_naming_it(absence: 
         assert f"rank 1 {expected} within --attach-timeout 3 s" in log, log
         assert "--attach-timeout" in str(failure.value)
         assert told_s < attach_timeout_s + 20, told_s  # the deadline, not a hang
+        print(f"FAULT {absence}: JobFailedError {told_s:.2f} s after rank 1 was absent")
     assert_released(cluster)
 
 
@@ -244,6 +245,7 @@ def test_ctrl_c_with_no_trainer_attached_exits_within_2_s_without_restarting_pro
     finally:
         cluster.stop()
     log = cluster.log(0)
+    print(f"FAULT ctrl-c with nobody attached: exited {took_s:.2f} s after SIGINT")
     assert took_s < 2.0, (took_s, log)
     assert code == 1, log  # the steps planned for ranks that never attached are lost: said so
     assert "stopped (SIGINT) before trainers took everything" in log, log
@@ -281,6 +283,7 @@ def test_a_second_signal_exits_at_once_and_still_releases_shm_socket_and_produce
         cluster.stop()
     log = cluster.log(0)
     assert code == 128 + second, log
+    print(f"FAULT {first.name} then {second.name}: exit {code} {took_s:.2f} s after the second")
     assert took_s < 10, took_s
     assert f"second signal ({second.name})" in log, log
     assert_released(cluster)
@@ -327,6 +330,7 @@ def test_sigint_while_the_job_forms_stops_at_once_and_releases_everything() -> N
         cluster.stop()
     assert code == 0, cluster.log(0)
     assert "stopped (SIGINT) before the job formed" in cluster.log(0)
+    print(f"FAULT SIGINT while the job forms: exited {took_s:.2f} s after it")
     assert took_s < 10, took_s  # not the 120 s join timeout
     assert_released(cluster)
 
