@@ -33,11 +33,13 @@ _NUMBER = re.compile(r"-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
     """Shows `(default: X)` after every help text and keeps the description's line breaks.
 
-    An unset default (None, empty) is left out: the help text says what "not given" means.
+    An unset default (None, empty, a switch's False) is left out: the help text says what "not
+    given" means.
     """
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
-        if action.default is None or action.default in ("", (), []):
+        unset = action.default is None or action.default in ("", (), [])
+        if unset or isinstance(action, argparse._StoreTrueAction):  # off unless given
             return action.help
         return super()._get_help_string(action)
 

@@ -16,6 +16,7 @@ from odbd.config import node_rank_from_environment
 from odbd.demo.command import ProgressPrinter
 from odbd.demo.command import main as demo_main
 from odbd.errors import ConfigError
+from odbd.simulate import main as simulate_main
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -321,3 +322,23 @@ def test_bad_demo_input_exits_2_with_one_line(argv, names, capsys):
         demo_main(argv)
     err = capsys.readouterr().err
     assert stop.value.code == 2 and names in err and err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize(
+    ("argv", "names"),
+    [
+        (["--wrold", "4"], "unrecognized argument --wrold; did you mean --world?"),
+        (["--num-sample", "10"], "did you mean --num-samples?"),
+        (["--comp"], "unrecognized argument --comp; did you mean --compare?"),
+        (["--cost-a", "nan"], "--cost-a"),
+        (["--seed", "-1"], "--seed"),
+        (["--num-samples", "99999999999999"], "--num-samples"),
+    ],
+)
+def test_bad_simulate_input_exits_2_with_one_line(argv, names, capsys):
+    try:
+        code = simulate_main(["--dist", "llava", *argv])
+    except SystemExit as stop:
+        code = stop.code
+    err = capsys.readouterr().err
+    assert code == 2 and names in err and err.count("\n") == 1, err
