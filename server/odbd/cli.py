@@ -13,16 +13,12 @@ import sys
 from collections.abc import Mapping, Sequence
 from enum import StrEnum
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-from odbd import flags
+from odbd import flag_files, flags
 from odbd.config import DEFAULT_PADS, DaemonConfig, default_socket, node_rank_from_environment
 from odbd.errors import ConfigError
 from odbd.planner.config import Balance, Grouping, LossScaling
 from odbd.world import World
-
-if TYPE_CHECKING:
-    from odbd.round.config import PeerTls
 
 EXIT_USAGE = flags.EXIT_USAGE
 SUBCOMMANDS = {
@@ -346,9 +342,9 @@ def config_from_args(
     node_rank = args.node_rank
     if node_rank is None:
         node_rank = node_rank_from_environment(None if environ is None else dict(environ))
-    check_socket_directory(args.socket)
+    flag_files.check_socket_directory(args.socket)
     if args.state_dir is not None:
-        check_state_dir(args.state_dir)
+        flag_files.check_state_dir(args.state_dir)
     pads = dict(DEFAULT_PADS) | dict(args.pad)
     return DaemonConfig(
         world=_world(args.world, args.nproc_per_node),
@@ -378,8 +374,8 @@ def config_from_args(
         pads=tuple(pads.items()),
         state_dir=args.state_dir,
         job_id=args.job_id,
-        job_token=_job_token(args.job_token_file),
-        peer_tls=_peer_tls(args),
+        job_token=flag_files.read_job_token(args.job_token_file),
+        peer_tls=flag_files.read_peer_tls(args.tls_cert, args.tls_key, args.tls_ca),
         shm_size=args.shm_size,
         lease_timeout_s=args.lease_timeout,
         round_timeout_s=args.round_timeout,
@@ -395,86 +391,6 @@ def _world(world_size: int, ranks_per_node: int) -> World:
         raise ConfigError(
             f"--world {world_size} --nproc-per-node {ranks_per_node}: {error}"
         ) from None
-
-
-def check_socket_directory(socket: str) -> None:
-    """The socket's directory must exist and be writable: odbd does not create it, so a typo
-    in the path is an error here rather than a directory made somewhere unexpected."""
-    directory = Path(socket).parent
-    if not directory.is_dir():
-        raise ConfigError(
-            f"--socket {socket}: directory {directory} does not exist; create it (mode 0700) "
-            "or pass a --socket in an existing directory"
-        )
-    if not os.access(directory, os.W_OK | os.X_OK):
-        raise ConfigError(
-            f"--socket {socket}: directory {directory} is not writable by this user; "
-            "pass a --socket in a directory you own"
-        )
-    if Path(socket).is_dir():
-        raise ConfigError(
-            f"--socket {socket} is a directory; pass a file path such as {socket}/odbd.sock"
-        )
-
-
-def check_state_dir(state_dir: Path) -> None:
-    """--state-dir is a writable directory, or can be created under one (the journal does)."""
-    existing = state_dir
-    while not existing.exists() and existing != existing.parent:
-        existing = existing.parent
-    if not existing.is_dir():
-        raise ConfigError(
-            f"--state-dir {state_dir}: {existing} is not a directory; pass a directory path "
-            "for the restart journal"
-        )
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise ConfigError(
-            f"--state-dir {state_dir}: {existing} is not writable by this user, so the restart "
-            "journal cannot be written; pass a directory you can write"
-        )
-
-
-def _peer_tls(args: argparse.Namespace) -> PeerTls | None:
-    """The three --tls-* files (all or none), read once: the daemon never rereads them."""
-    files = {"--tls-cert": args.tls_cert, "--tls-key": args.tls_key, "--tls-ca": args.tls_ca}
-    given = [flag for flag, path in files.items() if path is not None]
-    if not given:
-        return None
-    if len(given) != len(files):
-        missing = sorted(set(files) - set(given))
-        raise ConfigError(
-            f"peer mTLS needs --tls-cert, --tls-key and --tls-ca together; missing {missing}"
-        )
-    from odbd.round.config import PeerTls  # imports grpc: only when TLS is asked for
-
-    data = {}
-    for flag, path in files.items():
-        try:
-            data[flag] = path.read_bytes()
-        except OSError as error:
-            raise ConfigError(f"cannot read {flag}: {error}") from None
-    return PeerTls(
-        cert_chain=data["--tls-cert"],
-        private_key=data["--tls-key"],
-        root_certificates=data["--tls-ca"],
-    )
-
-
-def _job_token(path: Path | None) -> bytes:
-    """The shared secret, or b"" without --job-token-file. An empty file is refused: it would
-    silently turn peer authentication off."""
-    if path is None:
-        return b""
-    try:
-        token = path.read_bytes().strip()
-    except OSError as error:
-        raise ConfigError(f"cannot read --job-token-file: {error}") from None
-    if not token:
-        raise ConfigError(
-            f"--job-token-file {path} is empty, which would turn peer authentication off; "
-            "write a secret into it (e.g. openssl rand -hex 32) or omit the flag"
-        )
-    return token
 
 
 def dataset_size_of(config: DaemonConfig) -> int:
