@@ -7,6 +7,7 @@ ODBD_JOIN=false); a flag on the command line wins over the environment.
 from __future__ import annotations
 
 import argparse
+import difflib
 import logging
 import os
 import sys
@@ -91,11 +92,12 @@ def daemon_parser() -> flags.OneLineParser:
         help="dataset length, with external producers (instead of --dataset)",
     )
     plan = p.add_argument_group("batching")
+    # --token-budget and --buffer: PlannerConfig checks them (> 0) with messages naming the flag.
     plan.add_argument(
-        "--token-budget", type=count(1), default=12288, metavar="L", help="padded tokens per group"
+        "--token-budget", type=int, default=12288, metavar="L", help="padded tokens per group"
     )
     plan.add_argument(
-        "--buffer", type=count(1), default=1024, metavar="B", help="samples buffered per rank"
+        "--buffer", type=int, default=1024, metavar="B", help="samples buffered per rank"
     )
     plan.add_argument(
         "--seed",
@@ -331,6 +333,25 @@ def apply_environment(parser: argparse.ArgumentParser, environ: Mapping[str, str
         action.required = False
 
 
+def refuse_misspelt_variables(parser: flags.OneLineParser, environ: Mapping[str, str]) -> None:
+    """An ODBD_* name that is almost a flag's (ODBD_WROLD) or a negated boolean (ODBD_NO_JOIN)
+    would be ignored silently and the daemon would run with the default: refuse it instead.
+    Other ODBD_* names (the benchmarks' settings, say) are not the daemon's business."""
+    actions = [a for a in parser._actions if a.option_strings and a.dest != "help"]
+    known = {env_name(a) for a in actions}
+    negated = {
+        "ODBD_NO_" + a.dest.upper(): env_name(a)
+        for a in actions
+        if isinstance(a, argparse.BooleanOptionalAction)
+    }
+    for name in sorted(n for n in environ if n.startswith("ODBD_") and n not in known):
+        if name in negated:
+            parser.error(f"{name} is not read; write {negated[name]}=false instead")
+        match = difflib.get_close_matches(name, sorted(known), n=1, cutoff=0.8)
+        if match:
+            parser.error(f"{name} is not a flag's variable; did you mean {match[0]}?")
+
+
 def env_name(action: argparse.Action) -> str:
     return "ODBD_" + action.dest.upper()
 
@@ -408,6 +429,7 @@ def run_daemon_command(argv: Sequence[str], environ: Mapping[str, str] | None = 
     """Parses and checks everything (exit 2 with one line on a bad input), then runs the daemon."""
     env = dict(os.environ) if environ is None else dict(environ)
     parser = daemon_parser()
+    refuse_misspelt_variables(parser, env)
     apply_environment(parser, env)
     args = parser.parse_args(list(argv))
     try:

@@ -69,6 +69,12 @@ def test_the_command_line_wins_over_the_environment(tmp_path):
     assert config.world.world_size == 4
 
 
+def test_odbd_variables_unlike_any_flag_are_left_alone(capsys):
+    parser = daemon_parser()
+    cli.refuse_misspelt_variables(parser, {"ODBD_BENCH_RUNS": "3", "ODBD_SOAK_SAMPLES": "9"})
+    assert capsys.readouterr().err == ""
+
+
 @pytest.mark.parametrize(
     ("raw", "value"),
     [("1", True), ("TRUE", True), (" yes ", True), ("on", True),
@@ -130,6 +136,8 @@ BAD_INPUTS = [
     ([], {"ODBD_SHUFFLE": "flase"}, "ODBD_SHUFFLE"),
     ([], {"ODBD_METRICS_PORT": "http"}, "ODBD_METRICS_PORT"),
     ([], {"ODBD_GROUPING": "papr"}, "ODBD_GROUPING"),
+    ([], {"ODBD_WROLD": "2"}, "ODBD_WROLD is not a flag's variable; did you mean ODBD_WORLD?"),
+    ([], {"ODBD_NO_JOIN": "1"}, "ODBD_NO_JOIN is not read; write ODBD_JOIN=false instead"),
     ([], {"NODE_RANK": "one"}, "NODE_RANK"),
     ([], {"JOB_COMPLETION_INDEX": "-2"}, "JOB_COMPLETION_INDEX"),
     (["--state-dir", "{tmp}/file"], {}, "--state-dir"),
