@@ -28,10 +28,6 @@ SUBCOMMANDS = {
     "status": "a live view of a running daemon, read over its unix socket",
 }
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
-# The daemon holds a few int64 arrays of N entries per epoch (sampler order, ledger states):
-# past 2^32 samples that is tens of GiB, so a bigger N is a typo, not a dataset.
-MAX_DATASET_SIZE = 1 << 32
-MAX_SEED = 2**63 - 1  # torch generators take seed + epoch up to 2^64 - 1
 
 USAGE = """odbd --world W --nproc-per-node G (--dataset MODULE:FACTORY | --dataset-size N) [flags]
        odbd {simulate,demo,status} [--help] ..."""
@@ -87,7 +83,7 @@ def daemon_parser() -> flags.OneLineParser:
     )
     world.add_argument(
         "--dataset-size",
-        type=count(0, MAX_DATASET_SIZE),
+        type=count(0, flags.MAX_DATASET_SIZE),
         metavar="N",
         help="dataset length, with external producers (instead of --dataset)",
     )
@@ -101,7 +97,7 @@ def daemon_parser() -> flags.OneLineParser:
     )
     plan.add_argument(
         "--seed",
-        type=count(0, MAX_SEED),
+        type=count(0, flags.MAX_SEED),
         default=0,
         metavar="S",
         help="sampler seed (as DistributedSampler)",
@@ -362,7 +358,7 @@ def config_from_args(
     """The DaemonConfig of parsed flags; reads the files the flags name, checks the paths."""
     node_rank = args.node_rank
     if node_rank is None:
-        node_rank = node_rank_from_environment(None if environ is None else dict(environ))
+        node_rank = node_rank_from_environment(environ)
     flag_files.check_socket_directory(args.socket)
     if args.state_dir is not None:
         flag_files.check_state_dir(args.state_dir)

@@ -24,6 +24,10 @@ from typing import Any, NoReturn
 EXIT_USAGE = 2
 # sockaddr_un.sun_path is 108 bytes on Linux, including the terminating NUL.
 MAX_SOCKET_PATH_BYTES = 107
+# The daemon and the simulator hold a few int64 arrays of N entries (sampler order, ledger,
+# lengths): past 2^32 samples that is tens of GiB, so a bigger N is a typo, not a dataset.
+MAX_DATASET_SIZE = 1 << 32
+MAX_SEED = 2**63 - 1  # torch generators take seed + epoch up to 2^64 - 1
 BOOLEAN_WORDS = {"1": True, "true": True, "yes": True, "on": True}
 BOOLEAN_WORDS |= {"0": False, "false": False, "no": False, "off": False}
 # A token argparse reads as a (negative) number, not as an option: "-1", "-0.5", "-1e3".

@@ -31,9 +31,6 @@ if TYPE_CHECKING:
 PROG = "odbd simulate"
 EXIT_USAGE = 2
 DEFAULT_NUM_SAMPLES = 100_000
-# Lengths and plans are numpy arrays of N entries: past this, N is a typo (and needs > 20 GiB).
-MAX_NUM_SAMPLES = 1 << 31
-MAX_SEED = 2**63 - 1  # the sampler's torch generator takes seed + epoch up to 2^64 - 1
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -103,7 +100,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     world.add_argument("--epochs", type=int, default=1, metavar="E", help="trainer epochs")
     world.add_argument(
         "--seed",
-        type=flags.integer(0, MAX_SEED),
+        type=flags.integer(0, flags.MAX_SEED),
         default=0,
         metavar="S",
         help="seeds the lengths and the sampler",
@@ -193,10 +190,10 @@ def _load_lengths(args: argparse.Namespace) -> tuple[np.ndarray, str]:
         )
     if args.num_samples is not None and args.num_samples < 0:
         raise ConfigError(f"--num-samples must be >= 0, got {args.num_samples}")
-    if args.num_samples is not None and args.num_samples > MAX_NUM_SAMPLES:
+    if args.num_samples is not None and args.num_samples > flags.MAX_DATASET_SIZE:
         raise ConfigError(
-            f"--num-samples {args.num_samples} is over {MAX_NUM_SAMPLES}: the simulation holds "
-            "arrays of N lengths in memory; pass a smaller N"
+            f"--num-samples {args.num_samples} is over {flags.MAX_DATASET_SIZE}: the simulation "
+            "holds arrays of N lengths in memory; pass a smaller N"
         )
     if args.dist is not None:
         n = DEFAULT_NUM_SAMPLES if args.num_samples is None else args.num_samples
