@@ -196,6 +196,22 @@ def test_a_state_dir_this_user_cannot_write_is_refused(tmp_path, capsys, no_daem
     assert code == 2 and "--state-dir" in err and "not writable" in err, err
 
 
+def test_a_state_dir_without_write_permission_is_refused_even_as_root(
+    tmp_path, capsys, monkeypatch, no_daemon
+):
+    """Root passes the real permission check above, so here os.access answers as for a user."""
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    real_access = os.access
+    monkeypatch.setattr(
+        os, "access", lambda path, mode: Path(path) != locked and real_access(path, mode)
+    )
+    argv = ["--world", "1", "--nproc-per-node", "1", "--dataset-size", "5"]
+    argv += ["--socket", str(tmp_path / "s.sock"), "--state-dir", str(locked / "journal")]
+    code, err = run_cli(argv, {}, capsys)
+    assert code == 2 and f"--state-dir {locked / 'journal'}: {locked} is not writable" in err, err
+
+
 def test_a_state_dir_that_does_not_exist_yet_is_accepted(tmp_path):
     config = parse(
         ["--world", "1", "--nproc-per-node", "1", "--dataset-size", "5",
