@@ -7,22 +7,19 @@ ODBD_JOIN=false); a flag on the command line wins over the environment.
 from __future__ import annotations
 
 import argparse
+import difflib
 import logging
 import os
 import sys
 from collections.abc import Mapping, Sequence
 from enum import StrEnum
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-from odbd import flags
+from odbd import flag_files, flags
 from odbd.config import DEFAULT_PADS, DaemonConfig, default_socket, node_rank_from_environment
 from odbd.errors import ConfigError
 from odbd.planner.config import Balance, Grouping, LossScaling
 from odbd.world import World
-
-if TYPE_CHECKING:
-    from odbd.round.config import PeerTls
 
 EXIT_USAGE = flags.EXIT_USAGE
 SUBCOMMANDS = {
@@ -31,10 +28,6 @@ SUBCOMMANDS = {
     "status": "a live view of a running daemon, read over its unix socket",
 }
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
-# The daemon holds a few int64 arrays of N entries per epoch (sampler order, ledger states):
-# past 2^32 samples that is tens of GiB, so a bigger N is a typo, not a dataset.
-MAX_DATASET_SIZE = 1 << 32
-MAX_SEED = 2**63 - 1  # torch generators take seed + epoch up to 2^64 - 1
 
 USAGE = """odbd --world W --nproc-per-node G (--dataset MODULE:FACTORY | --dataset-size N) [flags]
        odbd {simulate,demo,status} [--help] ..."""
@@ -90,20 +83,21 @@ def daemon_parser() -> flags.OneLineParser:
     )
     world.add_argument(
         "--dataset-size",
-        type=count(0, MAX_DATASET_SIZE),
+        type=count(0, flags.MAX_DATASET_SIZE),
         metavar="N",
         help="dataset length, with external producers (instead of --dataset)",
     )
     plan = p.add_argument_group("batching")
+    # --token-budget and --buffer: PlannerConfig checks them (> 0) with messages naming the flag.
     plan.add_argument(
-        "--token-budget", type=count(1), default=12288, metavar="L", help="padded tokens per group"
+        "--token-budget", type=int, default=12288, metavar="L", help="padded tokens per group"
     )
     plan.add_argument(
-        "--buffer", type=count(1), default=1024, metavar="B", help="samples buffered per rank"
+        "--buffer", type=int, default=1024, metavar="B", help="samples buffered per rank"
     )
     plan.add_argument(
         "--seed",
-        type=count(0, MAX_SEED),
+        type=count(0, flags.MAX_SEED),
         default=0,
         metavar="S",
         help="sampler seed (as DistributedSampler)",
@@ -344,6 +338,25 @@ def apply_environment(parser: argparse.ArgumentParser, environ: Mapping[str, str
         action.required = False
 
 
+def refuse_misspelt_variables(parser: flags.OneLineParser, environ: Mapping[str, str]) -> None:
+    """An ODBD_* name that is almost a flag's (ODBD_WROLD) or a negated boolean (ODBD_NO_JOIN)
+    would be ignored silently and the daemon would run with the default: refuse it instead.
+    Other ODBD_* names (the benchmarks' settings, say) are not the daemon's business."""
+    actions = [a for a in parser._actions if a.option_strings and a.dest != "help"]
+    known = {env_name(a) for a in actions}
+    negated = {
+        "ODBD_NO_" + a.dest.upper(): env_name(a)
+        for a in actions
+        if isinstance(a, argparse.BooleanOptionalAction)
+    }
+    for name in sorted(n for n in environ if n.startswith("ODBD_") and n not in known):
+        if name in negated:
+            parser.error(f"{name} is not read; write {negated[name]}=false instead")
+        match = difflib.get_close_matches(name, sorted(known), n=1, cutoff=0.8)
+        if match:
+            parser.error(f"{name} is not a flag's variable; did you mean {match[0]}?")
+
+
 def env_name(action: argparse.Action) -> str:
     return "ODBD_" + action.dest.upper()
 
@@ -354,10 +367,10 @@ def config_from_args(
     """The DaemonConfig of parsed flags; reads the files the flags name, checks the paths."""
     node_rank = args.node_rank
     if node_rank is None:
-        node_rank = node_rank_from_environment(None if environ is None else dict(environ))
-    check_socket_directory(args.socket)
+        node_rank = node_rank_from_environment(environ)
+    flag_files.check_socket_directory(args.socket)
     if args.state_dir is not None:
-        check_state_dir(args.state_dir)
+        flag_files.check_state_dir(args.state_dir)
     pads = dict(DEFAULT_PADS) | dict(args.pad)
     return DaemonConfig(
         world=_world(args.world, args.nproc_per_node),
@@ -388,8 +401,8 @@ def config_from_args(
         pads=tuple(pads.items()),
         state_dir=args.state_dir,
         job_id=args.job_id,
-        job_token=_job_token(args.job_token_file),
-        peer_tls=_peer_tls(args),
+        job_token=flag_files.read_job_token(args.job_token_file),
+        peer_tls=flag_files.read_peer_tls(args.tls_cert, args.tls_key, args.tls_ca),
         shm_size=args.shm_size,
         lease_timeout_s=args.lease_timeout,
         round_timeout_s=args.round_timeout,
@@ -407,86 +420,6 @@ def _world(world_size: int, ranks_per_node: int) -> World:
         ) from None
 
 
-def check_socket_directory(socket: str) -> None:
-    """The socket's directory must exist and be writable: odbd does not create it, so a typo
-    in the path is an error here rather than a directory made somewhere unexpected."""
-    directory = Path(socket).parent
-    if not directory.is_dir():
-        raise ConfigError(
-            f"--socket {socket}: directory {directory} does not exist; create it (mode 0700) "
-            "or pass a --socket in an existing directory"
-        )
-    if not os.access(directory, os.W_OK | os.X_OK):
-        raise ConfigError(
-            f"--socket {socket}: directory {directory} is not writable by this user; "
-            "pass a --socket in a directory you own"
-        )
-    if Path(socket).is_dir():
-        raise ConfigError(
-            f"--socket {socket} is a directory; pass a file path such as {socket}/odbd.sock"
-        )
-
-
-def check_state_dir(state_dir: Path) -> None:
-    """--state-dir is a writable directory, or can be created under one (the journal does)."""
-    existing = state_dir
-    while not existing.exists() and existing != existing.parent:
-        existing = existing.parent
-    if not existing.is_dir():
-        raise ConfigError(
-            f"--state-dir {state_dir}: {existing} is not a directory; pass a directory path "
-            "for the restart journal"
-        )
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise ConfigError(
-            f"--state-dir {state_dir}: {existing} is not writable by this user, so the restart "
-            "journal cannot be written; pass a directory you can write"
-        )
-
-
-def _peer_tls(args: argparse.Namespace) -> PeerTls | None:
-    """The three --tls-* files (all or none), read once: the daemon never rereads them."""
-    files = {"--tls-cert": args.tls_cert, "--tls-key": args.tls_key, "--tls-ca": args.tls_ca}
-    given = [flag for flag, path in files.items() if path is not None]
-    if not given:
-        return None
-    if len(given) != len(files):
-        missing = sorted(set(files) - set(given))
-        raise ConfigError(
-            f"peer mTLS needs --tls-cert, --tls-key and --tls-ca together; missing {missing}"
-        )
-    from odbd.round.config import PeerTls  # imports grpc: only when TLS is asked for
-
-    data = {}
-    for flag, path in files.items():
-        try:
-            data[flag] = path.read_bytes()
-        except OSError as error:
-            raise ConfigError(f"cannot read {flag}: {error}") from None
-    return PeerTls(
-        cert_chain=data["--tls-cert"],
-        private_key=data["--tls-key"],
-        root_certificates=data["--tls-ca"],
-    )
-
-
-def _job_token(path: Path | None) -> bytes:
-    """The shared secret, or b"" without --job-token-file. An empty file is refused: it would
-    silently turn peer authentication off."""
-    if path is None:
-        return b""
-    try:
-        token = path.read_bytes().strip()
-    except OSError as error:
-        raise ConfigError(f"cannot read --job-token-file: {error}") from None
-    if not token:
-        raise ConfigError(
-            f"--job-token-file {path} is empty, which would turn peer authentication off; "
-            "write a secret into it (e.g. openssl rand -hex 32) or omit the flag"
-        )
-    return token
-
-
 def dataset_size_of(config: DaemonConfig) -> int:
     """--dataset-size, or len() of the dataset the producers will import."""
     if config.dataset_size is not None:
@@ -502,6 +435,7 @@ def run_daemon_command(argv: Sequence[str], environ: Mapping[str, str] | None = 
     """Parses and checks everything (exit 2 with one line on a bad input), then runs the daemon."""
     env = dict(os.environ) if environ is None else dict(environ)
     parser = daemon_parser()
+    refuse_misspelt_variables(parser, env)
     apply_environment(parser, env)
     args = parser.parse_args(list(argv))
     try:

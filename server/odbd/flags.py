@@ -24,6 +24,10 @@ from typing import Any, NoReturn
 EXIT_USAGE = 2
 # sockaddr_un.sun_path is 108 bytes on Linux, including the terminating NUL.
 MAX_SOCKET_PATH_BYTES = 107
+# The daemon and the simulator hold a few int64 arrays of N entries (sampler order, ledger,
+# lengths): past 2^32 samples that is tens of GiB, so a bigger N is a typo, not a dataset.
+MAX_DATASET_SIZE = 1 << 32
+MAX_SEED = 2**63 - 1  # torch generators take seed + epoch up to 2^64 - 1
 BOOLEAN_WORDS = {"1": True, "true": True, "yes": True, "on": True}
 BOOLEAN_WORDS |= {"0": False, "false": False, "no": False, "off": False}
 # A token argparse reads as a (negative) number, not as an option: "-1", "-0.5", "-1e3".
@@ -33,11 +37,13 @@ _NUMBER = re.compile(r"-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
     """Shows `(default: X)` after every help text and keeps the description's line breaks.
 
-    An unset default (None, empty) is left out: the help text says what "not given" means.
+    An unset default (None, empty, a switch's False) is left out: the help text says what "not
+    given" means.
     """
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
-        if action.default is None or action.default in ("", (), []):
+        unset = action.default is None or action.default in ("", (), [])
+        if unset or isinstance(action, argparse._StoreTrueAction):  # off unless given
             return action.help
         return super()._get_help_string(action)
 

@@ -16,6 +16,7 @@ from odbd.config import node_rank_from_environment
 from odbd.demo.command import ProgressPrinter
 from odbd.demo.command import main as demo_main
 from odbd.errors import ConfigError
+from odbd.simulate import main as simulate_main
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -66,6 +67,12 @@ def test_the_command_line_wins_over_the_environment(tmp_path):
         {"ODBD_WORLD": "16", "ODBD_NPROC_PER_NODE": "8"},
     )  # fmt: skip
     assert config.world.world_size == 4
+
+
+def test_odbd_variables_unlike_any_flag_are_left_alone(capsys):
+    parser = daemon_parser()
+    cli.refuse_misspelt_variables(parser, {"ODBD_BENCH_RUNS": "3", "ODBD_SOAK_SAMPLES": "9"})
+    assert capsys.readouterr().err == ""
 
 
 @pytest.mark.parametrize(
@@ -129,6 +136,8 @@ BAD_INPUTS = [
     ([], {"ODBD_SHUFFLE": "flase"}, "ODBD_SHUFFLE"),
     ([], {"ODBD_METRICS_PORT": "http"}, "ODBD_METRICS_PORT"),
     ([], {"ODBD_GROUPING": "papr"}, "ODBD_GROUPING"),
+    ([], {"ODBD_WROLD": "2"}, "ODBD_WROLD is not a flag's variable; did you mean ODBD_WORLD?"),
+    ([], {"ODBD_NO_JOIN": "1"}, "ODBD_NO_JOIN is not read; write ODBD_JOIN=false instead"),
     ([], {"NODE_RANK": "one"}, "NODE_RANK"),
     ([], {"JOB_COMPLETION_INDEX": "-2"}, "JOB_COMPLETION_INDEX"),
     (["--state-dir", "{tmp}/file"], {}, "--state-dir"),
@@ -185,6 +194,22 @@ def test_a_state_dir_this_user_cannot_write_is_refused(tmp_path, capsys, no_daem
     argv += ["--socket", str(tmp_path / "s.sock"), "--state-dir", str(locked / "journal")]
     code, err = run_cli(argv, {}, capsys)
     assert code == 2 and "--state-dir" in err and "not writable" in err, err
+
+
+def test_a_state_dir_without_write_permission_is_refused_even_as_root(
+    tmp_path, capsys, monkeypatch, no_daemon
+):
+    """Root passes the real permission check above, so here os.access answers as for a user."""
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    real_access = os.access
+    monkeypatch.setattr(
+        os, "access", lambda path, mode: Path(path) != locked and real_access(path, mode)
+    )
+    argv = ["--world", "1", "--nproc-per-node", "1", "--dataset-size", "5"]
+    argv += ["--socket", str(tmp_path / "s.sock"), "--state-dir", str(locked / "journal")]
+    code, err = run_cli(argv, {}, capsys)
+    assert code == 2 and f"--state-dir {locked / 'journal'}: {locked} is not writable" in err, err
 
 
 def test_a_state_dir_that_does_not_exist_yet_is_accepted(tmp_path):
@@ -321,3 +346,23 @@ def test_bad_demo_input_exits_2_with_one_line(argv, names, capsys):
         demo_main(argv)
     err = capsys.readouterr().err
     assert stop.value.code == 2 and names in err and err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize(
+    ("argv", "names"),
+    [
+        (["--wrold", "4"], "unrecognized argument --wrold; did you mean --world?"),
+        (["--num-sample", "10"], "did you mean --num-samples?"),
+        (["--comp"], "unrecognized argument --comp; did you mean --compare?"),
+        (["--cost-a", "nan"], "--cost-a"),
+        (["--seed", "-1"], "--seed"),
+        (["--num-samples", "99999999999999"], "--num-samples"),
+    ],
+)
+def test_bad_simulate_input_exits_2_with_one_line(argv, names, capsys):
+    try:
+        code = simulate_main(["--dist", "llava", *argv])
+    except SystemExit as stop:
+        code = stop.code
+    err = capsys.readouterr().err
+    assert code == 2 and names in err and err.count("\n") == 1, err
