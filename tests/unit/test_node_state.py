@@ -5,6 +5,7 @@ the node's lanes count as full once every producer holding leases waits for lane
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
 
 import numpy as np
 
@@ -104,3 +105,42 @@ def test_lanes_are_full_once_every_lease_holder_waits_for_lane_space() -> None:
     assert not service.sessions[1].lane_full and not service.lanes_full()
     state.release(state.leases_of(1))  # producer 1 holds nothing: only producer 0 matters
     assert service.lanes_full()
+
+
+def _service(state: NodeState, rejected: list) -> IngestService:
+    return IngestService(
+        state=state,
+        lanes=None,  # type: ignore[arg-type]  # leases and rejections never touch lanes
+        welcome=ingest_pb2.IngestWelcome(),
+        lease_timeout_s=10.0,
+        on_progress=lambda: None,
+        on_rejected=rejected.append,
+        stats=None,  # type: ignore[arg-type]
+    )
+
+
+def test_rejected_ids_leave_the_lease_budget_and_more_ids_are_granted() -> None:
+    """Issue 11: with every sample rejected the reject branch granted nothing more, so a
+    producer with credit left waited forever while the round loop waited for samples."""
+    state, rejected = make_state(), []
+    service = _service(state, rejected)
+    session = ProducerSession(0, "p0", None, asyncio.Queue())  # type: ignore[arg-type]
+    service.sessions[0] = session
+
+    def grant() -> list[int]:
+        message = session.outbox.get_nowait()
+        return np.frombuffer(message.lease.view_keys, "<i8").tolist()
+
+    async def producer() -> AsyncIterator[ingest_pb2.ProducerMessage]:
+        yield ingest_pb2.ProducerMessage(lease=ingest_pb2.LeaseRequest(count=100))
+        first = grant()
+        assert len(first) == RUN_AHEAD_BUFFERS * BUFFER  # the lease budget, not the credit
+        rows = [
+            ingest_pb2.Rejection(view_key=k, reason="not_a_dict", detail="a tuple") for k in first
+        ]
+        yield ingest_pb2.ProducerMessage(reject=ingest_pb2.RejectBatch(rejections=rows))
+
+    asyncio.run(service._read(session, producer()))
+    assert len(rejected) == RUN_AHEAD_BUFFERS * BUFFER
+    assert len(grant()) == RUN_AHEAD_BUFFERS * BUFFER  # granted again from the credit left
+    assert state.first_rejection == {"not_a_dict": f"sample {rejected[0].identity}: a tuple"}

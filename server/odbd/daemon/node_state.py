@@ -99,6 +99,7 @@ class NodeState:
         self.rejected: Counter[str] = Counter()  # since the last round's offer
         self.rejected_total: Counter[str] = Counter()
         self.rejected_keys: list[int] = []  # since the last round, for the --state-dir journal
+        self.first_rejection: dict[str, str] = {}  # reason -> "sample I: detail", for errors
         self.paused = False  # no leases while a restart waits for the trainers' resume point
         # Producers may fill the next round's buffer while this one waits for its round (the
         # exchange, the trainers' queue room): without it they idle from the moment a buffer
@@ -329,7 +330,9 @@ class NodeState:
         self.rejected_keys.append(key)
         self.rejected[reason] += 1
         self.rejected_total[reason] += 1
-        return Rejected(key, int(it.identities[view]), reason, detail, location)
+        identity = int(it.identities[view])
+        self.first_rejection.setdefault(reason, f"sample {identity}: {detail}")
+        return Rejected(key, identity, reason, detail, location)
 
     # -- rounds ------------------------------------------------------------------------------
 

@@ -129,6 +129,9 @@ class IngestService(ingest_pb2_grpc.IngestServicer):
                     )
                     if rejected is not None:
                         self._on_rejected(rejected)
+                # A rejected id leaves its unit's lease budget: without new grants a job whose
+                # samples are all rejected would wait forever with no lease outstanding.
+                self.pump_leases()
                 self._on_progress()
 
     def _commit(self, session: ProducerSession, batch: ingest_pb2.CommitBatch) -> None:
@@ -159,6 +162,8 @@ class IngestService(ingest_pb2_grpc.IngestServicer):
         ]
         if give_back:
             self._send_free(session, give_back)
+        if rejections:
+            self.pump_leases()  # rejected ids left the lease budget (see _read)
         self._on_progress()
 
     def pump_leases(self) -> None:

@@ -22,11 +22,18 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from odbclient.samples import RejectReason
+from odbd.ingest.rejections import PRODUCER_CRASH
 from odbd.metrics.stats import DaemonStats
 
 VERSION = "0.1.0"
 # Exported at 0 from the start, so the first rejection is an increase() and alerts see it.
-KNOWN_REJECT_REASONS = ("zero_length", "schema_mismatch", *(r.value for r in RejectReason))
+# The daemon adds zero_length, schema_mismatch and producer_crash (an id that killed producers).
+KNOWN_REJECT_REASONS = (
+    "zero_length",
+    "schema_mismatch",
+    PRODUCER_CRASH,
+    *(r.value for r in RejectReason),
+)
 
 
 class DaemonCollector(Collector):
