@@ -44,7 +44,7 @@ def build(
     size: int = 256, vocab_size: int = 300, seed: int = 0, format: str = ""
 ) -> datasets.Dataset:
     """The tokenized dataset: `input_ids` (length key) and `labels` (= input_ids), both lists."""
-    datasets.disable_progress_bars()
+    datasets.disable_progress_bars()  # each producer runs this: bars would flood the daemon log
     texts = corpus(size, seed)
     tokenizer = train_tokenizer(texts, vocab_size)
 
