@@ -1,6 +1,6 @@
 """Datasets that break their producer on purpose (loaded by path), for the ingest fault tests.
 
-`crashing(size, crash_at="5;17", how="exit")`: `__getitem__` of those indices kills the
+`crashing(size, crash_at="5;17", how="exit")`: `__getitem__` of those indices ("*": all) kills the
 process: `exit` calls sys.exit(3), `abort` os.abort() (SIGABRT, as a failed C assertion),
 `segv` dereferences NULL through ctypes (SIGSEGV, as a crash in a C extension). Every other
 index is a good 12-token sample. `tuples(size)`: every sample is a tuple, never a dict.
@@ -34,7 +34,9 @@ class Crashing:
 
 
 def crashing(size: int = 40, crash_at: str | int = "", how: str = "exit") -> Crashing:
-    at = frozenset(int(i) for i in str(crash_at).split(";") if i)
+    """`crash_at`: indices separated by ';', or '*' for every index."""
+    text = str(crash_at)
+    at = frozenset(range(size)) if text == "*" else frozenset(int(i) for i in text.split(";") if i)
     return Crashing(size, at, how)
 
 

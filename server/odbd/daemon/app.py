@@ -58,7 +58,7 @@ from odbd.errors import ConfigError, OdbdError
 from odbd.grpc_guard import DecodeGuard
 from odbd.ingest.arena import Arena
 from odbd.ingest.lanes import Lanes
-from odbd.ingest.rejections import RejectionLog
+from odbd.ingest.rejections import RejectionLog, samples_made
 from odbd.ingest.service import IngestService
 from odbd.ingest.supervisor import ProducerSupervisor, SupervisorConfig
 from odbd.metrics.collector import DaemonCollector
@@ -145,6 +145,7 @@ class Daemon:
             on_progress=self._on_progress,
             on_rejected=self._on_rejected,
             stats=self.stats,
+            on_error=self._on_ingest_error,
         )
         trainer = TrainerService(
             job_id=config.job_id,
@@ -169,6 +170,7 @@ class Daemon:
             stats=self.stats,
             journal=self.journal,
             lanes_full=lambda: self.ingest is not None and self.ingest.lanes_full(),
+            producers=lambda: len(self.ingest.sessions) if self.ingest else 0,
         )
         self._serve_metrics(lanes)
         if config.dataset is not None and config.workers > 0:
@@ -181,6 +183,8 @@ class Daemon:
                     job_id=config.job_id,
                 ),
                 on_restart=self._on_producer_restart,
+                progress=lambda: samples_made(self.stats.ingest_samples, self.stats.rejected),
+                on_give_up=self.loop.give_up,
             )
             await self.supervisor.start()
         self._peers_joined = True  # SERVING follows from the health watcher once running
@@ -445,6 +449,9 @@ class Daemon:
     def _on_progress(self) -> None:
         if self.loop is not None:
             self.loop.progress.set()
+
+    def _on_ingest_error(self, message: str) -> None:
+        self.last_error = message  # e.g. a producer refused for its dataset size
 
     def _on_rejected(self, rejected: Rejected) -> None:
         in_full, summary = self._rejection_log.record(rejected.reason, time.monotonic())

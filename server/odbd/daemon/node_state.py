@@ -18,12 +18,19 @@ import numpy as np
 from odbclient.samples import schema_difference
 from odbclient.shm import SampleMeta, ShmLayoutError
 from odbd.config import DaemonConfig
+from odbd.ingest.rejections import PRODUCER_CRASH
 from odbd.planner.ledger import ViewLedger
 from odbd.planner.sampler import num_views, sampler_identities, views_of_ranks
 from odbd.planner.types import IntArray, SampleTable, UnitOffer
 from odbd.planner.view_keys import by_iteration
 
 RUN_AHEAD_BUFFERS = 2  # buffers' worth of samples a unit may lease: this round's and the next
+# A sample is quarantined once producers died this many times while making it. One death may
+# be an operator's SIGKILL or the OOM killer landing on whatever id was in flight: that id is
+# re-leased (nothing lost). A sample that kills its producer does so again at once (released
+# ids are re-leased first), so the second death on the same identity is the crash's signature,
+# at the cost of one more producer restart per bad sample.
+DEATHS_TO_QUARANTINE = 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,6 +107,7 @@ class NodeState:
         self.rejected_total: Counter[str] = Counter()
         self.rejected_keys: list[int] = []  # since the last round, for the --state-dir journal
         self.first_rejection: dict[str, str] = {}  # reason -> "sample I: detail", for errors
+        self.deaths: Counter[int] = Counter()  # identity -> producer deaths while making it
         self.paused = False  # no leases while a restart waits for the trainers' resume point
         # Producers may fill the next round's buffer while this one waits for its round (the
         # exchange, the trainers' queue room): without it they idle from the moment a buffer
@@ -319,6 +327,25 @@ class NodeState:
         if holder is None or holder[0] != producer:
             return None
         return self._reject_leased(key, reason, detail, None)
+
+    def producer_died(self, producer: int, key: int, name: str) -> tuple[int, Rejected | None]:
+        """Producer `producer` (`name`) ended with `key` in flight (its lane header): counts the
+        death against the sample's identity. Returns (deaths so far, the quarantine as a
+        rejection once they reach DEATHS_TO_QUARANTINE, else None: the lease is released)."""
+        holder = self.leases.get(key)
+        if holder is None or holder[0] != producer:
+            return 0, None  # a stale mark: the lease expired and went elsewhere
+        it, view = self._split(key)
+        identity = int(it.identities[view])
+        self.deaths[identity] += 1
+        deaths = self.deaths[identity]
+        if deaths < DEATHS_TO_QUARANTINE:
+            return deaths, None
+        detail = (
+            f"{deaths} producers died while making it (the last: {name}); quarantined, "
+            "never emitted"
+        )
+        return deaths, self._reject_leased(key, PRODUCER_CRASH, detail, None)
 
     def _reject_leased(
         self, key: int, reason: str, detail: str, location: Location | None

@@ -43,6 +43,25 @@ _WAIT_LOG_S = 10.0
 _TELL_FAILURE_S = 60.0  # a failed job waits this long for unattached trainers to learn why
 
 
+def wait_reason(
+    *, producers: int, buffered: int, rejected: dict[str, int], lanes_full: bool
+) -> str:
+    """Why nothing arrives, as far as this node can tell, for the periodic wait line."""
+    if producers == 0:
+        return (
+            "no producer is attached: start producers on this node (python -m "
+            "odbclient.producer_main --socket ...), or see above why --workers stopped"
+        )
+    if lanes_full:
+        return "every producer waits for lane space: raise --shm-size or lower --buffer"
+    if buffered == 0 and rejected:
+        return (
+            f"{producers} producers attached but every sample since the last round was "
+            f"rejected {rejected}"
+        )
+    return f"{producers} producers attached and making samples"
+
+
 class JobFailed(OdbdError):
     """The job cannot train (an epoch emitted nothing): trainers got JobEnd(failed) first."""
 
@@ -71,6 +90,7 @@ class RoundLoop:
         stats: DaemonStats,
         journal: Journal | None = None,
         lanes_full: Callable[[], bool] = lambda: False,
+        producers: Callable[[], int] = lambda: 0,
     ) -> None:
         self.config = config
         self.state = state
@@ -83,12 +103,14 @@ class RoundLoop:
         self.journal = journal
         self.lanes_full = lanes_full  # IngestService.lanes_full
         self.lanes_full_warned = False
+        self.producers = producers  # producers attached now (for the wait line)
         self.resume: tuple[int, int] | None = None  # set by restore(): announced in round 0
         self.round_seed_base = 0  # plans of a restarted job must not repeat the old seeds
         self.progress = asyncio.Event()
         self.round_index = 0
         self.done = False
         self.failure: str | None = None  # an epoch trained nothing: the same round everywhere
+        self.fatal: str | None = None  # this node cannot go on (its producers keep dying)
         self.quota_consumed = 0  # non-join: views emitted or rejected, over every node
         self.filler_schema = ""
         self.steps_in_epoch: Counter[int] = Counter()
@@ -135,6 +157,10 @@ class RoundLoop:
     async def _wait_ready(self) -> None:
         while True:
             self.barrier.raise_failure()  # a lost peer fails the job now, not at the next round
+            if self.fatal is not None:
+                self.abort(self.fatal)
+                await self._tell_trainers()
+                raise JobFailed(self.fatal)
             room = self._queued_min() <= self.config.steps_ahead
             if room and (self.state.units_ready() or self._round_rejected()):
                 return
@@ -193,11 +219,17 @@ class RoundLoop:
         self.last_wait_log = now
         if room:
             log.info(
-                "round %d waits for producers: %d samples buffered of %d per unit; leases: %d",
+                "round %d waits for producers: %d samples buffered of %d per unit; leases: %d; %s",
                 self.round_index,
                 self.state.buffered_now(),
                 self.state.planner.unit_capacity,
                 len(self.state.leases),
+                wait_reason(
+                    producers=self.producers(),
+                    buffered=self.state.buffered_now(),
+                    rejected=dict(self.state.rejected),
+                    lanes_full=self.lanes_full(),
+                ),
             )
 
     # -- 3. plan inputs ----------------------------------------------------------------------
@@ -552,6 +584,11 @@ class RoundLoop:
         end = trainer_pb2.JobEnd(reason=reason, failed=failed)
         for queue in self.queues.values():
             queue.push([QueuedItem(self.state.epoch, -1, trainer_pb2.TrainerEvent(job_end=end))])
+
+    def give_up(self, reason: str) -> None:
+        """This node cannot make samples any more: the job fails at once (peers see it go)."""
+        self.fatal = reason
+        self.progress.set()
 
     async def _tell_trainers(self) -> None:
         """A job can fail before its trainers attach (every sample rejected in seconds): wait,

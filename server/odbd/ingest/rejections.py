@@ -32,6 +32,12 @@ REJECT_FIXES: Mapping[str, str] = {
 }
 
 
+def samples_made(ingested: int, rejected: Mapping[str, int]) -> int:
+    """Samples a node's producers finished (committed or rejected), for the supervisor's
+    give-up rule: a quarantine is not a sample a producer made, so it is not counted."""
+    return ingested + sum(n for reason, n in rejected.items() if reason != PRODUCER_CRASH)
+
+
 def empty_epoch_failure(
     epoch: int, rejected: Mapping[str, int], first_rejection: Mapping[str, str]
 ) -> str:
