@@ -138,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lr", type=float, default=1e-3)
     args = p.parse_args(argv)
     torch.set_num_threads(1)
-    rank = int(os.environ["RANK"])
+    rank = int(os.environ.get("RANK", "0"))  # unset: one process (accelerate launch --cpu)
     client = ODBClient(rank=rank, deadline_s=120.0)
     log = StepLog(args.out_dir, rank)
     train = train_hf if args.framework == "hf" else train_accelerate
