@@ -75,7 +75,14 @@ class ODBClient:
         prefetched batch costs trainer memory, and a rank may train that many batches after a
         peer node dies before JobFailedError.
     `connect_timeout_s`: how long the first iteration waits for the daemon to start and welcome.
-    `deadline_s`: the longest wait for any batch; past it DaemonTimeoutError names the socket.
+    `deadline_s`: the longest wait for any batch; past it DaemonTimeoutError names the socket
+        and what the daemon's status reports (phase, last error, what the round waits for).
+
+    The hello tells the daemon this process's world (`launcher_world()`, or `set_world()`),
+    which refuses one that differs from its --world: every loss_scale assumes that world.
+    One epoch iterator at a time: a second `iter()` while the first is live raises
+    IteratorInUseError. Each Batch carries `progress` (epoch length estimate, fractions of the
+    epoch and the job) for LR schedules and progress bars.
     """
 
     def __init__(

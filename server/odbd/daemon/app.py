@@ -395,6 +395,7 @@ class Daemon:
             uptime_s=time.monotonic() - self.started_s,
             phase=self.phase,
             last_error=self.last_error,
+            waiting_for=loop.waiting_for if loop else "",
         )
 
     # -- health ------------------------------------------------------------------------------

@@ -107,6 +107,7 @@ class RoundLoop:
         self.resume: tuple[int, int] | None = None  # set by restore(): announced in round 0
         self.round_seed_base = 0  # plans of a restarted job must not repeat the old seeds
         self.progress = asyncio.Event()
+        self.waiting_for = ""  # Admin status: what the next round waits for, for stalled trainers
         self.round_index = 0
         self.done = False
         self.failure: str | None = None  # an epoch trained nothing: the same round everywhere
@@ -136,7 +137,9 @@ class RoundLoop:
                 rejected=self.state.take_rejected_delta(),
                 resume=self.resume if self.round_index == 0 else None,
             )
+            self.waiting_for = f"the other nodes' offers for round {self.round_index}"
             payloads = await self.barrier.exchange(self.round_index, offer_codec.encode(offer))
+            self.waiting_for = ""
             offers = [self._decode(node, p) for node, p in enumerate(payloads)]
             self._check_agreement(offers)
             units = sorted((u for o in offers for u in o.units), key=lambda u: u.unit)
@@ -168,6 +171,7 @@ class RoundLoop:
                 self._count_lanes_full_round()
                 return
             self.progress.clear()
+            self.waiting_for = self._what_blocks(room)
             try:
                 await asyncio.wait_for(self.progress.wait(), timeout=self.config.stall_s)
             except TimeoutError:
@@ -184,6 +188,21 @@ class RoundLoop:
         capacity = self.state.planner.unit_capacity * len(self.state.local_unit_ids())
         rejected = sum(self.state.rejected.values())
         return self.state.buffered_now() == 0 and rejected >= capacity
+
+    def _what_blocks(self, room: bool) -> str:
+        if not room:
+            ahead = self.config.steps_ahead
+            behind = [r for r, q in sorted(self.queues.items()) if q.queued_steps() > ahead]
+            idle = [r for r in behind if not self.queues[r].attached]
+            return (
+                f"trainers: ranks {behind} have more than --steps-ahead "
+                f"{self.config.steps_ahead} steps queued"
+                + (f" (ranks {idle} have no trainer attached)" if idle else "")
+            )
+        return (
+            f"producers: {self.state.buffered_now()} samples buffered of "
+            f"{self.state.planner.unit_capacity} per unit, {len(self.state.leases)} leased"
+        )
 
     def _buffer_capped_by_lanes(self) -> bool:
         """Every producer waits for lane space with samples buffered: the buffer cannot fill
