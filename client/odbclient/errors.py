@@ -31,6 +31,10 @@ class DaemonTimeoutError(ODBClientError, TimeoutError):
     """No event arrived from the daemon within the deadline."""
 
 
+class ClientClosedError(ODBClientError):
+    """close() ended the client while (or before) an iteration waited for a batch."""
+
+
 class JobFailedError(ODBClientError):
     """The daemon ended the job on an error (its reason is the message)."""
 
