@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import urllib.error
@@ -12,6 +13,38 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from odbd.demo.cluster import ClusterSpec, LocalCluster
+
+SLOWDOWN_ENV = "ODBD_TEST_SLOWDOWN"
+_MAX_LOAD_SLOWDOWN = 8.0  # a runaway load average must not turn a hang into an hour-long wait
+
+
+def slowdown() -> float:
+    """How much slower than an idle machine the tests should expect this one to be.
+
+    $ODBD_TEST_SLOWDOWN (a number >= 1) when set, else the 1-minute load average per core
+    (at least 1): with both cores busy twice over, waits are twice as long. Read at each call,
+    so a wait started under load gets the deadline of that moment.
+    """
+    value = os.environ.get(SLOWDOWN_ENV, "")
+    if value:
+        try:
+            factor = float(value)
+        except ValueError:
+            factor = 0.0
+        if not factor >= 1.0:
+            raise ValueError(
+                f"${SLOWDOWN_ENV}={value!r} is not a number >= 1; unset it to follow the load "
+                "average, or set e.g. 3 for a machine three times slower than an idle one"
+            )
+        return factor
+    per_core = os.getloadavg()[0] / (os.cpu_count() or 1)
+    return min(max(per_core, 1.0), _MAX_LOAD_SLOWDOWN)
+
+
+def scaled(seconds: float) -> float:
+    """A deadline (or how long something must last) of `seconds` on an idle machine, scaled
+    to this machine now (see slowdown)."""
+    return seconds * slowdown()
 
 
 @dataclass
