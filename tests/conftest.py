@@ -11,6 +11,7 @@ and is not blamed; a thread cannot be stopped, so it only fails the test that st
 from __future__ import annotations
 
 import os
+import re
 import signal
 import threading
 import time
@@ -100,12 +101,16 @@ def leaks_since(before: Snapshot) -> Leaks:
 
 
 def _ours(segment: str) -> bool:
-    """A new segment is this run's unless a live process of another run owns it: other pytest
-    runs may share the machine (and /dev/shm), and their daemons' segments come and go."""
+    """Whether a new segment is this run's. Other runs may share the machine (and /dev/shm), so
+    a segment owned by a live process counts only if that process is this one or its child;
+    one whose owner died, only if its job id carries this process's pid (ClusterSpec's default
+    job ids do: t<pid>x...), since a dead owner's parent cannot be known any more."""
     from odbd.ingest.arena import _live_owner
 
     owner = _live_owner(str(SHM_DIR / segment))
-    return owner is None or owner == os.getpid() or _is_descendant(owner)
+    if owner is not None:
+        return owner == os.getpid() or _is_descendant(owner)
+    return re.search(rf"(?<!\d){os.getpid()}(?!\d)", segment) is not None
 
 
 def _is_descendant(pid: int) -> bool:
