@@ -6,12 +6,16 @@ import json
 import os
 import subprocess
 import sys
+import time
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import grpc
+
+from odbclient.wire.odbd.v1 import admin_pb2, admin_pb2_grpc
 from odbd.demo.cluster import ClusterSpec, LocalCluster
 
 SLOWDOWN_ENV = "ODBD_TEST_SLOWDOWN"
@@ -45,6 +49,25 @@ def scaled(seconds: float) -> float:
     """A deadline (or how long something must last) of `seconds` on an idle machine, scaled
     to this machine now (see slowdown)."""
     return seconds * slowdown()
+
+
+def poll_until(predicate: Callable[[], bool], what: str, timeout_s: float = 60.0) -> float:
+    """Polls `predicate` until true; returns the seconds it took, or raises TimeoutError naming
+    `what`. `timeout_s` is for an idle machine and scaled to this one (a sleep is no sync)."""
+    timeout_s = scaled(timeout_s)
+    started = time.monotonic()
+    while not predicate():
+        if time.monotonic() - started > timeout_s:
+            raise TimeoutError(f"timed out after {timeout_s:.0f} s waiting until {what}")
+        time.sleep(0.05)
+    return time.monotonic() - started
+
+
+def admin_status(socket: str, timeout_s: float = 5.0) -> admin_pb2.StatusReply:
+    """`odbd status` of the daemon on `socket` (Admin.Status over its unix socket)."""
+    with grpc.insecure_channel(f"unix:{socket}") as channel:
+        stub = admin_pb2_grpc.AdminStub(channel)
+        return stub.Status(admin_pb2.StatusRequest(), timeout=scaled(timeout_s))
 
 
 @dataclass
