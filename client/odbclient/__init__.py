@@ -12,6 +12,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from odbclient.errors import (
+    ClientClosedError,
     CollateError,
     DaemonConnectionError,
     DaemonTimeoutError,
@@ -42,6 +43,7 @@ _LAZY = {
 __all__ = [
     "DEFAULT_SOCKET",
     "Batch",
+    "ClientClosedError",
     "CollateError",
     "DaemonConnectionError",
     "DaemonTimeoutError",

@@ -10,6 +10,7 @@ Every failure on the reader thread reaches the trainer as a
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 from collections.abc import Iterator
@@ -31,7 +32,7 @@ from odbclient.connect import (
     start_reader,
     translate_rpc_error,
 )
-from odbclient.errors import DaemonTimeoutError, ProtocolError
+from odbclient.errors import ClientClosedError, DaemonTimeoutError, ProtocolError
 from odbclient.reports import DeliveryReports
 from odbclient.shm import ArenaView, decode, read_meta
 from odbclient.wire.odbd.v1 import admin_pb2, admin_pb2_grpc, trainer_pb2, trainer_pb2_grpc
@@ -195,6 +196,26 @@ class TrainerStream:
         self._channel.close()
         if self._reader is not None and self._reader is not threading.current_thread():
             self._reader.join(timeout=5.0)
+        self._wake_waiter()
+
+    def _wake_waiter(self) -> None:
+        """Ends a next() that another thread is blocked in: the reader puts nothing more, so
+        without this it would wait out its whole deadline (600 s by default). Batches still
+        queued are dropped: they were never reported Delivered, so the daemon re-sends them
+        to the rank's next client."""
+        closed = Failure(
+            ClientClosedError(
+                f"the ODBClient of rank {self.rank} on unix:{self.socket} was closed; iterate a "
+                "new ODBClient to go on (the daemon re-sends the steps this one did not deliver)"
+            )
+        )
+        while True:
+            with contextlib.suppress(queue.Empty):
+                while True:
+                    self.inbox.get_nowait()
+            with contextlib.suppress(queue.Full):  # a reader past its join timeout put one
+                self.inbox.put_nowait(closed)
+                return
 
     def _await_welcome(self, timeout_s: float) -> None:
         try:

@@ -6,14 +6,13 @@ import math
 import signal
 import subprocess
 import sys
-import time
 from collections import Counter
 from pathlib import Path
 
 import pytest
 
 from odbd.demo.cluster import ClusterSpec, LocalCluster
-from tests.integration.harness import _read, synthetic_args
+from tests.integration.harness import _read, admin_status, poll_until, scaled, synthetic_args
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -92,15 +91,21 @@ def _kill_and_resume(nodes: int, tmp_path: Path, *, tear: bool) -> LocalCluster:
     state = {r: tmp_path / f"rank{r}.state.json" for r in range(cluster.world)}
     try:
         cluster.start()
-        cluster.wait_sockets()
+        cluster.wait_sockets(scaled(60))
         first = _trainers(
             cluster,
             lambda r: ["--report", str(report[r]), "--epochs", str(epochs),
                        "--stop-after", str(stop_after), "--state-out", str(state[r])],
         )  # fmt: skip
         for t in first:
-            assert t.wait(timeout=120) == 0
-        time.sleep(0.5)  # let the daemons plan ahead: those steps must be discarded
+            assert t.wait(timeout=scaled(120)) == 0
+        # The daemons planned ahead of what the trainers took: those steps must be discarded.
+        poll_until(
+            lambda: all(
+                any(r.queued_steps for r in admin_status(sock).ranks) for sock in cluster.sockets
+            ),
+            "every daemon has steps planned but not delivered",
+        )
         for proc in cluster.processes:  # the crash: no drain, no cleanup
             proc.send_signal(signal.SIGKILL)
             proc.wait()
@@ -109,15 +114,15 @@ def _kill_and_resume(nodes: int, tmp_path: Path, *, tear: bool) -> LocalCluster:
                 _tear(tmp_path / "state" / f"node{node}.journal")
         for node in range(nodes):
             cluster.start_node(node)
-        cluster.wait_sockets()
+        cluster.wait_sockets(scaled(60))
         second = _trainers(
             cluster,
             lambda r: ["--report", str(report[r]), "--epochs", str(epochs),
                        "--state-in", str(state[r])],
         )  # fmt: skip
         for t in second:
-            assert t.wait(timeout=120) == 0
-        codes = cluster.wait(60)
+            assert t.wait(timeout=scaled(120)) == 0
+        codes = cluster.wait(scaled(60))
     finally:
         cluster.stop()
     assert codes == [0] * nodes, cluster.log(0)

@@ -22,6 +22,7 @@ import torch
 from odbclient import ODBClient
 from odbclient.client import DEFAULT_SOCKET
 from odbclient.errors import (
+    ClientClosedError,
     DaemonConnectionError,
     DaemonTimeoutError,
     DaemonUnavailableError,
@@ -147,7 +148,8 @@ class FakeAdminService(admin_pb2_grpc.AdminServicer):
 def daemon(tmp_path: Path) -> Iterator[FakeDaemon]:
     with Arena.create(f"test-client-{uuid.uuid4().hex[:8]}", 0, 1 << 20) as arena:
         fake = FakeDaemon(str(tmp_path / "odbd.sock"), arena)
-        server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+        executor = futures.ThreadPoolExecutor(max_workers=4)
+        server = grpc.server(executor)
         trainer_pb2_grpc.add_TrainerServicer_to_server(FakeTrainerService(fake), server)
         admin_pb2_grpc.add_AdminServicer_to_server(FakeAdminService(fake), server)
         server.add_insecure_port(f"unix:{fake.socket}")
@@ -155,7 +157,8 @@ def daemon(tmp_path: Path) -> Iterator[FakeDaemon]:
         try:
             yield fake
         finally:
-            server.stop(grace=None)
+            server.stop(grace=None).wait()
+            executor.shutdown(wait=True)  # grpc leaves its pool's threads idle
 
 
 def client_for(daemon: FakeDaemon, **kwargs: Any) -> ODBClient:
@@ -368,6 +371,54 @@ def test_stream_closed_without_job_end_is_a_connection_error(daemon: FakeDaemon)
     with client_for(daemon) as client:
         with pytest.raises(DaemonConnectionError, match="without ending the job"):
             list(client)
+
+
+@pytest.mark.timeout(60)
+def test_close_wakes_a_next_blocked_in_another_thread(daemon: FakeDaemon) -> None:
+    """Issue 11: a thread left in next() after close() waited out its whole deadline, then
+    raised into whichever test ran at that moment."""
+
+    def script(hello: Any, context: Any) -> Iterator[Event]:
+        yield daemon.welcome()
+        wait_until_cancelled(context)  # no batch ever: next() can only end by close()
+
+    daemon.script = script
+    client = client_for(daemon, deadline_s=600.0)
+    batches = iter(client)  # connects: the welcome has arrived
+    raised: list[BaseException] = []
+    waiter = threading.Thread(target=_next_into, args=(batches, raised), name="blocked-next")
+    waiter.start()
+    client.close()
+    waiter.join(timeout=10)
+    assert not waiter.is_alive(), "next() still waits after close()"
+    assert len(raised) == 1 and isinstance(raised[0], ClientClosedError), raised
+    assert "rank 0" in str(raised[0]) and "was closed" in str(raised[0])
+    with pytest.raises(ClientClosedError):  # and every later iteration says so at once
+        next(iter(client))
+
+
+@pytest.mark.timeout(60)
+def test_close_drops_queued_batches_instead_of_handing_them_out(daemon: FakeDaemon) -> None:
+    def script(hello: Any, context: Any) -> Iterator[Event]:
+        yield daemon.welcome()
+        for step in range(12):  # more than the inbox holds (prefetch 2 + 4)
+            yield daemon.step(0, step, [2], ids_from=step)
+        wait_until_cancelled(context)
+
+    daemon.script = script
+    client = client_for(daemon, prefetch=2)
+    batches = iter(client)
+    assert next(batches).step == 0
+    client.close()
+    with pytest.raises(ClientClosedError):
+        next(batches)
+
+
+def _next_into(batches: Iterator[Any], raised: list[BaseException]) -> None:
+    try:
+        next(batches)
+    except BaseException as error:  # noqa: BLE001 (handed to the test thread)
+        raised.append(error)
 
 
 @pytest.mark.timeout(60)
