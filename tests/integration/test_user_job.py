@@ -15,10 +15,10 @@ reaches its floor within 5 % of the last step; no spurious Trainer warning; noth
 
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
-import time
 from collections import Counter
 from pathlib import Path
 
@@ -32,7 +32,7 @@ from tests.integration.ddp_launch import REPO, Reports  # noqa: E402
 
 pytestmark = pytest.mark.timeout(600)
 
-SIZE, WORLD, EPOCHS = 48, 2, 2
+SIZE, WORLD, EPOCHS = 64, 2, 2
 LATE_START_S = 70.0  # a real job loads its model for a minute or more before the first step
 STEP_S = 2.0
 DATASET = Path(__file__).with_name("user_job_data.py")
@@ -41,7 +41,7 @@ DATASET = Path(__file__).with_name("user_job_data.py")
 def start_daemon(tmp: Path, socket: str, job_id: str) -> subprocess.Popen[bytes]:
     cmd = [sys.executable, "-m", "odbd", "--world", str(WORLD), "--nproc-per-node", str(WORLD)]
     cmd += ["--dataset", f"{DATASET}:build", "--dataset-arg", f"size={SIZE}", "--workers", "1"]
-    cmd += ["--epochs", str(EPOCHS), "--token-budget", "256", "--buffer", "16"]
+    cmd += ["--epochs", str(EPOCHS), "--token-budget", "192", "--buffer", "16"]
     cmd += ["--shm-size", "64M", "--socket", socket, "--job-id", job_id]
     log = open(tmp / "daemon.log", "wb")  # noqa: SIM115 (closed right after the spawn)
     env = {**os.environ, "PYTHONPATH": str(REPO)}
@@ -92,9 +92,11 @@ def stop(*processes: subprocess.Popen[bytes]) -> None:
 
 
 def lr_floor_step(lrs: list[float]) -> int:
-    """The first step whose LR is within 5 % of the peak above the floor (0 for cosine)."""
+    """The first step after the warm-up's peak whose LR is within 5 % of the peak above the
+    floor (0 for cosine)."""
     peak = max(lrs)
-    return next(i for i, lr in enumerate(lrs) if lr <= 0.05 * peak)
+    top = lrs.index(peak)
+    return next(i for i, lr in enumerate(lrs) if i > top and lr <= 0.05 * peak)
 
 
 def test_torchrun_hf_trainer_on_a_hf_dataset_with_late_trainers_runs_to_the_end(
@@ -128,9 +130,12 @@ def test_torchrun_hf_trainer_on_a_hf_dataset_with_late_trainers_runs_to_the_end(
         assert reports.done(rank), f"rank {rank} wrote no closing line:\n{logs(tmp_path)}"
         lrs = [record["lr"] for record in steps[rank]]
         last = len(lrs) - 1
-        assert lr_floor_step(lrs) >= 0.95 * last, f"rank {rank}: LR hit its floor early: {lrs}"
+        # "Within 5 % of the last step", and never stricter than one step.
+        earliest = last - max(1, math.ceil(0.05 * len(lrs)))
+        assert lr_floor_step(lrs) >= earliest, f"rank {rank}: LR hit its floor early: {lrs}"
         assert lrs[-1] <= 0.05 * max(lrs), f"rank {rank}: LR never reached its floor: {lrs}"
         assert lrs[0] < max(lrs), f"rank {rank}: no warm-up: {lrs}"
     leftover = [n for n in os.listdir("/dev/shm") if n.startswith(f"odbd-{job_id}-")]
     assert not leftover, leftover
-    print(f"USERJOB steps per rank {len(steps[0])}, elapsed ok; lr {steps[0][0]['lr']:.2e}..")
+    lrs = [f"{record['lr']:.1e}" for record in steps[0]]
+    print(f"USERJOB {len(steps[0])} steps per rank over {EPOCHS} epochs; LR by step: {lrs}")
