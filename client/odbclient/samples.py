@@ -98,7 +98,7 @@ def as_arrays(sample: Mapping[str, Any]) -> Mapping[str, Any]:
     converted: dict[str, Any] | None = None
     torch = sys.modules.get("torch")  # a tensor exists only if torch was imported
     for key, value in sample.items():
-        if type(value) is np.ndarray:
+        if isinstance(value, np.ndarray):  # subclasses too: a slice of an np.memmap is one
             if value.dtype.kind in _NOT_NUMBER_KINDS:
                 culprit = _first_non_number(value.ravel().tolist()) if value.size else value
                 raise _unsupported(key, culprit, f"a numpy array of dtype {value.dtype}")

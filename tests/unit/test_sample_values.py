@@ -3,6 +3,7 @@ one-line refusal of everything else, naming the key, the type and the fix."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -50,6 +51,16 @@ def test_python_values_become_arrays_of_the_documented_dtype(
 def test_a_sample_of_arrays_and_tensors_is_returned_as_is_without_a_copy() -> None:
     sample = {"input_ids": np.arange(4), "pixel": torch.zeros(2, 3), "f64": np.zeros(2)}
     assert as_arrays(sample) is sample
+
+
+def test_numpy_array_subclasses_such_as_a_memmap_slice_are_kept(tmp_path: Path) -> None:
+    tokens = np.memmap(tmp_path / "tokens.bin", np.int32, mode="w+", shape=(100,))
+    tokens[:] = np.arange(100)
+    sample = {"input_ids": tokens[10:20]}  # what a memmap-backed dataset returns
+    assert as_arrays(sample) is sample
+    facts = inspect_sample(sample, length_key="input_ids", labels_key="")
+    assert facts.length == 10
+    del tokens, sample
 
 
 def test_a_converted_sample_leaves_the_datasets_dict_untouched() -> None:
