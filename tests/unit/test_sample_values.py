@@ -84,6 +84,7 @@ def test_a_converted_sample_leaves_the_datasets_dict_untouched() -> None:
         ({"a": 1}, "holds a dict", "flatten it into top-level keys"),
         ([[1, 2], [3]], "holds a ragged nested list", "pad its rows to one length"),
         ([1, [2, 3]], "holds a ragged nested list", "pad its rows"),
+        (np.array([np.arange(2), np.arange(1)], dtype=object), "ragged numpy array", "pad its"),
         ([2**64], "ints beyond int64", "convert it to numbers"),
         (2**64, "beyond int64", "convert it to numbers"),
         ({1, 2}, "holds a set", "convert it to numbers"),
