@@ -98,10 +98,9 @@ def as_arrays(sample: Mapping[str, Any]) -> Mapping[str, Any]:
     converted: dict[str, Any] | None = None
     torch = sys.modules.get("torch")  # a tensor exists only if torch was imported
     for key, value in sample.items():
-        if type(value) is np.ndarray:
+        if isinstance(value, np.ndarray):  # subclasses too: a slice of an np.memmap is one
             if value.dtype.kind in _NOT_NUMBER_KINDS:
-                culprit = _first_non_number(value.ravel().tolist()) if value.size else value
-                raise _unsupported(key, culprit, f"a numpy array of dtype {value.dtype}")
+                raise _unsupported_array(key, value)
             continue
         if torch is not None and isinstance(value, torch.Tensor):
             continue
@@ -152,6 +151,16 @@ def _array_of_value(key: str, value: Any) -> np.ndarray:
     if isinstance(bad, list | tuple):
         raise _unsupported(key, value, f"a ragged nested {type(value).__name__}")
     raise _unsupported(key, bad, f"a {type(value).__name__} holding {_type_name(bad)}")
+
+
+def _unsupported_array(key: str, value: np.ndarray) -> SampleRejected:
+    """The refusal of a numpy array of strings or objects (HF's numpy format of a ragged
+    nested column is an object array of arrays)."""
+    items = value.ravel().tolist()
+    if any(isinstance(item, np.ndarray | list | tuple) for item in items):
+        return _unsupported(key, value, "a ragged numpy array of arrays (dtype object)")
+    culprit = _first_non_number(items) if items else value
+    return _unsupported(key, culprit, f"a numpy array of dtype {value.dtype}")
 
 
 _ALL_NUMBERS = object()

@@ -7,7 +7,7 @@ on it with `tokenizers`, and `Dataset.from_dict(...).map(tokenize, batched=True)
 back as Python lists (the default format), which the producer converts to int64 arrays; pass
 `--dataset-arg format=numpy` or `format=torch` to serve them through `set_format` instead.
 The raw `text` column is removed in `map`: odbd carries numbers only, and a str value is
-refused (`unsupported_value`) with the fix.
+refused (`unsupported_value`) with the fix; `--dataset-arg keep_text=1` shows that refusal.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ def train_tokenizer(texts: list[str], vocab_size: int) -> Tokenizer:
 
 
 def build(
-    size: int = 256, vocab_size: int = 300, seed: int = 0, format: str = ""
+    size: int = 256, vocab_size: int = 300, seed: int = 0, format: str = "", keep_text: int = 0
 ) -> datasets.Dataset:
     """The tokenized dataset: `input_ids` (length key) and `labels` (= input_ids), both lists."""
     datasets.disable_progress_bars()  # each producer runs this: bars would flood the daemon log
@@ -53,7 +53,7 @@ def build(
         return {"input_ids": ids, "labels": [list(row) for row in ids]}
 
     ds = datasets.Dataset.from_dict({"text": texts})
-    ds = ds.map(tokenize, batched=True, remove_columns=["text"])
+    ds = ds.map(tokenize, batched=True, remove_columns=[] if keep_text else ["text"])
     if format:
         ds.set_format(format)
     return ds

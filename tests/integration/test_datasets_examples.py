@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from odbclient import ODBClient
+from odbclient.errors import JobFailedError
 from odbd.demo.cluster import ClusterSpec, LocalCluster
 from tests.integration.harness import http_get
 
@@ -150,3 +151,28 @@ def test_samples_longer_than_the_budget_are_counted_and_the_first_is_logged_once
     assert identity in longer
     assert f"sample {identity} has {len(ds[identity]['input_ids'])} tokens" in first
     assert "trained alone in its own group" in first and "raise --token-budget" in first
+
+
+def test_a_hf_dataset_that_keeps_its_text_column_fails_the_job_naming_the_column_and_fix() -> None:
+    """Issue 10 as reported: every sample refused. Before, one WARNING per sample naming
+    `not_a_dict` and an epoch of 0 steps; now one line naming the column and the fix, and the
+    job fails with it."""
+    size = 24
+    daemon_args = ["--dataset", f"{EXAMPLES / 'hf_dataset'}.py:build", "--workers", "1"]
+    daemon_args += ["--dataset-arg", f"size={size}", "--dataset-arg", "keep_text=1"]
+    daemon_args += ["--epochs", "1", "--shm-size", "32M", "--token-budget", "512"]
+    cluster = LocalCluster(ClusterSpec(nodes=1, ranks_per_node=1, daemon_args=daemon_args))
+    with cluster:
+        cluster.wait_sockets(TIMEOUT_S)
+        with ODBClient(rank=0, socket=cluster.sockets[0], deadline_s=TIMEOUT_S) as client:
+            with pytest.raises(JobFailedError) as failed:
+                list(client)
+        codes = cluster.wait(TIMEOUT_S)
+    message = str(failed.value)
+    assert f"all {size} samples were rejected (unsupported_value: {size})" in message, message
+    assert "sample key 'text' holds a str" in message, message
+    assert "dataset.remove_columns(['text'])" in message, message
+    assert codes == [1], cluster.log(0)
+    log = cluster.log(0)
+    assert log.count("holds a str") <= 2, log  # the first rejection's line (+ the job's error)
+    assert cluster.leftover_segments() == [], "shared memory left behind"

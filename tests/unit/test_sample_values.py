@@ -3,6 +3,7 @@ one-line refusal of everything else, naming the key, the type and the fix."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -52,6 +53,16 @@ def test_a_sample_of_arrays_and_tensors_is_returned_as_is_without_a_copy() -> No
     assert as_arrays(sample) is sample
 
 
+def test_numpy_array_subclasses_such_as_a_memmap_slice_are_kept(tmp_path: Path) -> None:
+    tokens = np.memmap(tmp_path / "tokens.bin", np.int32, mode="w+", shape=(100,))
+    tokens[:] = np.arange(100)
+    sample = {"input_ids": tokens[10:20]}  # what a memmap-backed dataset returns
+    assert as_arrays(sample) is sample
+    facts = inspect_sample(sample, length_key="input_ids", labels_key="")
+    assert facts.length == 10
+    del tokens, sample
+
+
 def test_a_converted_sample_leaves_the_datasets_dict_untouched() -> None:
     row = {"input_ids": [1, 2, 3], "labels": np.arange(3)}
     out = as_arrays(row)
@@ -73,6 +84,7 @@ def test_a_converted_sample_leaves_the_datasets_dict_untouched() -> None:
         ({"a": 1}, "holds a dict", "flatten it into top-level keys"),
         ([[1, 2], [3]], "holds a ragged nested list", "pad its rows to one length"),
         ([1, [2, 3]], "holds a ragged nested list", "pad its rows"),
+        (np.array([np.arange(2), np.arange(1)], dtype=object), "ragged numpy array", "pad its"),
         ([2**64], "ints beyond int64", "convert it to numbers"),
         (2**64, "beyond int64", "convert it to numbers"),
         ({1, 2}, "holds a set", "convert it to numbers"),
