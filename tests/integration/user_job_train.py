@@ -29,9 +29,7 @@ from tests.integration.user_job_data import vocab_size
 def gpt2() -> Any:
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    config = GPT2Config(
-        vocab_size=vocab_size(), n_positions=256, n_embd=32, n_layer=2, n_head=2
-    )
+    config = GPT2Config(vocab_size=vocab_size(), n_positions=256, n_embd=32, n_layer=2, n_head=2)
     torch.manual_seed(0)
     return GPT2LMHeadModel(config)
 
