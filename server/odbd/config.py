@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from odbd.errors import ConfigError
 from odbd.planner.config import Balance, Grouping, LossScaling, PlannerConfig
-from odbd.round.config import PeerTls
 from odbd.world import World
+
+if TYPE_CHECKING:  # odbd.round imports grpc; `odbd --help` and flag errors should not wait
+    from odbd.round.config import PeerTls
 
 DEFAULT_PADS = {"labels": -100.0}
 
@@ -20,12 +24,23 @@ def default_socket() -> str:
     return f"/tmp/odbd-{os.getuid()}.sock"
 
 
-def node_rank_from_environment(environ: dict[str, str] | None = None) -> int:
-    """torchrun's NODE_RANK/GROUP_RANK, an Indexed Job's completion index, or a pod ordinal."""
-    env = dict(os.environ) if environ is None else environ
+def node_rank_from_environment(environ: Mapping[str, str] | None = None) -> int:
+    """torchrun's NODE_RANK/GROUP_RANK, an Indexed Job's completion index, or a pod ordinal.
+
+    The first of those variables that is set (and not blank) decides; surrounding whitespace is
+    ignored, and a value that is not an index is an error rather than a silent node 0.
+    """
+    env = os.environ if environ is None else environ
     for key in ("NODE_RANK", "GROUP_RANK", "JOB_COMPLETION_INDEX"):
-        if env.get(key, "").isdigit():
-            return int(env[key])
+        text = env.get(key, "").strip()
+        if not text:
+            continue
+        if not (text.isascii() and text.isdigit()):
+            raise ConfigError(
+                f"{key}={env[key]!r} is not a node index (an integer >= 0), so this daemon "
+                f"cannot tell which node it is; fix {key} in the launcher or pass --node-rank"
+            )
+        return int(text)
     ordinal = re.search(r"-(\d+)$", env.get("HOSTNAME", ""))  # StatefulSet pod name-<n>
     return int(ordinal.group(1)) if ordinal else 0
 
@@ -43,6 +58,10 @@ class DaemonConfig:
     metrics_host: str = "127.0.0.1"  # a pod's IP (or 0.0.0.0) so Prometheus can scrape it
     health_listen: str = ""  # "HOST:PORT": grpc.health.v1 over TCP for probes; "" = socket only
     drain_timeout_s: float = 30.0  # after SIGTERM: time the trainers get to take queued steps
+    # A local rank not attached this long (from start-up, or from its detach) fails the job.
+    # Generous: a trainer loads its model (minutes for a large one from network storage, more
+    # with torch.compile) before its first batch, and torchrun restarts take time too.
+    attach_timeout_s: float = 1800.0
     dataset: str | None = None  # MODULE:FACTORY for daemon-spawned producers
     dataset_args: tuple[tuple[str, str], ...] = ()
     workers: int = 2
@@ -94,8 +113,18 @@ class DaemonConfig:
             raise ConfigError(f"--epochs must be >= 0 (0 = endless), got {self.epochs}")
         if self.workers < 0:
             raise ConfigError(f"--workers must be >= 0, got {self.workers}")
+        if self.dataset is not None and self.workers == 0:
+            raise ConfigError(
+                "--workers 0 with --dataset spawns no producer, so no sample would ever arrive; "
+                "pass --workers K >= 1, or --dataset-size N and start producers yourself"
+            )
         if self.drain_timeout_s < 0:
             raise ConfigError(f"--drain-timeout must be >= 0 seconds, got {self.drain_timeout_s}")
+        if not self.attach_timeout_s > 0:
+            raise ConfigError(
+                f"--attach-timeout must be > 0 seconds, got {self.attach_timeout_s}; it bounds "
+                "how long a rank's trainer may stay away before the job fails"
+            )
         if self.shm_size < (1 << 20):
             raise ConfigError(f"--shm-size must be at least 1 MiB, got {self.shm_size} bytes")
         self.planner(0)  # validates budget and buffer with the planner's own messages

@@ -130,6 +130,7 @@ def test_bad_samples_are_rejected_counted_and_the_epoch_completes():
     # One line per reason (the first, with its detail), not one per rejected sample.
     first = re.findall(r"rejected sample (\d+) \(view \d+\): missing_length_key", log)
     assert len(first) == 1 and int(first[0]) % 8 == 1, log
+    assert "this sample has key 'extra' (int64 of shape [12]) unlike the first sample" in log
 
 
 def test_a_buffer_larger_than_the_lanes_is_planned_from_what_they_hold():

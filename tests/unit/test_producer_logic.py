@@ -367,7 +367,8 @@ class FakeIngest(ingest_pb2_grpc.IngestServicer):
 def ingest_daemon(tmp_path: Path) -> Iterator[tuple[FakeIngest, str]]:
     with Arena.create(f"test-prod-{uuid.uuid4().hex[:8]}", 0, 1 << 20) as arena:
         servicer = FakeIngest(arena, [0, 1, 2])
-        server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+        executor = futures.ThreadPoolExecutor(max_workers=4)
+        server = grpc.server(executor)
         ingest_pb2_grpc.add_IngestServicer_to_server(servicer, server)
         socket = str(tmp_path / "odbd.sock")
         server.add_insecure_port(f"unix:{socket}")
@@ -375,7 +376,8 @@ def ingest_daemon(tmp_path: Path) -> Iterator[tuple[FakeIngest, str]]:
         try:
             yield servicer, socket
         finally:
-            server.stop(grace=None)
+            server.stop(grace=None).wait()
+            executor.shutdown(wait=True)  # grpc leaves its pool's threads idle
 
 
 def committed_input_ids(servicer: FakeIngest) -> dict[int, list[int]]:
@@ -441,7 +443,8 @@ class RefusingIngest(ingest_pb2_grpc.IngestServicer):
 
 @pytest.mark.timeout(60)
 def test_producer_refusal_carries_the_daemon_message_and_fix(tmp_path: Path) -> None:
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    executor = futures.ThreadPoolExecutor(max_workers=2)
+    server = grpc.server(executor)
     ingest_pb2_grpc.add_IngestServicer_to_server(RefusingIngest(), server)
     socket = str(tmp_path / "odbd.sock")
     server.add_insecure_port(f"unix:{socket}")
@@ -450,7 +453,8 @@ def test_producer_refusal_carries_the_daemon_message_and_fix(tmp_path: Path) -> 
         with pytest.raises(ODBClientError, match="no room for another lane; run fewer producers"):
             Producer(ListDataset([]), socket, name="worker-1").run()
     finally:
-        server.stop(grace=None)
+        server.stop(grace=None).wait()
+        executor.shutdown(wait=True)  # grpc leaves its pool's threads idle
 
 
 @pytest.mark.timeout(30)

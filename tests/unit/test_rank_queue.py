@@ -4,6 +4,8 @@ delivery and re-sending after a reconnect."""
 
 from __future__ import annotations
 
+import asyncio
+
 from odbclient.wire.odbd.v1 import trainer_pb2
 from odbd.daemon.node_state import Location
 from odbd.serve.rank_queue import QueuedItem, RankQueue
@@ -98,3 +100,88 @@ def test_a_message_of_steps_stays_within_its_step_and_byte_limits() -> None:
     first = small.take_ready(prefetch=64)
     assert first is not None
     assert len(_ready_steps(small, 64, first=first)) == MAX_STEPS_PER_EVENT
+
+
+def job_end(epoch: int, *, failed: bool = False) -> QueuedItem:
+    end = trainer_pb2.JobEnd(reason="all epochs done", failed=failed)
+    return QueuedItem(epoch, -1, event=trainer_pb2.TrainerEvent(job_end=end))
+
+
+def send_all(queue: RankQueue) -> list[QueuedItem]:
+    sent = []
+    while (item := queue.take_ready(prefetch=64)) is not None:
+        sent.append(item)
+    return sent
+
+
+def test_a_rank_took_the_job_end_once_its_stream_ends_after_it_with_every_step_delivered() -> None:
+    queue = RankQueue(rank=0)
+    queue.push([step(0, 0), step(0, 1), marker(0), job_end(0)])
+    queue.attached = True
+    send_all(queue)
+    assert not queue.finished()  # sent, but steps 0 and 1 not yet delivered
+    queue.deliver(0, 1)
+    assert queue.finished()
+    queue.attached = False
+    assert queue.took_job_end
+
+
+def test_a_stream_that_ends_with_steps_undelivered_has_not_taken_the_job_end() -> None:
+    queue = RankQueue(rank=0)
+    queue.push([step(0, 0), step(0, 1), job_end(0)])
+    queue.attached = True
+    send_all(queue)
+    queue.deliver(0, 0)
+    queue.attached = False  # e.g. the trainer broke out of its loop and closed the client
+    queue.rewind()
+    assert not queue.took_job_end and queue.detached_at_s is not None
+    queue.attached = True  # it comes back: step 1 and the job's end are sent again
+    assert [i.step for i in send_all(queue)] == [1, -1]
+    queue.deliver(0, 1)
+    queue.attached = False
+    assert queue.took_job_end
+
+
+def test_a_failed_job_end_finishes_the_stream_as_soon_as_it_is_sent() -> None:
+    queue = RankQueue(rank=0)
+    queue.push([step(0, 0), step(0, 1)])
+    queue.attached = True
+    send_all(queue)
+    queue.fail_job(job_end(0, failed=True))
+    assert not queue.finished()
+    assert send_all(queue)[-1].job_end is not None
+    assert queue.finished()  # the prefetched steps will not run: no delivery is awaited
+
+
+def test_fail_job_replaces_an_unsent_successful_job_end() -> None:
+    queue = RankQueue(rank=0)
+    queue.push([step(0, 0), job_end(0)])
+    queue.fail_job(job_end(0, failed=True))
+    ends = [i.job_end for i in send_all(queue) if i.job_end is not None]
+    assert [e.failed for e in ends] == [True]
+
+
+def test_the_job_end_stays_queued_after_delivery_for_a_client_that_connects_later() -> None:
+    queue = RankQueue(rank=0)
+    queue.push([step(0, 0), job_end(0)])
+    send_all(queue)
+    queue.deliver(0, 0)
+    queue.rewind()
+    again = send_all(queue)
+    assert [i.job_end is not None for i in again] == [True]
+
+
+def test_next_to_send_returns_none_once_the_job_end_was_sent_and_everything_delivered() -> None:
+    async def scenario() -> None:
+        queue = RankQueue(rank=0)
+        queue.push([step(0, 0), job_end(0)])
+        first = await queue.next_to_send(prefetch=8)
+        end = await queue.next_to_send(prefetch=8)
+        assert first is not None and end is not None and end.job_end is not None
+        waiting = asyncio.ensure_future(queue.next_to_send(prefetch=8))
+        await asyncio.sleep(0)
+        assert not waiting.done()  # step 0 is not delivered yet: the stream stays open
+        queue.deliver(0, 0)
+        assert await asyncio.wait_for(waiting, timeout=5) is None
+
+    asyncio.run(scenario())

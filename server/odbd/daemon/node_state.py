@@ -10,10 +10,13 @@ these methods and performs what they return.
 from __future__ import annotations
 
 from collections import Counter, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from odbclient.samples import schema_difference
+from odbclient.shm import SampleMeta, ShmLayoutError
 from odbd.config import DaemonConfig
 from odbd.ingest.rejections import PRODUCER_CRASH
 from odbd.planner.ledger import ViewLedger
@@ -96,6 +99,10 @@ class NodeState:
         self.locations: dict[int, Location] = {}
         self.leases: dict[int, tuple[int, float]] = {}  # key -> (producer, deadline)
         self.schema_hash: int | None = None
+        self.first_schema: SampleMeta | None = None  # the first sample's, to name a mismatch
+        # Reads a committed sample's header from shared memory; set by the daemon (I/O), None
+        # in pure use, where a schema mismatch cannot say which key differs.
+        self.sample_meta: Callable[[Location], SampleMeta] | None = None
         self.rejected: Counter[str] = Counter()  # since the last round's offer
         self.rejected_total: Counter[str] = Counter()
         self.rejected_keys: list[int] = []  # since the last round, for the --state-dir journal
@@ -251,7 +258,7 @@ class NodeState:
             if holder is None or holder[0] != producer:
                 stale.append(locations[i])
                 continue
-            reason = self._reason_to_reject(int(lengths[i]), int(schema_hashes[i]))
+            reason = self._reason_to_reject(int(lengths[i]), int(schema_hashes[i]), locations[i])
             if reason is not None:
                 rejections.append(self._reject_leased(key, reason[0], reason[1], locations[i]))
                 continue
@@ -284,14 +291,35 @@ class NodeState:
             return np.zeros_like(keys)
         return keys // self.views_per_iteration
 
-    def _reason_to_reject(self, length: int, schema: int) -> tuple[str, str] | None:
+    def _reason_to_reject(
+        self, length: int, schema: int, location: Location
+    ) -> tuple[str, str] | None:
         if length <= 0:
             return "zero_length", f"{self.config.length_key} has length 0"
         if self.schema_hash is None:
             self.schema_hash = schema
+            self.first_schema = self._schema_at(location)  # read once per job
         elif schema != self.schema_hash:
-            return "schema_mismatch", "keys, dtypes or shapes differ from the first sample's"
+            first, this = self.first_schema, self._schema_at(location)
+            what = (
+                schema_difference(first, this)
+                if first is not None and this is not None
+                else "keys, dtypes or shapes differ from the first sample's"
+            )
+            return "schema_mismatch", (
+                f"{what}; every sample needs the first sample's keys and dtypes, and the same "
+                "dimensions after the first; make them uniform in preprocessing"
+            )
         return None
+
+    def _schema_at(self, location: Location) -> SampleMeta | None:
+        """A committed sample's keys, dtypes and shapes; None without a reader or if unreadable."""
+        if self.sample_meta is None:
+            return None
+        try:
+            return self.sample_meta(location)
+        except ShmLayoutError:  # a producer wrote garbage: the message stays generic
+            return None
 
     def reject(self, producer: int, key: int, reason: str, detail: str) -> Rejected | None:
         """A producer could not make this sample; None if it no longer held the lease."""

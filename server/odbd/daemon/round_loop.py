@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import time
@@ -30,6 +31,7 @@ from odbd.errors import InvariantError, OdbdError
 from odbd.ingest.lanes import Lanes
 from odbd.ingest.rejections import empty_epoch_failure
 from odbd.metrics.stats import DaemonStats
+from odbd.planner.progress import JobShape, Progress, StepFacts, step_progress
 from odbd.planner.round import plan_round
 from odbd.planner.types import RoundPlan, UnitPlan
 from odbd.round import RoundBarrier
@@ -105,6 +107,7 @@ class RoundLoop:
         self.resume: tuple[int, int] | None = None  # set by restore(): announced in round 0
         self.round_seed_base = 0  # plans of a restarted job must not repeat the old seeds
         self.progress = asyncio.Event()
+        self.waiting_for = ""  # Admin status: what the next round waits for, for stalled trainers
         self.round_index = 0
         self.done = False
         self.failure: str | None = None  # an epoch trained nothing: the same round everywhere
@@ -114,6 +117,9 @@ class RoundLoop:
         self.steps_in_epoch: Counter[int] = Counter()
         self.tally = self._new_tally()
         self.last_wait_log = time.monotonic()
+        # Per epoch, over every node: samples and loss tokens planned (StepBatch.progress).
+        self.epoch_emitted: Counter[int] = Counter()
+        self.epoch_tokens: Counter[int] = Counter()
 
     def _new_tally(self) -> EpochTally:
         return EpochTally(0, 0, np.zeros(self.state.dataset_size, dtype=bool), Counter())
@@ -131,7 +137,9 @@ class RoundLoop:
                 rejected=self.state.take_rejected_delta(),
                 resume=self.resume if self.round_index == 0 else None,
             )
+            self.waiting_for = f"the other nodes' offers for round {self.round_index}"
             payloads = await self.barrier.exchange(self.round_index, offer_codec.encode(offer))
+            self.waiting_for = ""
             offers = [self._decode(node, p) for node, p in enumerate(payloads)]
             self._check_agreement(offers)
             units = sorted((u for o in offers for u in o.units), key=lambda u: u.unit)
@@ -163,6 +171,7 @@ class RoundLoop:
                 self._count_lanes_full_round()
                 return
             self.progress.clear()
+            self.waiting_for = self._what_blocks(room)
             try:
                 await asyncio.wait_for(self.progress.wait(), timeout=self.config.stall_s)
             except TimeoutError:
@@ -179,6 +188,21 @@ class RoundLoop:
         capacity = self.state.planner.unit_capacity * len(self.state.local_unit_ids())
         rejected = sum(self.state.rejected.values())
         return self.state.buffered_now() == 0 and rejected >= capacity
+
+    def _what_blocks(self, room: bool) -> str:
+        if not room:
+            ahead = self.config.steps_ahead
+            behind = [r for r, q in sorted(self.queues.items()) if q.queued_steps() > ahead]
+            idle = [r for r in behind if not self.queues[r].attached]
+            return (
+                f"trainers: ranks {behind} have more than --steps-ahead "
+                f"{self.config.steps_ahead} steps queued"
+                + (f" (ranks {idle} have no trainer attached)" if idle else "")
+            )
+        return (
+            f"producers: {self.state.buffered_now()} samples buffered of "
+            f"{self.state.planner.unit_capacity} per unit, {len(self.state.leases)} leased"
+        )
 
     def _buffer_capped_by_lanes(self) -> bool:
         """Every producer waits for lane space with samples buffered: the buffer cannot fill
@@ -258,9 +282,11 @@ class RoundLoop:
     # -- 4. apply ----------------------------------------------------------------------------
 
     def _apply(self, plan: RoundPlan, offers: list[offer_codec.NodeOffer]) -> None:
+        quota_before = self.quota_consumed
         step_epochs = self._step_epochs(plan)
         kept = len(step_epochs)
         step_numbers = self._number_steps(step_epochs)
+        progress = self._plan_progress(plan, quota_before, step_epochs, step_numbers)
         if self.journal is not None:
             rejected: Counter[str] = Counter()
             for o in offers:
@@ -270,7 +296,7 @@ class RoundLoop:
         for unit in plan.units:
             self._tally_identities(unit, kept)
             if unit.unit in local:
-                self._queue_unit(plan, unit, step_epochs, step_numbers)
+                self._queue_unit(plan, unit, step_epochs, step_numbers, progress)
         self._record_steps(plan, kept)
         self._advance_epochs(plan, step_epochs)
 
@@ -350,6 +376,7 @@ class RoundLoop:
         for s in resume.trained_steps:
             self.steps_in_epoch[s.epoch] = max(self.steps_in_epoch[s.epoch], s.step + 1)
             self.quota_consumed += s.global_samples
+            self.epoch_emitted[s.epoch] += s.global_samples
             if s.epoch == resume.epoch:
                 self.tally.steps += 1
                 self.tally.samples += s.global_samples
@@ -385,6 +412,41 @@ class RoundLoop:
             self.quota_consumed += count
         return epochs
 
+    def _plan_progress(
+        self, plan: RoundPlan, quota_before: int, step_epochs: list[int], step_numbers: list[int]
+    ) -> list[Progress]:
+        """Each kept step's StepBatch.progress, from global facts only (the same on every
+        daemon): non-join counts the epoch's views by the sample quota (rejections included,
+        the step reaching the epoch's share is its last); join by the epoch's emitted and
+        rejected samples (the flush round's last step is the epoch's last)."""
+        n = self.state.dataset_size
+        job = JobShape(dataset_size=n, epochs=self.config.epochs)
+        assert self.tally.rejected is not None
+        rejected = sum(self.tally.rejected.values())  # join: of the epoch being planned
+        quota = quota_before
+        progress = []
+        for i, (epoch, number) in enumerate(zip(step_epochs, step_numbers, strict=True)):
+            samples = int(plan.stats.global_num_samples[i])
+            self.epoch_emitted[epoch] += samples
+            self.epoch_tokens[epoch] += int(plan.stats.global_num_tokens[i])
+            quota += samples
+            if self.config.join:
+                consumed = self.epoch_emitted[epoch] + rejected
+                last = plan.final and i == len(step_epochs) - 1
+            else:
+                consumed, last = quota - epoch * n, quota >= (epoch + 1) * n
+            facts = StepFacts(
+                epoch=epoch,
+                step=number,
+                consumed=consumed,
+                emitted=self.epoch_emitted[epoch],
+                tokens=self.epoch_tokens[epoch],
+                last=last,
+                steps_before_epoch=sum(c for e, c in self.steps_in_epoch.items() if e < epoch),
+            )
+            progress.append(step_progress(job, facts))
+        return progress
+
     def _tally_identities(self, unit: UnitPlan, kept: int) -> None:
         g = self.state.planner.ranks_per_unit
         end = int(unit.slot_offsets[kept * g])
@@ -393,24 +455,51 @@ class RoundLoop:
         self.tally.seen[self.state.identities_of(keys)] = True
 
     def _queue_unit(
-        self, plan: RoundPlan, unit: UnitPlan, step_epochs: list[int], step_numbers: list[int]
+        self,
+        plan: RoundPlan,
+        unit: UnitPlan,
+        step_epochs: list[int],
+        step_numbers: list[int],
+        progress: list[Progress],
     ) -> None:
         g = self.state.planner.ranks_per_unit
         ranks = self.state.planner.unit_ranks(unit.unit)
         kept = len(step_epochs)
         end = int(unit.slot_offsets[kept * g])
         self.state.mark_emitted(unit.emitted.views[:end])
+        self._count_oversized(unit.emitted.views[:end], unit.emitted.lengths[:end])
         tail = unit.emitted.take(np.arange(end, len(unit.emitted)))  # past the quota: not run
         self.state.return_samples(unit.unit, unit.leftover.concat(tail))
         for local_rank, rank in enumerate(ranks):
             items = [
                 self._step_item(
                     plan, unit, step, rank, unit.slot(step, local_rank, g),
-                    step_epochs[step], step_numbers[step],
+                    step_epochs[step], step_numbers[step], progress[step],
                 )
                 for step in range(kept)
             ]  # fmt: skip
             self.queues[rank].push(items)
+
+    def _count_oversized(self, views: np.ndarray, lengths: np.ndarray) -> None:
+        """Counts emitted samples longer than the token budget; warns once, at the first.
+
+        Grouping gives such a sample a group of its own (B(l) = max(budget // l, 1) = 1), so it
+        trains, but its step exceeds the budget the operator sized memory for."""
+        over = np.flatnonzero(lengths > self.config.token_budget)
+        if over.size == 0:
+            return
+        if self.stats.oversized_samples == 0:
+            identity = int(self.state.identities_of(views[over[:1]])[0])
+            log.warning(
+                "sample %d has %d tokens, more than --token-budget %d: it is trained alone in "
+                "its own group, whose padded area exceeds the budget (shown once; "
+                "odbd_oversized_samples_total counts them all); raise --token-budget or "
+                "truncate samples in preprocessing",
+                identity,
+                int(lengths[over[0]]),
+                self.config.token_budget,
+            )
+        self.stats.oversized_samples += int(over.size)
 
     def _step_item(
         self,
@@ -421,6 +510,7 @@ class RoundLoop:
         rows: slice,
         epoch: int,
         number: int,
+        progress: Progress,
     ) -> QueuedItem:
         keys = unit.emitted.views[rows]
         locations = [self.state.locations.pop(int(k)) for k in keys.tolist()]
@@ -443,6 +533,7 @@ class RoundLoop:
             offsets=np.asarray([o for _, o in where], dtype="<u8").tobytes(),
             nbytes=np.asarray([loc.nbytes for loc in locations], dtype="<u8").tobytes(),
             filler_schema=self.filler_schema if idle else "",
+            progress=trainer_pb2.Progress(**dataclasses.asdict(progress)),
         )
         return QueuedItem(epoch, number, trainer_pb2.TrainerEvent(step=batch), locations)
 

@@ -20,6 +20,10 @@ REJECT_FIXES: Mapping[str, str] = {
     "(not a tuple or list)",
     "unsupported_dtype": "convert the arrays to numeric or bool dtypes in __getitem__",
     "preprocess_error": "fix the exception __getitem__ raises (run it by hand on the sample named)",
+    "unsupported_value": "return numbers only: drop text columns (dataset.remove_columns) or "
+    "tokenize them, and make nested lists rectangular (see docs/datasets.md)",
+    "length_key_not_1d": "return the --length-key array 1-D, e.g. tokenizer(...)['input_ids'] "
+    "without return_tensors='pt', or squeeze its batch dimension",
     "too_large": "raise the daemon's --shm-size, or shorten the samples",
     "zero_length": "drop samples whose --length-key array is empty",
     "schema_mismatch": "every sample must have the same keys, dtypes and trailing shapes",

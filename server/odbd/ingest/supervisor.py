@@ -5,13 +5,21 @@ treats it exactly like an external producer. A worker that dies is restarted (it
 back to the pool when its stream broke, and a sample that kept killing producers was
 quarantined). One that dies _MAX_DEATHS times within _RESTART_WINDOW_S with no sample made on
 the node in between cannot be kept alive: it is given up, and the job fails (on_give_up).
+
+Stopping: workers run in their own session, so a terminal's Ctrl-C (SIGINT to the foreground
+process group) reaches only the daemon, which stops them itself: Shutdown on their stream,
+then SIGKILL after a short grace. Once stopping, none is restarted. They never outlive the
+daemon: their stream breaks when it dies, and `producer_guard` makes the kernel kill them
+when it does (PR_SET_PDEATHSIG), even while one is stuck in the user's preprocessing.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import shlex
+import signal
 import sys
 import time
 from collections.abc import Callable
@@ -22,7 +30,10 @@ log = logging.getLogger("odbd.producers")
 _MAX_DEATHS = 5  # in a row within _RESTART_WINDOW_S, no sample made between: give up
 _RESTART_WINDOW_S = 60.0
 _RESTART_DELAY_S = 0.5
-_STOP_GRACE_S = 5.0
+# After Shutdown, a worker still running is inside the user's preprocessing (or still
+# starting): its work is lost either way, so it is killed soon (Ctrl-C must end the daemon
+# within 2 s).
+_STOP_GRACE_S = 0.5
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -70,7 +81,7 @@ class ProducerSupervisor:
         self.num_restarts = 0
 
     def command(self, name: str) -> list[str]:
-        args = [sys.executable, "-m", "odbclient.producer_main", "--socket", self.config.socket]
+        args = [sys.executable, "-m", "odbd.ingest.producer_guard", "--socket", self.config.socket]
         args += ["--dataset", self.config.dataset, "--name", name, "--job-id", self.config.job_id]
         for key, value in self.config.dataset_args:
             args += ["--dataset-arg", f"{key}={value}"]
@@ -82,7 +93,11 @@ class ProducerSupervisor:
     async def _keep_running(self, worker: _Worker) -> None:
         while not self._stopping:
             made = self._progress()
-            worker.process = await asyncio.create_subprocess_exec(*self.command(worker.name))
+            worker.process = await asyncio.create_subprocess_exec(
+                *self.command(worker.name),
+                start_new_session=True,  # a terminal's SIGINT is the daemon's to handle
+                env={**os.environ, "ODBD_DAEMON_PID": str(os.getpid())},  # producer_guard
+            )
             code = await worker.process.wait()
             if self._stopping or code == 0:
                 return
@@ -113,8 +128,21 @@ class ProducerSupervisor:
     def pids(self) -> list[int]:
         return [w.process.pid for w in self._workers if w.process and w.process.returncode is None]
 
+    def stop_restarting(self) -> None:
+        """The daemon is stopping: a worker that exits from now on stays down."""
+        self._stopping = True
+
+    def kill_now(self) -> None:
+        """The daemon exits at once (second signal): SIGKILL every worker, synchronously."""
+        self._stopping = True
+        for pid in self.pids():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
     async def stop(self) -> None:
-        """Workers exit on the daemon's Shutdown message; stragglers are terminated."""
+        """Workers exit on the daemon's Shutdown message; stragglers are killed."""
         self._stopping = True
         alive = [w.process for w in self._workers if w.process and w.process.returncode is None]
         if alive:
@@ -124,6 +152,10 @@ class ProducerSupervisor:
             except TimeoutError:
                 for p in alive:
                     if p.returncode is None:
+                        # Usually past Shutdown, in the interpreter's teardown (seconds with
+                        # torch imported): nothing is lost by killing it.
+                        log.debug("producer pid %d still runs %g s after Shutdown; killing it",
+                                  p.pid, _STOP_GRACE_S)  # fmt: skip
                         p.kill()
                 await asyncio.gather(*(p.wait() for p in alive))
         for task in self._tasks:

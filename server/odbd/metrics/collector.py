@@ -148,6 +148,12 @@ class DaemonCollector(Collector):
                 s.lanes_full_rounds,
             ),
             ("producer_restarts", "producer processes restarted", s.producers_restarted),
+            (
+                "oversized_samples",
+                "samples longer than --token-budget, each trained alone in its own group "
+                "(raise --token-budget or truncate in preprocessing)",
+                s.oversized_samples,
+            ),
         )
         rejected = CounterMetricFamily(
             "odbd_rejected_samples", "samples rejected at ingest", labels=["reason"]

@@ -2,15 +2,23 @@
 
 Items stay queued until the trainer reports them delivered, so a client that reconnects is
 sent again every step it had not delivered; their shared memory is freed only then.
+
+The job's end: a rank has taken it once its stream ended after the JobEnd marker went out on
+that stream with every step delivered (a failed job's end needs no delivery: its remaining
+steps will not run). The Train stream ends itself at that point (`next_to_send` returns None),
+so a trainer that keeps its client open still lets the daemon finish.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from odbclient.wire.odbd.v1 import trainer_pb2
 from odbd.daemon.node_state import Location
 
 
@@ -25,24 +33,44 @@ class QueuedItem:
     def is_step(self) -> bool:
         return self.step >= 0
 
+    @property
+    def job_end(self) -> trainer_pb2.JobEnd | None:
+        """The JobEnd this marker carries, if it is the job's end."""
+        event = self.event
+        if isinstance(event, trainer_pb2.TrainerEvent) and event.HasField("job_end"):
+            return event.job_end
+        return None
+
 
 class RankQueue:
-    def __init__(self, rank: int) -> None:
+    def __init__(self, rank: int, clock: Callable[[], float] = time.monotonic) -> None:
         self.rank = rank
         self._items: deque[QueuedItem] = deque()
         self._sent = 0  # items[:_sent] were sent on the current connection
         self._changed = asyncio.Event()
+        self._clock = clock
         self.delivered_steps = 0
         self._attached = False
+        self.ever_attached = False
         self.attaches = 0  # trainer connections so far: a failed job waits until each was told
+        self.detached_at_s: float | None = None  # clock() when the last stream ended
+        self._job_end_sent: trainer_pb2.JobEnd | None = None  # on the current connection
+        self.took_job_end = False  # sticky: see the module docstring
 
     @property
     def attached(self) -> bool:
+        """A trainer's stream is open for this rank (set by the Train stream)."""
         return self._attached
 
     @attached.setter
     def attached(self, value: bool) -> None:
         self.attaches += value and not self._attached
+        if value:
+            self.ever_attached = True
+        elif self._attached:
+            self.detached_at_s = self._clock()
+            self.took_job_end = self.took_job_end or self.finished()
+            self._job_end_sent = None
         self._attached = value
 
     def push(self, items: list[QueuedItem]) -> None:
@@ -55,7 +83,14 @@ class RankQueue:
     def rewind(self) -> None:
         """The connection ended: the next one starts at the first undelivered item."""
         self._sent = 0
+        self._job_end_sent = None
         self._changed.set()
+
+    def finished(self) -> bool:
+        """The job's end went out on this connection and nothing more is owed to it."""
+        if self._job_end_sent is None:
+            return False
+        return self._job_end_sent.failed or self.queued_steps() == 0
 
     def take_ready(self, prefetch: int) -> QueuedItem | None:
         """The next item if it may be sent now (fewer than `prefetch` sent steps await
@@ -67,6 +102,8 @@ class RankQueue:
             in_flight = sum(1 for i in range(self._sent) if self._items[i].is_step)
             if in_flight >= prefetch:
                 return None
+        elif item.job_end is not None:
+            self._job_end_sent = item.job_end
         self._sent += 1
         return item
 
@@ -76,9 +113,12 @@ class RankQueue:
             return self.take_ready(prefetch)
         return None
 
-    async def next_to_send(self, prefetch: int) -> QueuedItem:
-        """The next item, once it may be sent (take_ready)."""
+    async def next_to_send(self, prefetch: int) -> QueuedItem | None:
+        """The next item, once it may be sent (take_ready); None once the stream is finished
+        (the job's end was sent and every step delivered): the stream should end."""
         while (item := self.take_ready(prefetch)) is None:
+            if self.finished():
+                return None
             self._changed.clear()
             await self._changed.wait()
         return item
@@ -90,6 +130,8 @@ class RankQueue:
             head = self._items[0]
             if head.is_step and (head.epoch, head.step) > (epoch, step):
                 break
+            if head.job_end is not None:
+                break  # stays queued: a trainer that connects later is told the job's end too
             self._items.popleft()
             self._sent -= 1
             freed.extend(head.locations)
@@ -103,6 +145,13 @@ class RankQueue:
         dropped = [self._items.pop() for _ in range(len(self._items) - self._sent)]
         self._changed.set()
         return [location for item in dropped for location in item.locations]
+
+    def fail_job(self, end: QueuedItem) -> list[Location]:
+        """The job failed after its end was queued: unsent items (a successful JobEnd among
+        them) are dropped and `end` (a failed JobEnd) follows what was sent."""
+        freed = self.drop_unsent()
+        self.push([end])
+        return freed
 
     def skip_before(self, epoch: int, step: int) -> list[Location]:
         """Resume: steps before (epoch, step) count as delivered by the previous client."""
