@@ -3,6 +3,8 @@ rejected, producers that cannot attach. Real daemons, producers and trainer proc
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -141,3 +143,33 @@ def test_an_external_producer_with_another_dataset_size_is_refused_naming_both_s
         daemon_codes, trainer_codes = fc.wait_done(60)
         fc.assert_clean_exit(daemon_codes, trainer_codes)
         fc.assert_exactly_once(100)
+
+
+def _external_crashing_producer(fc: FaultCluster, size: int, crash_at: int) -> int:
+    """Runs one external producer of the crashing dataset to its end; its exit status."""
+    cmd = [sys.executable, "-m", "odbclient.producer_main", "--socket", fc.cluster.sockets[0]]
+    cmd += ["--dataset", f"{CRASH_DATASET}:crashing", "--job-id", fc.cluster.spec.job_id]
+    cmd += ["--dataset-arg", f"size={size}", "--dataset-arg", f"crash_at={crash_at}"]
+    log = open(fc.cluster.tmp / "producer0.log", "ab")  # noqa: SIM115
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    log.close()
+    fc.producers.append(proc)
+    return proc.wait(scaled(120))
+
+
+def test_an_external_producer_killed_twice_by_one_sample_gets_it_quarantined():
+    """The lane header works without the daemon's supervisor: an operator (here the test)
+    restarts the external producer, and the second death on the same id quarantines it."""
+    size, bad = 60, 7
+    args = ["--dataset-size", str(size), "--buffer", "8"]
+    with FaultCluster(nodes=1, ranks_per_node=2, daemon_args=args) as fc:
+        fc.start_trainers()
+        assert _external_crashing_producer(fc, size, bad) == 3, fc.describe()
+        assert f"ended while making sample {bad} " in fc.log(0), fc.describe()
+        assert _external_crashing_producer(fc, size, bad) == 3, fc.describe()
+        fc.wait_until(lambda: f"quarantined sample {bad} " in fc.log(0), "the quarantine")
+        assert _external_crashing_producer(fc, size, bad) == 0, fc.describe()
+        daemon_codes, trainer_codes = fc.wait_done(60)
+        fc.assert_clean_exit(daemon_codes, trainer_codes)
+        fc.assert_aligned()
+        _assert_quarantined(fc, size, {bad})
