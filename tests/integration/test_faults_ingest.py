@@ -3,13 +3,16 @@ rejected, producers that cannot attach. Real daemons, producers and trainer proc
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from tests.integration.faults_cluster import FaultCluster, synthetic
+from tests.integration.harness import scaled
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = pytest.mark.timeout(900)  # wait_done deadlines scale with the load (harness.scaled)
 
 CRASH_DATASET = str(Path(__file__).with_name("crash_dataset.py"))
 
@@ -38,7 +41,7 @@ def test_every_sample_not_a_dict_fails_the_job_on_every_daemon_naming_the_reason
     args = [*_dataset("tuples", size), "--buffer", "8", *([] if join else ["--no-join"])]
     with FaultCluster(nodes=2, ranks_per_node=1, daemon_args=args) as fc:
         fc.start_trainers("--deadline-s", "120")
-        daemon_codes, trainer_codes = fc.wait_done(120)
+        daemon_codes, trainer_codes = fc.wait_done(60)
         assert daemon_codes == [1, 1], fc.describe()
         assert trainer_codes == [0, 0], fc.describe()  # the trainer script records the error
         for message in _job_failed(fc):
@@ -56,7 +59,7 @@ def test_a_length_key_missing_from_every_sample_fails_the_job_with_the_fix():
     args = [*synthetic(size), "--length-key", "tokens", "--buffer", "8"]
     with FaultCluster(nodes=1, ranks_per_node=2, daemon_args=args) as fc:
         fc.start_trainers("--deadline-s", "120")
-        daemon_codes, trainer_codes = fc.wait_done(120)
+        daemon_codes, trainer_codes = fc.wait_done(60)
         assert daemon_codes == [1], fc.describe()
         for message in _job_failed(fc):
             assert f"all {size} samples were rejected (missing_length_key: {size})" in message
@@ -84,7 +87,7 @@ def test_a_sample_that_kills_its_producer_is_quarantined_and_the_epoch_completes
     args = [*_dataset("crashing", size, workers=2, crash_at=bad, how=how), "--buffer", "8"]
     with FaultCluster(nodes=1, ranks_per_node=2, daemon_args=args) as fc:
         fc.start_trainers()
-        daemon_codes, trainer_codes = fc.wait_done(150)
+        daemon_codes, trainer_codes = fc.wait_done(60)
         fc.assert_clean_exit(daemon_codes, trainer_codes)
         fc.assert_aligned()
         _assert_quarantined(fc, size, {bad})
@@ -102,7 +105,7 @@ def test_first_and_last_samples_crash_under_one_worker_and_both_are_quarantined(
     args += ["--buffer", "8", "--no-shuffle"]
     with FaultCluster(nodes=2, ranks_per_node=1, daemon_args=args) as fc:
         fc.start_trainers()
-        daemon_codes, trainer_codes = fc.wait_done(150)
+        daemon_codes, trainer_codes = fc.wait_done(60)
         fc.assert_clean_exit(daemon_codes, trainer_codes)
         fc.assert_aligned()
         _assert_quarantined(fc, size, crash)
@@ -113,12 +116,13 @@ def test_producers_that_cannot_be_kept_alive_fail_the_job_naming_the_command():
     args = [*_dataset("crashing", size, workers=1, crash_at="*", how="exit"), "--buffer", "8"]
     with FaultCluster(nodes=1, ranks_per_node=2, daemon_args=args) as fc:
         fc.start_trainers("--deadline-s", "120")
-        daemon_codes, _ = fc.wait_done(150)
+        daemon_codes, _ = fc.wait_done(60)
         assert daemon_codes == [1], fc.describe()
         for message in _job_failed(fc):
             assert "cannot be kept alive" in message and "exit status 3" in message, message
+            assert "-m odbclient.producer_main --socket" in message, message
             assert f"--dataset-arg size={size}" in message, message
-            assert "--dataset-arg crash_at=*" in message and "--dataset-arg how=exit" in message
+            assert "--dataset-arg 'crash_at=*' --dataset-arg how=exit" in message, message  # shlex
         status_error = "cannot be kept alive"
         assert status_error in fc.log(0)
 
@@ -127,7 +131,7 @@ def test_an_external_producer_with_another_dataset_size_is_refused_naming_both_s
     args = ["--dataset-size", "100", "--buffer", "8"]
     with FaultCluster(nodes=1, ranks_per_node=2, daemon_args=args) as fc:
         wrong = fc.start_producer(0, "size=90")
-        assert wrong.wait(60) == 1, fc.describe()
+        assert wrong.wait(scaled(60)) == 1, fc.describe()
         said = (fc.cluster.tmp / "producer0.log").read_text()
         assert "90 samples" in said and "serves 100 identities" in said, said
         status = fc.status(0)
@@ -136,6 +140,36 @@ def test_an_external_producer_with_another_dataset_size_is_refused_naming_both_s
         assert status.producers == 0
         fc.start_producer(0, "size=100")  # the daemon still serves the right one
         fc.start_trainers()
-        daemon_codes, trainer_codes = fc.wait_done(120)
+        daemon_codes, trainer_codes = fc.wait_done(60)
         fc.assert_clean_exit(daemon_codes, trainer_codes)
         fc.assert_exactly_once(100)
+
+
+def _external_crashing_producer(fc: FaultCluster, size: int, crash_at: int) -> int:
+    """Runs one external producer of the crashing dataset to its end; its exit status."""
+    cmd = [sys.executable, "-m", "odbclient.producer_main", "--socket", fc.cluster.sockets[0]]
+    cmd += ["--dataset", f"{CRASH_DATASET}:crashing", "--job-id", fc.cluster.spec.job_id]
+    cmd += ["--dataset-arg", f"size={size}", "--dataset-arg", f"crash_at={crash_at}"]
+    log = open(fc.cluster.tmp / "producer0.log", "ab")  # noqa: SIM115
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    log.close()
+    fc.producers.append(proc)
+    return proc.wait(scaled(120))
+
+
+def test_an_external_producer_killed_twice_by_one_sample_gets_it_quarantined():
+    """The lane header works without the daemon's supervisor: an operator (here the test)
+    restarts the external producer, and the second death on the same id quarantines it."""
+    size, bad = 60, 7
+    args = ["--dataset-size", str(size), "--buffer", "8"]
+    with FaultCluster(nodes=1, ranks_per_node=2, daemon_args=args) as fc:
+        fc.start_trainers()
+        assert _external_crashing_producer(fc, size, bad) == 3, fc.describe()
+        assert f"ended while making sample {bad} " in fc.log(0), fc.describe()
+        assert _external_crashing_producer(fc, size, bad) == 3, fc.describe()
+        fc.wait_until(lambda: f"quarantined sample {bad} " in fc.log(0), "the quarantine")
+        assert _external_crashing_producer(fc, size, bad) == 0, fc.describe()
+        daemon_codes, trainer_codes = fc.wait_done(60)
+        fc.assert_clean_exit(daemon_codes, trainer_codes)
+        fc.assert_aligned()
+        _assert_quarantined(fc, size, {bad})

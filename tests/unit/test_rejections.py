@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import pytest
+
 from odbclient.wire.odbd.v1 import ingest_pb2
 from odbd.daemon.round_loop import wait_reason
 from odbd.ingest.rejections import (
+    PRODUCER_CRASH,
     REJECT_FIXES,
     RejectionLog,
     empty_epoch_failure,
@@ -12,6 +15,7 @@ from odbd.ingest.rejections import (
 )
 from odbd.ingest.service import size_refusal
 from odbd.ingest.supervisor import deaths_without_progress
+from odbd.ingest.validate import MalformedMessage, check_rejections
 from odbd.metrics.collector import KNOWN_REJECT_REASONS
 
 
@@ -78,3 +82,12 @@ def test_a_producer_with_another_dataset_size_is_refused_naming_both() -> None:
     assert refusal is not None and "has 90 samples" in refusal and "serves 100" in refusal
     assert size_refusal(hello, 90) is None
     assert size_refusal(ingest_pb2.ProducerHello(name="no-len"), 100) is None  # no len()
+
+
+def test_producer_crash_is_the_daemons_reason_a_producer_cannot_send_it() -> None:
+    batch = ingest_pb2.RejectBatch(
+        rejections=[ingest_pb2.Rejection(view_key=1, reason=PRODUCER_CRASH, detail="x")]
+    )
+    with pytest.raises(MalformedMessage, match="unknown rejection reason 'producer_crash'"):
+        check_rejections(batch)
+    assert PRODUCER_CRASH in KNOWN_REJECT_REASONS  # exported at 0 from the start

@@ -87,6 +87,11 @@ class ProducerSupervisor:
             args += ["--dataset-arg", f"{key}={value}"]
         return args
 
+    def by_hand_command(self, name: str) -> list[str]:
+        """The worker's command without the daemon's guard: for an operator to run."""
+        args = self.command(name)
+        return [args[0], "-m", "odbclient.producer_main", *args[3:]]
+
     async def start(self) -> None:
         self._tasks = [asyncio.ensure_future(self._keep_running(w)) for w in self._workers]
 
@@ -120,7 +125,7 @@ class ProducerSupervisor:
             f"producer {worker.name} died {len(worker.deaths)} times within "
             f"{_RESTART_WINDOW_S:.0f} s with no sample made in between (last exit status "
             f"{code}); it cannot be kept alive, so the job fails. Run "
-            f"`{shlex.join(self.command(worker.name))}` by hand to see why"
+            f"`{shlex.join(self.by_hand_command(worker.name))}` by hand to see why"
         )
         log.error("%s", message)
         self._on_give_up(message)
