@@ -27,3 +27,10 @@ def test_status_shows_the_node_quota_and_ranks() -> None:
 
 def test_status_names_producers_waiting_for_lane_space() -> None:
     assert "producers 2 (1 waiting for lane space)  shm" in render(reply(producers_lane_full=1))
+
+
+def test_status_says_what_the_next_round_waits_for_and_the_last_error() -> None:
+    text = render(reply(waiting_for="producers: 0 samples buffered", last_error="boom"))
+    assert "next round waits for producers: 0 samples buffered" in text
+    assert text.endswith("last error: boom")
+    assert "waits for" not in render(reply())
