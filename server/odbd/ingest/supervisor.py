@@ -58,7 +58,8 @@ class ProducerSupervisor:
         self.num_restarts = 0
 
     def command(self, name: str) -> list[str]:
-        args = [sys.executable, "-m", "odbd.ingest.producer_guard", "--socket", self.config.socket]
+        args = [sys.executable, "-m", "odbd.ingest.producer_guard", "odbclient.producer_main"]
+        args += ["--socket", self.config.socket]
         args += ["--dataset", self.config.dataset, "--name", name, "--job-id", self.config.job_id]
         for key, value in self.config.dataset_args:
             args += ["--dataset-arg", f"{key}={value}"]
