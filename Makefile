@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 BENCH := $(PY) -m pytest -q -m bench -s
 
-.PHONY: venv demo test test-fast bench bench-planner bench-round bench-shm bench-datapath \
+.PHONY: venv demo test test-under-load test-fast bench bench-planner bench-round bench-shm bench-datapath \
 	bench-metrics bench-training soak lint format proto proto-check clean
 
 $(STAMP): pyproject.toml
@@ -20,6 +20,9 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q
+
+test-under-load: $(STAMP)  # `make test` with a CPU hog per core (HOGS=N), timed (issue 11)
+	$(PY) tests/under_load.py $(if $(HOGS),--hogs $(HOGS)) -- $(PY) -m pytest -q
 
 test-fast: $(STAMP)  # unit tests only (seconds)
 	$(PY) -m pytest -q tests/unit

@@ -12,11 +12,13 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from odbclient.errors import (
+    ClientClosedError,
     CollateError,
     DaemonConnectionError,
     DaemonTimeoutError,
     DaemonUnavailableError,
     DatasetLoadError,
+    IteratorInUseError,
     JobFailedError,
     JobMismatchError,
     ODBClientError,
@@ -42,11 +44,13 @@ _LAZY = {
 __all__ = [
     "DEFAULT_SOCKET",
     "Batch",
+    "ClientClosedError",
     "CollateError",
     "DaemonConnectionError",
     "DaemonTimeoutError",
     "DaemonUnavailableError",
     "DatasetLoadError",
+    "IteratorInUseError",
     "JobFailedError",
     "JobMismatchError",
     "ODBClient",

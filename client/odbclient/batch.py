@@ -9,6 +9,26 @@ import torch
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class Progress:
+    """Where the epoch and the job stand once this step is trained; the same on every rank.
+
+    odbd decides an epoch's steps online, so its length is an estimate that tightens as rounds
+    are planned, exact (`epoch_steps_exact`) from the round holding the epoch's last step on.
+    The fractions never decrease and are exactly 1.0 on the last step of the epoch (job), so an
+    LR schedule driven by `job_fraction` reaches its floor on the last step whatever the
+    estimate said earlier.
+    """
+
+    epoch_steps_estimate: int = 0  # steps this epoch will have (at least this step + 1)
+    epoch_steps_exact: bool = False  # epoch_steps_estimate is final
+    epoch_sample_fraction: float = 0.0  # of the epoch's dataset samples, emitted or rejected
+    epoch_token_fraction: float = 0.0  # of its loss tokens (remaining at the mean length so far)
+    epoch_tokens: int = 0  # loss-bearing tokens of the epoch's steps so far, every rank
+    job_fraction: float = 0.0  # of the whole job (odbd --epochs); 0.0 when --epochs is 0
+    job_steps_estimate: int = 0  # steps of the whole job; 0 when --epochs is 0 (endless)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class Batch:
     """One rank's batch of one step; its tensors are fresh memory owned by the trainer.
 
@@ -27,6 +47,7 @@ class Batch:
     sample_ids: tuple[int, ...]  # dataset identities, in batch order
     is_idle: bool
     loss_scale: float  # multiply the rank's mean loss by this (--loss-scaling)
+    progress: Progress = field(default_factory=Progress)  # for LR schedules and progress bars
 
     def __getitem__(self, key: str) -> torch.Tensor:
         return self.tensors[key]

@@ -14,9 +14,12 @@ trainer's wait and compute time). next() only queues the report; odbclient.repor
 
 from __future__ import annotations
 
+import inspect
+import os
 import queue
 import time
-from collections.abc import Iterator
+import weakref
+from collections.abc import Generator, Iterator, Mapping
 from typing import Any
 
 from odbclient.batch import Batch
@@ -30,14 +33,37 @@ from odbclient.connect import (
 from odbclient.errors import (
     DaemonConnectionError,
     DaemonTimeoutError,
+    IteratorInUseError,
     JobFailedError,
     StateDictError,
 )
-from odbclient.stream import EpochEnd, JobEnd, TrainerStream
+from odbclient.stream import EpochEnd, JobEnd, TrainerStream, TrainerWorld, daemon_says
 
 __all__ = ["DEFAULT_SOCKET", "ODBClient"]
 
 STATE_VERSION = 1
+
+
+def launcher_world(environ: Mapping[str, str] = os.environ) -> TrainerWorld:
+    """This process's world: torch.distributed's when initialised, else the launcher's
+    WORLD_SIZE and RANK (torchrun, accelerate launch with several processes); unknown if none."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return TrainerWorld(dist.get_world_size(), dist.get_rank(), "torch.distributed")
+    size, rank = environ.get("WORLD_SIZE"), environ.get("RANK")
+    names = [f"${k}={environ[k]}" for k in ("WORLD_SIZE", "RANK") if k in environ]
+    try:
+        return TrainerWorld(
+            None if size is None else int(size),
+            None if rank is None else int(rank),
+            ", ".join(names),
+        )
+    except ValueError:
+        raise ValueError(
+            f"{', '.join(names)}: WORLD_SIZE and RANK must be integers; fix the launcher's "
+            "environment (torchrun sets both)"
+        ) from None
 
 
 class ODBClient:
@@ -49,7 +75,14 @@ class ODBClient:
         prefetched batch costs trainer memory, and a rank may train that many batches after a
         peer node dies before JobFailedError.
     `connect_timeout_s`: how long the first iteration waits for the daemon to start and welcome.
-    `deadline_s`: the longest wait for any batch; past it DaemonTimeoutError names the socket.
+    `deadline_s`: the longest wait for any batch; past it DaemonTimeoutError names the socket
+        and what the daemon's status reports (phase, last error, what the round waits for).
+
+    The hello tells the daemon this process's world (`launcher_world()`, or `set_world()`),
+    which refuses one that differs from its --world: every loss_scale assumes that world.
+    One epoch iterator at a time: a second `iter()` while the first is live raises
+    IteratorInUseError. Each Batch carries `progress` (epoch length estimate, fractions of the
+    epoch and the job) for LR schedules and progress bars.
     """
 
     def __init__(
@@ -84,17 +117,34 @@ class ODBClient:
         self._summary: dict[str, Any] = {}
         self._job_end: JobEnd | None = None
         self._failure: Exception | None = None  # raised again by every later iteration
+        self._world: TrainerWorld | None = None  # set_world(); else launcher_world() at connect
+        self._live: weakref.ref[Generator[Batch, None, None]] | None = None  # epoch iterator
 
     # --- iteration -----------------------------------------------------------------------------
 
     def __iter__(self) -> Iterator[Batch]:
         if self._failure is not None:
             raise self._failure
+        self._refuse_second_iterator()
         if self._job_end is not None:
             return iter(())  # the job is over: every further epoch is empty
-        return self._epoch_batches(self._connected())
+        batches = self._epoch_batches(self._connected())
+        self._live = weakref.ref(batches)
+        return batches
 
-    def _epoch_batches(self, stream: TrainerStream) -> Iterator[Batch]:
+    def _refuse_second_iterator(self) -> None:
+        # Live = created and neither exhausted, closed nor garbage: a `for` loop left with
+        # `break` drops its iterator, so iterating again afterwards is fine.
+        live = self._live() if self._live is not None else None
+        if live is not None and inspect.getgeneratorstate(live) != inspect.GEN_CLOSED:
+            raise IteratorInUseError(
+                f"ODBClient rank {self.rank} already has a live epoch iterator (at epoch "
+                f"{self._epoch}, step {self._next_step}): a second iter(client) would split the "
+                "epoch's batches between the two; finish the first (or call .close() on it / "
+                "drop it) before iterating again, one loop per epoch"
+            )
+
+    def _epoch_batches(self, stream: TrainerStream) -> Generator[Batch, None, None]:
         while True:
             called_s = time.perf_counter()
             event = self._next_event(stream)
@@ -135,6 +185,7 @@ class ODBClient:
                 f"{self._deadline_s:g} s (epoch {self._epoch}, step {self._next_step}): the "
                 "daemon, its producers or a peer node is stalled; check `odbd status` and the "
                 "daemon log, or raise deadline_s for very slow preprocessing"
+                + daemon_says(self.socket)
             ) from None
 
     def _deliver(self, stream: TrainerStream, batch: Batch, called_s: float) -> None:
@@ -178,8 +229,20 @@ class ODBClient:
                 prefetch=self._prefetch,
                 resume=self._resume,
                 connect_timeout_s=self._connect_timeout_s,
+                world=self._world or launcher_world(),
             )
         return self._stream
+
+    def set_world(self, world_size: int, rank: int, *, source: str) -> None:
+        """Declares this process's world for the daemon's check, instead of torch.distributed
+        or $WORLD_SIZE/$RANK (adapters pass their framework's, e.g. Accelerate's, which knows
+        it even for one process); call before the first iteration."""
+        if self._stream is not None:
+            raise RuntimeError(
+                "set_world() after iteration started: the world is sent when connecting; "
+                "call it before the first iter(client)"
+            )
+        self._world = TrainerWorld(world_size, rank, source)
 
     # --- state, summary, lifetime --------------------------------------------------------------
 

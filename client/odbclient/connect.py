@@ -26,7 +26,9 @@ from odbclient.errors import (
 
 # The odbd.v1 trainer and ingest services; the daemon refuses other versions. 2: steps may come
 # as StepBatches and a Delivered may cover several steps (a version 1 client would drop them).
-PROTOCOL_VERSION = 2
+# 3: a TrainerHello carries the trainer's own world, which the daemon checks against --world,
+# and StepBatch.progress; a version 2 client, which never says its world, is refused.
+PROTOCOL_VERSION = 3
 # Batches the daemon pushes ahead of the trainer (TrainerHello.prefetch; the daemon's default
 # when a hello says 0): 8 lets the daemon send and the client report 4 steps per message
 # (8 KiB samples: 19-21k -> 23k samples/s over 4). The cost: when a peer node dies, a rank may

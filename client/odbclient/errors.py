@@ -31,6 +31,14 @@ class DaemonTimeoutError(ODBClientError, TimeoutError):
     """No event arrived from the daemon within the deadline."""
 
 
+class IteratorInUseError(ODBClientError, RuntimeError):
+    """A second iter(client) while the first epoch iterator is live: they would split the epoch."""
+
+
+class ClientClosedError(ODBClientError):
+    """close() ended the client while (or before) an iteration waited for a batch."""
+
+
 class JobFailedError(ODBClientError):
     """The daemon ended the job on an error (its reason is the message)."""
 

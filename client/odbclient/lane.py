@@ -12,16 +12,38 @@ from odbclient.samples import RejectReason, SampleFacts
 from odbclient.shm import ALIGN_BYTES, align_up
 from odbclient.wire.odbd.v1 import ingest_pb2
 
+# A lane starts with a header the producer writes and the daemon reads once the producer is
+# gone: bytes 0..8 hold the view key the producer is making (int64 LE), IDLE between samples.
+# One 8-byte store per sample and no message, so the daemon knows exactly which id was in
+# flight when a producer died (and quarantines one that kills producers). Samples follow it.
+LANE_HEADER_BYTES = 64
+IDLE = -1
+
+
+class InFlightMark:
+    """The producer's side of the lane header: which view key `dataset[i]` is running for."""
+
+    def __init__(self, lane_buffer: memoryview) -> None:
+        self._word = np.frombuffer(lane_buffer, dtype="<i8", count=1)  # a writable view
+
+    def set(self, view_key: int) -> None:
+        self._word[0] = view_key
+
+    def clear(self) -> None:
+        self._word[0] = IDLE
+
 
 class LaneAllocator:
     """First-fit allocation inside one lane; offsets are lane-relative.
 
     Every offset handed out is 64-byte aligned in the segment (not just in the lane), because
-    the sample layout aligns its arrays relative to the sample start.
+    the sample layout aligns its arrays relative to the sample start. The first `header_bytes`
+    of the lane are never handed out (LANE_HEADER_BYTES for a producer's lane).
     """
 
-    def __init__(self, lane_offset: int, lane_size: int) -> None:
-        first = align_up(lane_offset) - lane_offset  # lane-relative start of aligned space
+    def __init__(self, lane_offset: int, lane_size: int, header_bytes: int = 0) -> None:
+        # lane-relative start of aligned space after the header
+        first = align_up(lane_offset + header_bytes) - lane_offset
         self.capacity_bytes = max(0, lane_size - first) & -ALIGN_BYTES
         self._free = (
             FreeList([first], [self.capacity_bytes]) if self.capacity_bytes else FreeList([], [])

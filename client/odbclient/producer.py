@@ -39,7 +39,13 @@ from odbclient.connect import (
     translate_rpc_error,
 )
 from odbclient.errors import DaemonTimeoutError, DatasetLoadError, ProtocolError
-from odbclient.lane import CommitBuffer, LaneAllocator, LeaseCredits
+from odbclient.lane import (
+    LANE_HEADER_BYTES,
+    CommitBuffer,
+    InFlightMark,
+    LaneAllocator,
+    LeaseCredits,
+)
 from odbclient.samples import (
     RejectReason,
     SampleFacts,
@@ -73,7 +79,9 @@ class ProducerCore:
     ) -> None:
         self._dataset = dataset
         self._lane_buffer = lane_buffer  # the lane's bytes: index 0 is lane offset 0
-        self.lane = LaneAllocator(lane_offset, len(lane_buffer))
+        self.lane = LaneAllocator(lane_offset, len(lane_buffer), LANE_HEADER_BYTES)
+        self.in_flight = InFlightMark(lane_buffer)
+        self.in_flight.clear()
         self._length_key, self._labels_key = length_key, labels_key
         self.commits = CommitBuffer(max_rows=commit_batch, interval_s=commit_interval_s)
         self.credits = LeaseCredits(max_ids=lease_batch)
@@ -109,6 +117,13 @@ class ProducerCore:
             self._place(view_key, sample, facts, now_s)
             return
         view_key, identity = self._work.popleft()
+        # If dataset[identity] kills this process (sys.exit, abort, a segfault in a C
+        # extension), the mark stays: the daemon reads it when the stream breaks.
+        self.in_flight.set(view_key)
+        self._make(view_key, identity, now_s)
+        self.in_flight.clear()
+
+    def _make(self, view_key: int, identity: int, now_s: float) -> None:
         try:
             sample = fetch_sample(self._dataset, identity)
             facts = inspect_sample(sample, length_key=self._length_key, labels_key=self._labels_key)
@@ -194,7 +209,11 @@ class Producer:
         outbox, inbox = Outbox(), queue.SimpleQueue[object]()
         closing = threading.Event()
         hello = ingest_pb2.ProducerHello(
-            protocol_version=PROTOCOL_VERSION, job_id=self.job_id, name=self.name, pid=os.getpid()
+            protocol_version=PROTOCOL_VERSION,
+            job_id=self.job_id,
+            name=self.name,
+            pid=os.getpid(),
+            dataset_size=self._dataset_size() or 0,  # the daemon refuses a different size
         )
         outbox.put(ingest_pb2.ProducerMessage(hello=hello))
         call = ingest_pb2_grpc.IngestStub(channel).Produce(iter(outbox))
@@ -226,8 +245,11 @@ class Producer:
             commit_interval_s=self._commit_interval_s,
         )
 
+    def _dataset_size(self) -> int | None:
+        return len(self.dataset) if hasattr(self.dataset, "__len__") else None
+
     def _check_size(self, dataset_size: int) -> None:
-        size = len(self.dataset) if hasattr(self.dataset, "__len__") else None
+        size = self._dataset_size()
         if dataset_size and size is not None and size != dataset_size:
             raise DatasetLoadError(
                 f"producer {self.name}'s dataset has {size} samples but the daemon serves "

@@ -2,6 +2,22 @@
 
 Pure: no I/O. The daemon decides the rest (0-length samples, schema mismatches across samples)
 from the facts committed here: lengths and schema hashes.
+
+Value types (`as_arrays`, docs/datasets.md): numpy arrays and torch tensors are kept as they
+are (their dtype is the user's choice); numpy scalars become 0-d arrays of their dtype; Python
+values become numpy arrays with these dtypes:
+- int -> int64: what torch.tensor(int) gives and what embedding lookups and cross-entropy
+  targets take; token ids outgrow int16, and int32 would need a cast on the trainer;
+- float -> float32: torch's default float dtype; float64 would double the bytes in shared
+  memory and make the model's first op upcast (or fail on a float32 weight);
+- bool -> bool;
+- a scalar becomes a 0-d array (collated to shape (B,), like torch's default_collate), not
+  shape [1], so a per-sample number stays a number;
+- a list or tuple (nested: rectangular) becomes an array of the shape of its nesting, with the
+  element dtype above (any float makes it float32; ints and bools mixed make it int64);
+  an empty list becomes int64 of shape (0,) (an empty token list).
+Anything else (str, None, dict, ragged nesting, ints beyond int64) is refused with
+RejectReason.UNSUPPORTED_VALUE and one line naming the key, the type and the fix.
 """
 
 from __future__ import annotations
@@ -16,7 +32,13 @@ from typing import Any
 
 import numpy as np
 
-from odbclient.shm import SampleEncodeError, UnsupportedDtypeError, encoded_size
+from odbclient.shm import (
+    FieldMeta,
+    SampleEncodeError,
+    SampleMeta,
+    UnsupportedDtypeError,
+    encoded_size,
+)
 
 _MAX_DETAIL_CHARS = 300
 _UINT32_MAX = 0xFFFF_FFFF
@@ -30,6 +52,8 @@ class RejectReason(enum.StrEnum):
     NOT_A_DICT = "not_a_dict"  # not a mapping of string keys to numpy arrays / torch tensors
     PREPROCESS_ERROR = "preprocess_error"  # dataset[identity] raised
     TOO_LARGE = "too_large"  # larger than the producer's whole lane: waiting would never help
+    UNSUPPORTED_VALUE = "unsupported_value"  # str, None, dict, ragged list: not numbers
+    LENGTH_KEY_NOT_1D = "length_key_not_1d"  # e.g. (1, L) from return_tensors="pt"
 
 
 class SampleRejected(Exception):
@@ -52,14 +76,120 @@ class SampleFacts:
 
 
 def fetch_sample(dataset: Any, identity: int) -> Any:
-    """`dataset[identity]`; whatever the user's preprocessing raises becomes a rejection."""
+    """`dataset[identity]` with its values as arrays (`as_arrays`); whatever the user's
+    preprocessing raises becomes a rejection."""
     try:
-        return dataset[identity]
+        sample = dataset[identity]
     except Exception as exc:
         raise SampleRejected(
             RejectReason.PREPROCESS_ERROR,
             f"dataset[{identity}] raised {type(exc).__name__}: {exc}",
         ) from exc
+    return as_arrays(sample) if isinstance(sample, Mapping) else sample
+
+
+def as_arrays(sample: Mapping[str, Any]) -> Mapping[str, Any]:
+    """`sample` with every Python or numpy-scalar value made a numpy array (dtypes above).
+
+    A sample of arrays and tensors only is returned as is, not copied: this runs per sample on
+    the producer's hot path. Raises SampleRejected(UNSUPPORTED_VALUE) for a value that is not
+    numbers.
+    """
+    converted: dict[str, Any] | None = None
+    torch = sys.modules.get("torch")  # a tensor exists only if torch was imported
+    for key, value in sample.items():
+        if type(value) is np.ndarray:
+            if value.dtype.kind in _NOT_NUMBER_KINDS:
+                culprit = _first_non_number(value.ravel().tolist()) if value.size else value
+                raise _unsupported(key, culprit, f"a numpy array of dtype {value.dtype}")
+            continue
+        if torch is not None and isinstance(value, torch.Tensor):
+            continue
+        if converted is None:
+            converted = dict(sample)
+        converted[key] = _array_of_value(key, value)
+    return sample if converted is None else converted
+
+
+# numpy dtype kinds that are not numbers: str, bytes, object (None, dicts, ragged rows), void
+_NOT_NUMBER_KINDS = frozenset("USOV")
+_PYTHON_SCALARS: dict[type, np.dtype] = {
+    bool: np.dtype(np.bool_),
+    int: np.dtype(np.int64),
+    float: np.dtype(np.float32),
+}
+_NUMBER_TYPES = (bool, int, float, np.number, np.bool_)
+
+
+def _array_of_value(key: str, value: Any) -> np.ndarray:
+    """One non-array value as a numpy array, or SampleRejected naming the key and the fix."""
+    scalar_dtype = _PYTHON_SCALARS.get(type(value))
+    if scalar_dtype is not None:
+        try:
+            return np.asarray(value, scalar_dtype)
+        except OverflowError:
+            raise _unsupported(key, value, f"the int {value}, beyond int64") from None
+    if isinstance(value, np.generic):
+        if value.dtype.kind in _NOT_NUMBER_KINDS:
+            raise _unsupported(key, value, f"a numpy {type(value).__name__}")
+        return np.asarray(value)
+    if not isinstance(value, list | tuple):
+        raise _unsupported(key, value, _type_name(value))
+    if not value:
+        return np.zeros(0, np.int64)  # an empty token list; numpy would make it float64
+    try:
+        array = np.asarray(value)
+    except (ValueError, TypeError):  # numpy >= 1.24 refuses ragged nesting outright
+        raise _unsupported(key, value, f"a ragged nested {type(value).__name__}") from None
+    kind = array.dtype.kind
+    if kind == "f" and array.dtype.itemsize == 8:
+        return array.astype(np.float32)
+    if kind in "biuf" and array.dtype != np.uint64:
+        return array
+    bad = _first_non_number(value)
+    if bad is _ALL_NUMBERS:
+        raise _unsupported(key, value, f"a {type(value).__name__} of ints beyond int64")
+    if isinstance(bad, list | tuple):
+        raise _unsupported(key, value, f"a ragged nested {type(value).__name__}")
+    raise _unsupported(key, bad, f"a {type(value).__name__} holding {_type_name(bad)}")
+
+
+_ALL_NUMBERS = object()
+
+
+def _first_non_number(value: list | tuple) -> Any:
+    """The first element of a (nested) list that is not a number, else _ALL_NUMBERS."""
+    for item in value:
+        if isinstance(item, list | tuple):
+            inner = _first_non_number(item)
+            if inner is not _ALL_NUMBERS:
+                return inner
+        elif not isinstance(item, _NUMBER_TYPES):
+            return item
+    return _ALL_NUMBERS
+
+
+def _type_name(value: Any) -> str:
+    return "None" if value is None else f"a {type(value).__name__}"
+
+
+def _unsupported(key: str, culprit: Any, what: str) -> SampleRejected:
+    """The refusal of a value that is not numbers; `culprit` picks the fix."""
+    if isinstance(culprit, str | bytes | np.str_ | np.bytes_):
+        fix = f"drop it with `dataset.remove_columns([{key!r}])` or tokenize it"
+    elif isinstance(culprit, Mapping):
+        fix = f"flatten it into top-level keys of numbers (e.g. '{key}.x') or drop it"
+    elif culprit is None:
+        fix = "give it a value in every sample or drop the key"
+    elif "ragged" in what:
+        fix = "pad its rows to one length in preprocessing, or split it into separate keys"
+    else:
+        fix = "convert it to numbers in preprocessing or drop it"
+    return SampleRejected(
+        RejectReason.UNSUPPORTED_VALUE,
+        f"sample key {key!r} holds {what}: odbd carries numbers only (ints, floats, bools as "
+        f"lists, numpy arrays or tensors); {fix}",
+    )
 
 
 def inspect_sample(sample: Any, *, length_key: str, labels_key: str) -> SampleFacts:
@@ -93,6 +223,19 @@ def _length(sample: Mapping[str, Any], length_key: str) -> int:
             RejectReason.MISSING_LENGTH_KEY,
             f"length key {length_key!r} is a scalar; it needs a first dimension (the sequence)",
         )
+    if len(value.shape) > 1:
+        shape = tuple(value.shape)
+        hint = (
+            ": a leading 1 looks like a batch of one, e.g. tokenizer(..., return_tensors='pt'); "
+            f"return {length_key}[0] or drop return_tensors"
+            if shape[0] == 1
+            else "; return its tokens as one 1-D array (move per-token features to another key)"
+        )
+        raise SampleRejected(
+            RejectReason.LENGTH_KEY_NOT_1D,
+            f"length key {length_key!r} has shape {list(shape)}, but odbd counts a sample's "
+            f"tokens as the length of a 1-D array{hint}",
+        )
     if value.shape[0] > _UINT32_MAX:
         raise SampleRejected(RejectReason.TOO_LARGE, f"length {value.shape[0]} exceeds 2**32-1")
     return int(value.shape[0])
@@ -119,6 +262,30 @@ def schema_hash(sample: Mapping[str, Any]) -> int:
             (key, _dtype_name(v), v.ndim, tuple(v.shape[1:])) for key, v in sorted(sample.items())
         )
     )
+
+
+def schema_difference(first: SampleMeta, other: SampleMeta) -> str:
+    """One line naming what makes `other` hash unlike `first` (the keys, dtypes and dimensions
+    after the first that schema_hash covers), with both shapes and dtypes."""
+    mine = {f.name: f for f in first.fields}
+    theirs = {f.name: f for f in other.fields}
+    if set(mine) != set(theirs):
+        extra, missing = sorted(set(theirs) - set(mine)), sorted(set(mine) - set(theirs))
+        parts = [f"has key {k!r} ({_field_text(theirs[k])})" for k in extra]
+        parts += [f"lacks key {k!r} ({_field_text(mine[k])})" for k in missing]
+        return f"this sample {' and '.join(parts)} unlike the first sample"
+    for key, f in mine.items():
+        g = theirs[key]
+        if (f.dtype, len(f.shape), f.shape[1:]) != (g.dtype, len(g.shape), g.shape[1:]):
+            return (
+                f"key {key!r} is {_field_text(g)} here but {_field_text(f)} in the first sample; "
+                "only the first dimension may differ between samples"
+            )
+    return "keys, dtypes and shapes match the first sample's but the schema hashes differ"
+
+
+def _field_text(field: FieldMeta) -> str:
+    return f"{field.dtype} of shape {list(field.shape)}"
 
 
 @functools.lru_cache(maxsize=256)

@@ -398,8 +398,8 @@ def _array_of(key: str, value: Any) -> tuple[int, tuple[int, ...], Any]:
             _CODE_OF_TORCH[value.dtype] = _code_of(key, name, "torch")
         return _CODE_OF_TORCH[value.dtype], tuple(value.shape), value.detach()
     raise SampleEncodeError(
-        f"sample key {key!r} holds a {type(value).__name__}; samples must map keys to "
-        "numpy arrays or torch tensors"
+        f"sample key {key!r} holds a {type(value).__name__}; encoded samples map keys to "
+        "numpy arrays or torch tensors (odbclient.samples.as_arrays converts lists and numbers)"
     )
 
 

@@ -10,6 +10,7 @@ Every failure on the reader thread reaches the trainer as a
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 from collections.abc import Iterator
@@ -19,7 +20,7 @@ from typing import Any
 import grpc
 import numpy as np
 
-from odbclient.batch import Batch
+from odbclient.batch import Batch, Progress
 from odbclient.collate import KeySchema, collate, filler_tensors, parse_filler_schema
 from odbclient.connect import (
     PROTOCOL_VERSION,
@@ -31,12 +32,59 @@ from odbclient.connect import (
     start_reader,
     translate_rpc_error,
 )
-from odbclient.errors import DaemonTimeoutError, ProtocolError
+from odbclient.errors import ClientClosedError, DaemonTimeoutError, ProtocolError
 from odbclient.reports import DeliveryReports
 from odbclient.shm import ArenaView, decode, read_meta
-from odbclient.wire.odbd.v1 import trainer_pb2, trainer_pb2_grpc
+from odbclient.wire.odbd.v1 import admin_pb2, admin_pb2_grpc, trainer_pb2, trainer_pb2_grpc
 
 _CLOSE_GRACE_S = 2.0  # how long close() lets the daemon read our last messages
+_STATUS_TIMEOUT_S = 5.0  # asking a stalled daemon why must not become a second stall
+
+
+def daemon_says(socket: str, *, timeout_s: float = _STATUS_TIMEOUT_S) -> str:
+    """What the daemon's Admin status tells about a stall, as a clause to append to an error
+    ("" when the daemon does not answer): its phase, last error and what the round waits on."""
+    channel = grpc.insecure_channel(f"unix:{socket}")
+    try:
+        stub = admin_pb2_grpc.AdminStub(channel)
+        reply = stub.Status(admin_pb2.StatusRequest(), timeout=timeout_s)
+    except grpc.RpcError:
+        return ""
+    finally:
+        channel.close()
+    return "; " + status_clause(reply)
+
+
+def status_clause(reply: admin_pb2.StatusReply) -> str:
+    """One line of the facts of a status reply that explain why no batch comes."""
+    parts = [f"the daemon reports phase {reply.phase or 'unknown'}"]
+    if reply.last_error:
+        parts.append(f"last error: {reply.last_error}")
+    if reply.waiting_for:
+        parts.append(f"the next round waits for {reply.waiting_for}")
+    detached = [r.rank for r in reply.ranks if not r.attached]
+    parts.append(
+        f"round {reply.round}, epoch {reply.epoch}, {reply.epoch_emitted_samples} of "
+        f"{reply.dataset_size} samples emitted this epoch, {reply.buffered_samples} buffered, "
+        f"{reply.leased_samples} leased, {reply.producers} producers"
+        + (
+            f" ({reply.producers_lane_full} waiting for lane space)"
+            if reply.producers_lane_full
+            else ""
+        )
+        + (f", local ranks not attached: {detached}" if detached else "")
+    )
+    return "; ".join(parts)
+
+
+@dataclass(frozen=True, slots=True)
+class TrainerWorld:
+    """The trainer process's own view of its world, sent in the hello for the daemon to check
+    against its --world; None: unknown (no process group, no launcher variables)."""
+
+    world_size: int | None
+    rank: int | None
+    source: str  # where the numbers came from, for the daemon's messages
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +108,18 @@ class EpochEnd:
 class JobEnd:
     reason: str
     failed: bool
+
+
+def _progress(p: trainer_pb2.Progress) -> Progress:
+    return Progress(
+        epoch_steps_estimate=p.epoch_steps_estimate,
+        epoch_steps_exact=p.epoch_steps_exact,
+        epoch_sample_fraction=p.epoch_sample_fraction,
+        epoch_token_fraction=p.epoch_token_fraction,
+        epoch_tokens=p.epoch_tokens,
+        job_fraction=p.job_fraction,
+        job_steps_estimate=p.job_steps_estimate,
+    )
 
 
 class TrainerStream:
@@ -90,6 +150,7 @@ class TrainerStream:
         prefetch: int,
         resume: tuple[int, int] | None,
         connect_timeout_s: float,
+        world: TrainerWorld,
     ) -> TrainerStream:
         """Connects, sends the hello and waits for the welcome (or raises the refusal)."""
         stream = cls(
@@ -103,6 +164,11 @@ class TrainerStream:
         )
         if resume is not None:
             hello.resume, (hello.resume_epoch, hello.resume_step) = True, resume
+        if world.world_size is not None:
+            hello.world_size = world.world_size
+        if world.rank is not None:
+            hello.launcher_rank = world.rank
+        hello.world_source = world.source
         stream._outbox.put(trainer_pb2.TrainerMessage(hello=hello))
         stream._call = trainer_pb2_grpc.TrainerStub(stream._channel).Train(iter(stream._outbox))
         stream._reader = start_reader(stream._read, name=f"odbclient-rank{rank}")
@@ -130,6 +196,26 @@ class TrainerStream:
         self._channel.close()
         if self._reader is not None and self._reader is not threading.current_thread():
             self._reader.join(timeout=5.0)
+        self._wake_waiter()
+
+    def _wake_waiter(self) -> None:
+        """Ends a next() that another thread is blocked in: the reader puts nothing more, so
+        without this it would wait out its whole deadline (600 s by default). Batches still
+        queued are dropped: they were never reported Delivered, so the daemon re-sends them
+        to the rank's next client."""
+        closed = Failure(
+            ClientClosedError(
+                f"the ODBClient of rank {self.rank} on unix:{self.socket} was closed; iterate a "
+                "new ODBClient to go on (the daemon re-sends the steps this one did not deliver)"
+            )
+        )
+        while True:
+            with contextlib.suppress(queue.Empty):
+                while True:
+                    self.inbox.get_nowait()
+            with contextlib.suppress(queue.Full):  # a reader past its join timeout put one
+                self.inbox.put_nowait(closed)
+                return
 
     def _await_welcome(self, timeout_s: float) -> None:
         try:
@@ -138,7 +224,7 @@ class TrainerStream:
             raise DaemonTimeoutError(
                 f"odbd on unix:{self.socket} accepted the connection of rank {self.rank} but "
                 f"sent no welcome within {timeout_s:g} s; the daemon is stuck starting; check "
-                "its log"
+                f"its log{daemon_says(self.socket)}"
             ) from None
         if isinstance(item, Failure):
             raise item.error
@@ -233,6 +319,7 @@ class TrainerStream:
             sample_ids=sample_ids,
             is_idle=step.is_idle,
             loss_scale=step.loss_scale,
+            progress=_progress(step.progress),
         )
 
     def _filler_schema(self, step: trainer_pb2.StepBatch) -> tuple[KeySchema, ...]:

@@ -209,9 +209,14 @@ def ingest(b: Board) -> None:
     )
     b.series(
         "Rejected samples / s",
-        [(rate("odbd_rejected_samples_total", "reason"), "{{reason}}")],
+        [
+            (rate("odbd_rejected_samples_total", "reason"), "{{reason}}"),
+            (rate("odbd_oversized_samples_total"), "over --token-budget (trained alone)"),
+        ],
         "short",
-        "Samples producers could not make, by reason (see the daemon log for details).",
+        "Samples producers could not make, by reason (see the daemon log for details; "
+        "docs/datasets.md lists the reasons). Over --token-budget: samples trained alone in "
+        "a step larger than the budget (not rejected).",
     )
     b.series(
         "Producers, restarts, expired leases, full lanes",

@@ -7,140 +7,375 @@ ODBD_JOIN=false); a flag on the command line wins over the environment.
 from __future__ import annotations
 
 import argparse
+import difflib
 import logging
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from enum import StrEnum
 from pathlib import Path
-from typing import NoReturn
 
-from odbd.config import DaemonConfig, default_socket, node_rank_from_environment
+from odbd import flag_files, flags
+from odbd.config import DEFAULT_PADS, DaemonConfig, default_socket, node_rank_from_environment
 from odbd.errors import ConfigError
 from odbd.planner.config import Balance, Grouping, LossScaling
-from odbd.round.config import PeerTls
 from odbd.world import World
 
-EXIT_USAGE = 2
-SUBCOMMANDS = ("simulate", "demo", "status")
+EXIT_USAGE = flags.EXIT_USAGE
+SUBCOMMANDS = {
+    "simulate": "run the planner offline over a length distribution and compare baselines",
+    "demo": "a local multi-node cluster on loopback: daemons, producers, simulated trainers",
+    "status": "a live view of a running daemon, read over its unix socket",
+}
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+USAGE = """odbd --world W --nproc-per-node G (--dataset MODULE:FACTORY | --dataset-size N) [flags]
+       odbd {simulate,demo,status} [--help] ..."""
+EPILOG = "commands:\n" + "".join(f"  odbd {name:9} {what}\n" for name, what in SUBCOMMANDS.items())
+EPILOG += """
+environment:
+  every flag also reads ODBD_<FLAG>, e.g. ODBD_WORLD=16, ODBD_JOIN=false, ODBD_PAD=input_ids=0;
+  a flag on the command line wins. Booleans take true/false, 1/0, yes/no or on/off.
+  Without --node-rank: NODE_RANK, GROUP_RANK, JOB_COMPLETION_INDEX or the pod ordinal of HOSTNAME.
+"""
 
 
-class _OneLineParser(argparse.ArgumentParser):
-    """Operator errors are one line and exit status 2, never a usage dump or a traceback."""
-
-    def error(self, message: str) -> NoReturn:
-        self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")
-
-
-def _size(text: str) -> int:
-    """Bytes with an optional K/M/G suffix (powers of two)."""
-    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
-    text = text.strip().lower().removesuffix("b").removesuffix("i")
-    if text and text[-1] in units:
-        return int(float(text[:-1]) * units[text[-1]])
-    return int(text)
-
-
-def _key_value(text: str) -> tuple[str, str]:
-    key, sep, value = text.partition("=")
-    if not sep or not key:
-        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
-    return key, value
-
-
-def daemon_parser() -> argparse.ArgumentParser:
-    p = _OneLineParser(prog="odbd", description="online dynamic batching daemon (one per node)")
-    add = p.add_argument
-    add("--world", type=int, required=True, metavar="W", help="trainer DDP world size")
-    add("--nproc-per-node", type=int, required=True, metavar="G", help="trainer ranks per node")
-    add("--node-rank", type=int, metavar="n", help="default: NODE_RANK/GROUP_RANK or pod index")
-    add("--peers", default="", metavar="H:P,...", help="peer daemons in node-rank order")
-    add("--listen", default="127.0.0.1:0", metavar="HOST:PORT", help="peer gRPC listener")
-    add("--socket", default=default_socket(), metavar="PATH", help="unix socket (mode 0600)")
-    add("--metrics-port", type=int, metavar="P", help="serve Prometheus /metrics on this port")
-    add("--metrics-host", default="127.0.0.1", metavar="HOST", help="address /metrics binds")
-    add("--health-listen", default="", metavar="HOST:PORT", help="grpc.health.v1 over TCP")
-    add("--drain-timeout", type=float, default=30.0, metavar="S", help="SIGTERM grace period")
-    add(
+def daemon_parser() -> flags.OneLineParser:
+    """The daemon's flags; each value is checked by its type function at parse time."""
+    p = flags.OneLineParser(
+        prog="odbd",
+        usage=USAGE,
+        description="online dynamic batching daemon (one per node)",
+        epilog=EPILOG,
+    )
+    count, seconds = flags.integer, flags.seconds
+    world = p.add_argument_group("world and data")
+    world.add_argument(
+        "--world", type=count(1), required=True, metavar="W", help="trainer DDP world size"
+    )
+    world.add_argument(
+        "--nproc-per-node", type=count(1), required=True, metavar="G", help="trainer ranks per node"
+    )
+    world.add_argument(
+        "--node-rank",
+        type=count(0),
+        metavar="N",
+        help="this node's index (default: from NODE_RANK, GROUP_RANK, JOB_COMPLETION_INDEX "
+        "or the pod name)",
+    )
+    world.add_argument(
+        "--dataset", metavar="MODULE:FACTORY", help="spawn producers importing this dataset"
+    )
+    world.add_argument(
+        "--dataset-arg",
+        type=flags.key_value,
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="argument of the dataset factory (repeatable)",
+    )
+    world.add_argument(
+        "--workers",
+        type=count(0),
+        default=2,
+        metavar="K",
+        help="producer processes to spawn with --dataset",
+    )
+    world.add_argument(
+        "--dataset-size",
+        type=count(0, flags.MAX_DATASET_SIZE),
+        metavar="N",
+        help="dataset length, with external producers (instead of --dataset)",
+    )
+    plan = p.add_argument_group("batching")
+    # --token-budget and --buffer: PlannerConfig checks them (> 0) with messages naming the flag.
+    plan.add_argument(
+        "--token-budget", type=int, default=12288, metavar="L", help="padded tokens per group"
+    )
+    plan.add_argument(
+        "--buffer", type=int, default=1024, metavar="B", help="samples buffered per rank"
+    )
+    plan.add_argument(
+        "--seed",
+        type=count(0, flags.MAX_SEED),
+        default=0,
+        metavar="S",
+        help="sampler seed (as DistributedSampler)",
+    )
+    plan.add_argument("--epochs", type=count(0), default=1, metavar="E", help="0 = endless")
+    plan.add_argument(
+        "--join",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="join: every identity each epoch; no-join: sample quota",
+    )
+    plan.add_argument(
+        "--shuffle",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="shuffle like DistributedSampler(shuffle=True)",
+    )
+    plan.add_argument(
+        "--loss-scaling",
+        type=flags.choice_of([m.value for m in LossScaling]),
+        default="exact",
+        metavar=_choices(LossScaling),
+        help="how per-rank losses are scaled",
+    )
+    plan.add_argument(
+        "--grouping",
+        type=flags.choice_of([g.value for g in Grouping]),
+        default="min-time",
+        metavar=_choices(Grouping),
+        help="how samples are grouped into steps",
+    )
+    plan.add_argument(
+        "--balance",
+        type=flags.choice_of([b.value for b in Balance]),
+        default="node",
+        metavar=_choices(Balance),
+        help="pool a node's buffers or keep per-rank buffers",
+    )
+    plan.add_argument(
+        "--length-key",
+        type=flags.nonempty,
+        default="input_ids",
+        metavar="KEY",
+        help="key whose length is the sample's token count",
+    )
+    plan.add_argument(
+        "--labels-key",
+        type=flags.nonempty,
+        default="labels",
+        metavar="KEY",
+        help="key whose -100 entries carry no loss",
+    )
+    plan.add_argument(
+        "--pad",
+        type=flags.key_number,
+        action="append",
+        default=[],
+        metavar="KEY=NUMBER",
+        help="pad value of a key (labels=-100 is built in; repeatable)",
+    )
+    plan.add_argument(
+        "--steps-ahead",
+        type=count(0),
+        default=64,
+        metavar="K",
+        help="plan the next round once a rank has at most K steps queued",
+    )
+    net = p.add_argument_group("sockets and network")
+    net.add_argument(
+        "--socket",
+        type=flags.socket_path,
+        default=default_socket(),
+        metavar="PATH",
+        help="unix socket of trainers and producers (mode 0600); its directory must exist",
+    )
+    net.add_argument(
+        "--peers",
+        type=flags.host_port_list,
+        default=(),
+        metavar="H:P,...",
+        help="peer daemons in node-rank order (multi-node)",
+    )
+    net.add_argument(
+        "--listen",
+        type=flags.host_port,
+        default="127.0.0.1:0",
+        metavar="HOST:PORT",
+        help="peer gRPC listener",
+    )
+    net.add_argument(
+        "--metrics-port",
+        type=count(0, 65535),
+        metavar="P",
+        help="serve Prometheus /metrics on this port (0 = any free port)",
+    )
+    net.add_argument(
+        "--metrics-host",
+        type=flags.nonempty,
+        default="127.0.0.1",
+        metavar="HOST",
+        help="address /metrics binds",
+    )
+    net.add_argument(
+        "--health-listen",
+        type=flags.optional_host_port,
+        default="",
+        metavar="HOST:PORT",
+        help="grpc.health.v1 over TCP; empty = socket only",
+    )
+    safety = p.add_argument_group("timeouts, state and security")
+    safety.add_argument(
+        "--lease-timeout",
+        type=seconds(allow_zero=False),
+        default=60.0,
+        metavar="S",
+        help="a producer's lease expires after S without a commit",
+    )
+    safety.add_argument(
+        "--round-timeout",
+        type=seconds(allow_zero=False),
+        default=300.0,
+        metavar="S",
+        help="a round's contributions arrive within S",
+    )
+    safety.add_argument(
+        "--join-timeout",
+        type=seconds(allow_zero=False),
+        default=120.0,
+        metavar="S",
+        help="every daemon joins the job within S",
+    )
+    safety.add_argument(
+        "--drain-timeout",
+        type=seconds(allow_zero=True),
+        default=30.0,
+        metavar="S",
+        help="SIGTERM grace period",
+    )
+    safety.add_argument(
         "--attach-timeout",
-        type=float,
+        type=seconds(allow_zero=False),
         default=1800.0,
         metavar="S",
         help="a local rank not attached this long (from start-up or its detach) fails the job; "
         "generous because loading a model can take many minutes. The job ends only once "
         "every local rank took its end (no fixed grace)",
     )
-    add("--dataset", metavar="MODULE:FACTORY", help="spawn producers importing this dataset")
-    add("--dataset-arg", type=_key_value, action="append", default=[], metavar="KEY=VALUE")
-    add("--workers", type=int, default=2, metavar="K", help="producer processes to spawn")
-    add("--dataset-size", type=int, metavar="N", help="external producers; dataset length")
-    add("--token-budget", type=int, default=12288, metavar="L", help="padded tokens per group")
-    add("--buffer", type=int, default=1024, metavar="B", help="samples buffered per rank")
-    add("--seed", type=int, default=0)
-    add("--epochs", type=int, default=1, metavar="E", help="0 = endless")
-    add("--join", action=argparse.BooleanOptionalAction, default=True, help="termination mode")
-    add("--shuffle", action=argparse.BooleanOptionalAction, default=True)
-    add("--loss-scaling", choices=[m.value for m in LossScaling], default="exact")
-    add("--grouping", choices=[g.value for g in Grouping], default="min-time")
-    add("--balance", choices=[b.value for b in Balance], default="node")
-    add("--length-key", default="input_ids")
-    add("--labels-key", default="labels", help="key whose -100 entries carry no loss")
-    add("--pad", type=_key_value, action="append", default=[], metavar="KEY=VALUE")
-    add("--state-dir", type=Path, metavar="DIR")
-    add("--job-id", default="odbd")
-    add("--job-token-file", type=Path, metavar="FILE", help="shared secret of the job's daemons")
-    add("--tls-cert", type=Path, metavar="PEM", help="peer mTLS: this daemon's certificate")
-    add("--tls-key", type=Path, metavar="PEM", help="peer mTLS: its private key")
-    add("--tls-ca", type=Path, metavar="PEM", help="peer mTLS: CA that signs every daemon")
-    add("--shm-size", type=_size, default=1 << 30, metavar="BYTES", help="e.g. 512M, 4G")
-    add("--lease-timeout", type=float, default=60.0, metavar="S")
-    add("--round-timeout", type=float, default=300.0, metavar="S")
-    add("--join-timeout", type=float, default=120.0, metavar="S")
-    add("--steps-ahead", type=int, default=64, metavar="K", help="queued steps per rank")
-    add("--log-level", default="INFO")
+    safety.add_argument(
+        "--state-dir",
+        type=Path,
+        metavar="DIR",
+        help="journal directory for restarts (created if missing)",
+    )
+    safety.add_argument(
+        "--job-id",
+        type=flags.nonempty,
+        default="odbd",
+        metavar="ID",
+        help="names the job's shm segments; peers must match",
+    )
+    safety.add_argument(
+        "--job-token-file",
+        type=Path,
+        metavar="FILE",
+        help="shared secret of the job's daemons (non-empty)",
+    )
+    safety.add_argument(
+        "--tls-cert", type=Path, metavar="PEM", help="peer mTLS: this daemon's certificate"
+    )
+    safety.add_argument("--tls-key", type=Path, metavar="PEM", help="peer mTLS: its private key")
+    safety.add_argument(
+        "--tls-ca", type=Path, metavar="PEM", help="peer mTLS: CA that signs every daemon"
+    )
+    safety.add_argument(
+        "--shm-size",
+        type=flags.size_bytes,
+        default="1G",
+        metavar="BYTES",
+        help="shared memory arena, e.g. 512M, 4G",
+    )
+    safety.add_argument(
+        "--log-level",
+        type=flags.choice_of(LOG_LEVELS, upper=True),
+        default="INFO",
+        metavar="LEVEL",
+        help=", ".join(LOG_LEVELS),
+    )
     return p
 
 
-def apply_environment(parser: argparse.ArgumentParser, environ: dict[str, str]) -> None:
-    """ODBD_<FLAG> values become defaults, so the command line still wins."""
+def _choices(enum: type[StrEnum]) -> str:
+    return "{" + ",".join(member.value for member in enum) + "}"
+
+
+def flags_markdown() -> str:
+    """The "Flags and environment" table of server/README.md, generated from the parser."""
+    rows = ["| flag | default | environment | meaning |", "| --- | --- | --- | --- |"]
+    for action in daemon_parser()._actions:
+        if not action.option_strings or action.dest == "help":
+            continue
+        metavar = f" {action.metavar}" if action.metavar else ""
+        names = " / ".join(f"`{name}{metavar}`" for name in action.option_strings)
+        rows.append(f"| {names} | {_default_text(action)} | `{env_name(action)}` | {action.help} |")
+    return "\n".join(rows) + "\n"
+
+
+def _default_text(action: argparse.Action) -> str:
+    if action.required:
+        return "required"
+    if action.default is None or action.default in ("", (), []):
+        return "-"
+    if action.default == default_socket():
+        return "`/tmp/odbd-$UID.sock`"
+    return f"`{action.default}`"
+
+
+def apply_environment(parser: argparse.ArgumentParser, environ: Mapping[str, str]) -> None:
+    """ODBD_<FLAG> values become defaults, so the command line still wins.
+
+    Each value goes through its flag's own type check; a bad one is a one-line error naming
+    the variable (exit 2), never silently read (ODBD_JOIN=maybe is not false).
+    """
     for action in parser._actions:
         if not action.option_strings or action.dest == "help":
             continue
-        name = "ODBD_" + action.dest.upper()
+        name = env_name(action)
         if name not in environ:
             continue
         raw = environ[name]
-        if isinstance(action, argparse.BooleanOptionalAction):
-            value: object = raw.strip().lower() in ("1", "true", "yes", "on")
-        elif action.type is not None:
-            try:
-                value = action.type(raw)  # type: ignore[operator]
-            except (ValueError, argparse.ArgumentTypeError) as error:
-                raise ConfigError(f"{name}={raw!r} is not valid: {error}") from None
-        else:
-            value = raw
+        parse = flags.boolean if isinstance(action, argparse.BooleanOptionalAction) else action.type
+        try:
+            value = parse(raw) if callable(parse) else raw
+        except (ValueError, argparse.ArgumentTypeError) as error:
+            parser.error(f"{name}={raw!r}: {error}")
         if isinstance(action, argparse._AppendAction):
             value = [value]
         action.default = value
         action.required = False
 
 
-def config_from_args(args: argparse.Namespace) -> DaemonConfig:
-    token = b""
-    if args.job_token_file is not None:
-        try:
-            token = args.job_token_file.read_bytes().strip()
-        except OSError as error:
-            raise ConfigError(f"cannot read --job-token-file: {error}") from None
-    pads = {"labels": -100.0}
-    for key, value in args.pad:
-        try:
-            pads[key] = float(value)
-        except ValueError:
-            raise ConfigError(f"--pad {key}={value}: the value must be a number") from None
+def refuse_misspelt_variables(parser: flags.OneLineParser, environ: Mapping[str, str]) -> None:
+    """An ODBD_* name that is almost a flag's (ODBD_WROLD) or a negated boolean (ODBD_NO_JOIN)
+    would be ignored silently and the daemon would run with the default: refuse it instead.
+    Other ODBD_* names (the benchmarks' settings, say) are not the daemon's business."""
+    actions = [a for a in parser._actions if a.option_strings and a.dest != "help"]
+    known = {env_name(a) for a in actions}
+    negated = {
+        "ODBD_NO_" + a.dest.upper(): env_name(a)
+        for a in actions
+        if isinstance(a, argparse.BooleanOptionalAction)
+    }
+    for name in sorted(n for n in environ if n.startswith("ODBD_") and n not in known):
+        if name in negated:
+            parser.error(f"{name} is not read; write {negated[name]}=false instead")
+        match = difflib.get_close_matches(name, sorted(known), n=1, cutoff=0.8)
+        if match:
+            parser.error(f"{name} is not a flag's variable; did you mean {match[0]}?")
+
+
+def env_name(action: argparse.Action) -> str:
+    return "ODBD_" + action.dest.upper()
+
+
+def config_from_args(
+    args: argparse.Namespace, environ: Mapping[str, str] | None = None
+) -> DaemonConfig:
+    """The DaemonConfig of parsed flags; reads the files the flags name, checks the paths."""
+    node_rank = args.node_rank
+    if node_rank is None:
+        node_rank = node_rank_from_environment(environ)
+    flag_files.check_socket_directory(args.socket)
+    if args.state_dir is not None:
+        flag_files.check_state_dir(args.state_dir)
+    pads = dict(DEFAULT_PADS) | dict(args.pad)
     return DaemonConfig(
-        world=World(args.world, args.nproc_per_node),
-        node_rank=args.node_rank if args.node_rank is not None else node_rank_from_environment(),
-        peers=tuple(p.strip() for p in args.peers.split(",") if p.strip()),
+        world=_world(args.world, args.nproc_per_node),
+        node_rank=node_rank,
+        peers=args.peers,
         listen=args.listen,
         socket=args.socket,
         metrics_port=args.metrics_port,
@@ -166,8 +401,8 @@ def config_from_args(args: argparse.Namespace) -> DaemonConfig:
         pads=tuple(pads.items()),
         state_dir=args.state_dir,
         job_id=args.job_id,
-        job_token=token,
-        peer_tls=_peer_tls(args),
+        job_token=flag_files.read_job_token(args.job_token_file),
+        peer_tls=flag_files.read_peer_tls(args.tls_cert, args.tls_key, args.tls_ca),
         shm_size=args.shm_size,
         lease_timeout_s=args.lease_timeout,
         round_timeout_s=args.round_timeout,
@@ -176,28 +411,13 @@ def config_from_args(args: argparse.Namespace) -> DaemonConfig:
     )
 
 
-def _peer_tls(args: argparse.Namespace) -> PeerTls | None:
-    """The three --tls-* files (all or none), read once: the daemon never rereads them."""
-    files = {"--tls-cert": args.tls_cert, "--tls-key": args.tls_key, "--tls-ca": args.tls_ca}
-    given = [flag for flag, path in files.items() if path is not None]
-    if not given:
-        return None
-    if len(given) != len(files):
-        missing = sorted(set(files) - set(given))
+def _world(world_size: int, ranks_per_node: int) -> World:
+    try:
+        return World(world_size, ranks_per_node)
+    except ConfigError as error:
         raise ConfigError(
-            f"peer mTLS needs --tls-cert, --tls-key and --tls-ca together; missing {missing}"
-        )
-    data = {}
-    for flag, path in files.items():
-        try:
-            data[flag] = path.read_bytes()
-        except OSError as error:
-            raise ConfigError(f"cannot read {flag}: {error}") from None
-    return PeerTls(
-        cert_chain=data["--tls-cert"],
-        private_key=data["--tls-key"],
-        root_certificates=data["--tls-ca"],
-    )
+            f"--world {world_size} --nproc-per-node {ranks_per_node}: {error}"
+        ) from None
 
 
 def dataset_size_of(config: DaemonConfig) -> int:
@@ -211,20 +431,22 @@ def dataset_size_of(config: DaemonConfig) -> int:
     return len(load_dataset(config.dataset, args))
 
 
-def run_daemon_command(argv: Sequence[str]) -> int:
+def run_daemon_command(argv: Sequence[str], environ: Mapping[str, str] | None = None) -> int:
+    """Parses and checks everything (exit 2 with one line on a bad input), then runs the daemon."""
+    env = dict(os.environ) if environ is None else dict(environ)
     parser = daemon_parser()
+    refuse_misspelt_variables(parser, env)
+    apply_environment(parser, env)
+    args = parser.parse_args(list(argv))
     try:
-        apply_environment(parser, dict(os.environ))
-        args = parser.parse_args(list(argv))
-        logging.basicConfig(
-            level=args.log_level.upper(),
-            format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        )
-        config = config_from_args(args)
+        config = config_from_args(args, env)
         size = dataset_size_of(config)
-    except (ConfigError, ValueError) as error:
+    except (ConfigError, ValueError) as error:  # DatasetLoadError is a ValueError
         print(f"odbd: error: {error}", file=sys.stderr)
         return EXIT_USAGE
+    logging.basicConfig(
+        level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     from odbd.daemon.app import run_daemon
 
     return run_daemon(config, size)
@@ -232,18 +454,27 @@ def run_daemon_command(argv: Sequence[str]) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] == "simulate":
+    command = argv[0] if argv else ""
+    if command == "simulate":
         from odbd.simulate import main as simulate_main
 
         return simulate_main(argv[1:])
-    if argv and argv[0] == "demo":
+    if command == "demo":
         from odbd.demo.command import main as demo_main
 
         return demo_main(argv[1:])
-    if argv and argv[0] == "status":
+    if command == "status":
         from odbd.status import main as status_main
 
         return status_main(argv[1:])
+    if command and not command.startswith("-"):
+        suggestion = flags.did_you_mean(command, list(SUBCOMMANDS), quote="'")
+        print(
+            f"odbd: error: unknown command {command!r}{suggestion} (commands: "
+            f"{', '.join(SUBCOMMANDS)}; the daemon itself takes only --flags, see odbd --help)",
+            file=sys.stderr,
+        )
+        return EXIT_USAGE
     return run_daemon_command(argv)
 
 

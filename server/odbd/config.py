@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from odbd.errors import ConfigError
 from odbd.planner.config import Balance, Grouping, LossScaling, PlannerConfig
-from odbd.round.config import PeerTls
 from odbd.world import World
+
+if TYPE_CHECKING:  # odbd.round imports grpc; `odbd --help` and flag errors should not wait
+    from odbd.round.config import PeerTls
 
 DEFAULT_PADS = {"labels": -100.0}
 
@@ -20,12 +24,23 @@ def default_socket() -> str:
     return f"/tmp/odbd-{os.getuid()}.sock"
 
 
-def node_rank_from_environment(environ: dict[str, str] | None = None) -> int:
-    """torchrun's NODE_RANK/GROUP_RANK, an Indexed Job's completion index, or a pod ordinal."""
-    env = dict(os.environ) if environ is None else environ
+def node_rank_from_environment(environ: Mapping[str, str] | None = None) -> int:
+    """torchrun's NODE_RANK/GROUP_RANK, an Indexed Job's completion index, or a pod ordinal.
+
+    The first of those variables that is set (and not blank) decides; surrounding whitespace is
+    ignored, and a value that is not an index is an error rather than a silent node 0.
+    """
+    env = os.environ if environ is None else environ
     for key in ("NODE_RANK", "GROUP_RANK", "JOB_COMPLETION_INDEX"):
-        if env.get(key, "").isdigit():
-            return int(env[key])
+        text = env.get(key, "").strip()
+        if not text:
+            continue
+        if not (text.isascii() and text.isdigit()):
+            raise ConfigError(
+                f"{key}={env[key]!r} is not a node index (an integer >= 0), so this daemon "
+                f"cannot tell which node it is; fix {key} in the launcher or pass --node-rank"
+            )
+        return int(text)
     ordinal = re.search(r"-(\d+)$", env.get("HOSTNAME", ""))  # StatefulSet pod name-<n>
     return int(ordinal.group(1)) if ordinal else 0
 
@@ -98,6 +113,11 @@ class DaemonConfig:
             raise ConfigError(f"--epochs must be >= 0 (0 = endless), got {self.epochs}")
         if self.workers < 0:
             raise ConfigError(f"--workers must be >= 0, got {self.workers}")
+        if self.dataset is not None and self.workers == 0:
+            raise ConfigError(
+                "--workers 0 with --dataset spawns no producer, so no sample would ever arrive; "
+                "pass --workers K >= 1, or --dataset-size N and start producers yourself"
+            )
         if self.drain_timeout_s < 0:
             raise ConfigError(f"--drain-timeout must be >= 0 seconds, got {self.drain_timeout_s}")
         if not self.attach_timeout_s > 0:

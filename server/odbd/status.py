@@ -1,23 +1,59 @@
-"""`odbd status`: a live view of a running daemon, read over its unix socket."""
+"""`odbd status`: a live view of a running daemon, read over its unix socket.
+
+The socket is --socket, else $ODBD_SOCKET, else the per-user default: the order ODBClient uses,
+so `odbd status` in a trainer's environment asks that trainer's daemon.
+"""
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
+from collections.abc import Mapping
 
 import grpc
 
 from odbclient.wire.odbd.v1 import admin_pb2, admin_pb2_grpc
+from odbd import flags
 from odbd.config import default_socket
+
+SOCKET_ENV = "ODBD_SOCKET"
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="odbd status", description=__doc__)
-    p.add_argument("--socket", default=default_socket(), help="the daemon's unix socket")
-    p.add_argument("--watch", type=float, default=0.0, metavar="S", help="refresh every S s")
-    p.add_argument("--timeout", type=float, default=5.0, metavar="S")
+    p = flags.OneLineParser(prog="odbd status", description=__doc__)
+    p.add_argument(
+        "--socket",
+        type=flags.socket_path,
+        metavar="PATH",
+        help=f"the daemon's unix socket (default: ${SOCKET_ENV}, else {default_socket()})",
+    )
+    p.add_argument(
+        "--watch",
+        type=flags.seconds(allow_zero=True),
+        default=0.0,
+        metavar="S",
+        help="refresh every S seconds; 0 = print once",
+    )
+    p.add_argument(
+        "--timeout",
+        type=flags.seconds(allow_zero=False),
+        default=5.0,
+        metavar="S",
+        help="how long to wait for the daemon's answer",
+    )
     return p
+
+
+def resolve_socket(flag: str | None, environ: Mapping[str, str]) -> tuple[str, str]:
+    """(socket path, where it came from): --socket, else $ODBD_SOCKET, else the default."""
+    if flag:
+        return flag, "--socket"
+    from_env = environ.get(SOCKET_ENV, "").strip()
+    if from_env:
+        return from_env, SOCKET_ENV
+    return default_socket(), "the default"
 
 
 def render(reply: admin_pb2.StatusReply) -> str:
@@ -52,17 +88,24 @@ def _waiting(lane_full: int) -> str:
     return f" ({lane_full} waiting for lane space)" if lane_full else ""
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(argv)
-    with grpc.insecure_channel(f"unix:{args.socket}") as channel:
+def main(argv: list[str] | None = None, environ: Mapping[str, str] | None = None) -> int:
+    p = parser()
+    args = p.parse_args(argv)
+    socket, source = resolve_socket(args.socket, os.environ if environ is None else environ)
+    try:
+        flags.socket_path(socket)
+    except argparse.ArgumentTypeError as error:
+        p.error(f"{source}: {error}")
+    with grpc.insecure_channel(f"unix:{socket}") as channel:
         stub = admin_pb2_grpc.AdminStub(channel)
         while True:
             try:
                 reply = stub.Status(admin_pb2.StatusRequest(), timeout=args.timeout)
             except grpc.RpcError as error:
                 print(
-                    f"odbd status: error: no daemon answered on {args.socket} "
-                    f"({error.code().name}); is odbd running? pass --socket",
+                    f"odbd status: error: no daemon answered on {socket} (from {source}): "
+                    f"{error.code().name}; is odbd running there? pass --socket or set "
+                    f"{SOCKET_ENV} to the daemon's socket",
                     file=sys.stderr,
                 )
                 return 1

@@ -12,6 +12,7 @@ DIR/grad-first.pt, so the test can compare it with one process's per-token mean 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -57,9 +58,10 @@ class StepLog:
         self.report = open(out_dir / f"rank{rank}.jsonl", "a")  # noqa: SIM115
         self.saved_grad = False
 
-    def step(self, batch: Batch, model: torch.nn.Module) -> None:
+    def step(self, batch: Batch, model: torch.nn.Module, **extra: Any) -> None:
         record = {"epoch": batch.epoch, "step": batch.step, "ids": list(batch.sample_ids),
-                  "idle": batch.is_idle, "loss_scale": batch.loss_scale}  # fmt: skip
+                  "idle": batch.is_idle, "loss_scale": batch.loss_scale,
+                  "progress": dataclasses.asdict(batch.progress), **extra}  # fmt: skip
         self.report.write(json.dumps(record) + "\n")
         self.report.flush()
         if self.rank == 0 and not self.saved_grad:
@@ -77,14 +79,17 @@ def train_hf(args: argparse.Namespace, client: ODBClient, log: StepLog) -> dict[
     from odbclient.adapters.hf import ODBTrainer
 
     class RecordSteps(TrainerCallback):
-        def on_pre_optimizer_step(self, _args, _state, _control, **kwargs: Any) -> None:
+        def on_pre_optimizer_step(self, _args, state, _control, **kwargs: Any) -> None:
             assert trainer.odb_batches.last is not None
-            log.step(trainer.odb_batches.last, kwargs["model"])
+            lr = kwargs["optimizer"].param_groups[0]["lr"]  # the LR of the step being taken
+            log.step(trainer.odb_batches.last, kwargs["model"], lr=lr, max_steps=state.max_steps)
 
     training_args = TrainingArguments(
         output_dir=str(args.out_dir / "hf"),
-        max_steps=args.max_steps,
+        max_steps=args.max_steps,  # 0: no cap, training ends with odbd's job
         learning_rate=args.lr,
+        lr_scheduler_type=args.lr_schedule,
+        warmup_steps=args.warmup_steps,
         per_device_train_batch_size=1,  # unused: odbd sizes the batches
         max_grad_norm=0.0,  # no clipping, so the first step's gradient is DDP's own
         use_cpu=True,
@@ -128,10 +133,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--framework", choices=["hf", "accelerate"], required=True)
     p.add_argument("--out-dir", type=Path, required=True)
     p.add_argument("--max-steps", type=int, default=10_000)
+    p.add_argument("--lr-schedule", default="constant")
+    p.add_argument("--warmup-steps", type=int, default=0)
     p.add_argument("--lr", type=float, default=1e-3)
     args = p.parse_args(argv)
     torch.set_num_threads(1)
-    rank = int(os.environ["RANK"])
+    rank = int(os.environ.get("RANK", "0"))  # unset: one process (accelerate launch --cpu)
     client = ODBClient(rank=rank, deadline_s=120.0)
     log = StepLog(args.out_dir, rank)
     train = train_hf if args.framework == "hf" else train_accelerate

@@ -33,7 +33,7 @@ def rank_environment(
         GROUP_RANK=str(rank // nproc_per_node),
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(master_port),
-        PYTHONPATH=str(REPO),
+        PYTHONPATH=os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]),
         OMP_NUM_THREADS="1",
         ODB_ITERATOR_STARTUP_JITTER_SEC="0",  # the paper package sleeps up to 2 s otherwise
         HF_HUB_OFFLINE="1",  # models are built from configs: nothing may be downloaded

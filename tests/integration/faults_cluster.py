@@ -24,6 +24,7 @@ import grpc
 
 from odbclient.wire.odbd.v1 import admin_pb2, admin_pb2_grpc
 from odbd.demo.cluster import ClusterSpec, LocalCluster
+from tests.integration.harness import scaled
 
 TRAINER = Path(__file__).with_name("faults_trainer.py")
 REPO = Path(__file__).resolve().parents[2]
@@ -75,7 +76,7 @@ class FaultCluster:
 
     def start(self, timeout_s: float = 60.0) -> FaultCluster:
         self.cluster.start()
-        self.cluster.wait_sockets(timeout_s)
+        self.cluster.wait_sockets(scaled(timeout_s))
         return self
 
     def start_trainer(self, ranks: Sequence[int], *extra: str) -> subprocess.Popen[bytes]:
@@ -85,7 +86,7 @@ class FaultCluster:
         cmd += ["--epochs", str(self.epochs), *extra]
         name = "-".join(map(str, ranks))
         log = open(self.cluster.tmp / f"trainer{name}.log", "ab")  # noqa: SIM115
-        env = {**os.environ, "PYTHONPATH": str(REPO)}
+        env = {**os.environ, "PYTHONPATH": with_repo_path(os.environ.get("PYTHONPATH", ""))}
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
         log.close()
         self.trainers.append(proc)
@@ -119,12 +120,14 @@ class FaultCluster:
     def status(self, node: int, timeout_s: float = 5.0) -> admin_pb2.StatusReply:
         with grpc.insecure_channel(f"unix:{self.cluster.sockets[node]}") as channel:
             stub = admin_pb2_grpc.AdminStub(channel)
-            return stub.Status(admin_pb2.StatusRequest(), timeout=timeout_s)
+            return stub.Status(admin_pb2.StatusRequest(), timeout=scaled(timeout_s))
 
     def wait_until(
         self, predicate: Callable[[], bool], what: str, timeout_s: float = 60.0
     ) -> float:
-        """Polls `predicate`; returns the seconds it took, or fails naming `what`."""
+        """Polls `predicate`; returns the seconds it took, or fails naming `what`. `timeout_s`
+        is for an idle machine: it is scaled to the load (harness.scaled)."""
+        timeout_s = scaled(timeout_s)
         started = time.monotonic()
         while not predicate():
             if time.monotonic() - started > timeout_s:
@@ -134,8 +137,9 @@ class FaultCluster:
         return time.monotonic() - started
 
     def wait_done(self, timeout_s: float = 120.0) -> tuple[list[int | None], list[int | None]]:
-        """(daemon exit codes, trainer exit codes) once everything exited or the timeout."""
-        deadline = time.monotonic() + timeout_s
+        """(daemon exit codes, trainer exit codes) once everything exited or the timeout (for an
+        idle machine, scaled to the load)."""
+        deadline = time.monotonic() + scaled(timeout_s)
         for proc in [*self.trainers, *self.daemons, *self.producers]:
             try:
                 proc.wait(timeout=max(deadline - time.monotonic(), 0.01))
@@ -218,6 +222,13 @@ class FaultCluster:
             counts = Counter(ids)
             assert set(counts) == set(range(size)), f"epoch {epoch}: identities missing"
             assert len(ids) == size + tail, f"epoch {epoch}: {len(ids)} views, not {size + tail}"
+
+
+def with_repo_path(pythonpath: str) -> str:
+    """$PYTHONPATH with the repository root first (for `tests.`), keeping the caller's entries:
+    a worktree run with PYTHONPATH=server:client must give its trainers the same odbclient as
+    its daemons, not the installed one."""
+    return os.pathsep.join([str(REPO), *filter(None, pythonpath.split(os.pathsep))])
 
 
 def children(pid: int, needle: str) -> list[int]:

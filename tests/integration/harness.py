@@ -3,15 +3,71 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+import time
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import grpc
+
+from odbclient.wire.odbd.v1 import admin_pb2, admin_pb2_grpc
 from odbd.demo.cluster import ClusterSpec, LocalCluster
+
+SLOWDOWN_ENV = "ODBD_TEST_SLOWDOWN"
+_MAX_LOAD_SLOWDOWN = 8.0  # a runaway load average must not turn a hang into an hour-long wait
+
+
+def slowdown() -> float:
+    """How much slower than an idle machine the tests should expect this one to be: the
+    1-minute load average per core, at least 1 and at least $ODBD_TEST_SLOWDOWN when set (the
+    load average lags a load that just started, such as tests/under_load.py's hogs). Read at
+    each call, so a wait started under load gets the deadline of that moment.
+    """
+    floor = 1.0
+    value = os.environ.get(SLOWDOWN_ENV, "")
+    if value:
+        try:
+            floor = float(value)
+        except ValueError:
+            floor = 0.0
+        if not floor >= 1.0:
+            raise ValueError(
+                f"${SLOWDOWN_ENV}={value!r} is not a number >= 1; unset it to follow the load "
+                "average alone, or set e.g. 3 for a machine at least three times slower than "
+                "an idle one"
+            )
+    per_core = os.getloadavg()[0] / (os.cpu_count() or 1)
+    return max(floor, min(per_core, _MAX_LOAD_SLOWDOWN))
+
+
+def scaled(seconds: float) -> float:
+    """A deadline (or how long something must last) of `seconds` on an idle machine, scaled
+    to this machine now (see slowdown)."""
+    return seconds * slowdown()
+
+
+def poll_until(predicate: Callable[[], bool], what: str, timeout_s: float = 60.0) -> float:
+    """Polls `predicate` until true; returns the seconds it took, or raises TimeoutError naming
+    `what`. `timeout_s` is for an idle machine and scaled to this one (a sleep is no sync)."""
+    timeout_s = scaled(timeout_s)
+    started = time.monotonic()
+    while not predicate():
+        if time.monotonic() - started > timeout_s:
+            raise TimeoutError(f"timed out after {timeout_s:.0f} s waiting until {what}")
+        time.sleep(0.05)
+    return time.monotonic() - started
+
+
+def admin_status(socket: str, timeout_s: float = 5.0) -> admin_pb2.StatusReply:
+    """`odbd status` of the daemon on `socket` (Admin.Status over its unix socket)."""
+    with grpc.insecure_channel(f"unix:{socket}") as channel:
+        stub = admin_pb2_grpc.AdminStub(channel)
+        return stub.Status(admin_pb2.StatusRequest(), timeout=scaled(timeout_s))
 
 
 @dataclass
@@ -53,6 +109,7 @@ def run_cluster(
     timeout_s: float = 120.0,
     trainer_args: dict[int, Sequence[str]] | None = None,
 ) -> RunResult:
+    timeout_s = scaled(timeout_s)  # given for an idle machine
     spec = ClusterSpec(
         nodes=nodes,
         ranks_per_node=ranks_per_node,

@@ -32,12 +32,19 @@ DATA = {"size": 40, "seed": 1, "label_shift": 0}
 WORLD, MAX_STEPS = 2, 10_000
 
 
-def train(framework: str, out_dir: Path) -> Reports:
+def train(
+    framework: str,
+    out_dir: Path,
+    *,
+    data: dict = DATA,
+    daemon_args: tuple[str, ...] = (),
+    trainer_args: tuple[str, ...] = ("--max-steps", str(MAX_STEPS)),
+) -> Reports:
     cluster = odbd_cluster(
         nodes=1,
         ranks_per_node=WORLD,
-        data=DATA,
-        daemon_args=["--token-budget", "256", "--buffer", "8"],
+        data=data,
+        daemon_args=["--token-budget", "256", "--buffer", "8", *daemon_args],
     )
     try:
         cluster.start()
@@ -45,12 +52,14 @@ def train(framework: str, out_dir: Path) -> Reports:
         ranks = launch_ranks(
             world=WORLD, nproc_per_node=WORLD, out_dir=out_dir, sockets=cluster.sockets,
             module="tests.integration.ddp_hf_trainer",
-            trainer_args=["--framework", framework, "--max-steps", str(MAX_STEPS)],
+            trainer_args=["--framework", framework, *trainer_args],
         )  # fmt: skip
         codes = ranks.wait(150.0)
     finally:
         cluster.stop()
     assert codes == [0] * WORLD, f"{codes}\n{ranks.logs()}\n{cluster.log(0)}"
+    for log in out_dir.glob("trainer*.log"):
+        assert "not to be a single sample" not in log.read_text(), ranks.logs()
     return Reports.read(out_dir, WORLD)
 
 
@@ -104,3 +113,43 @@ def test_importing_odbclient_and_its_adapters_package_loads_no_framework() -> No
         "assert not {'transformers', 'accelerate'} & set(sys.modules), sorted(sys.modules)"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_hf_trainer_follows_odbd_progress_without_max_steps(tmp_path: Path) -> None:
+    """No max_steps: the progress bar's total follows odbd's estimate (exact at the end), a
+    cosine schedule with warm-up lands on its floor at the job's last step, and training stops
+    there without an empty epoch (the Trainer's "not a single sample" warning)."""
+    data, lr, epochs = {**DATA, "size": 64}, 1e-3, 2
+    reports = train(
+        "hf", tmp_path, data=data, daemon_args=("--epochs", str(epochs)),
+        trainer_args=("--max-steps", "0", "--lr-schedule", "cosine", "--warmup-steps", "2",
+                      "--lr", str(lr)),
+    )  # fmt: skip
+    steps = [reports.steps(rank) for rank in range(WORLD)]
+    n = len(steps[0])
+    assert all(len(s) == n for s in steps) and reports.done(0)["global_step"] == n
+    for epoch in range(epochs):
+        assert Counter(reports.ids(epoch)) == Counter(range(data["size"])), epoch
+    # Progress is the same on every rank; fractions never decrease; each epoch's last step
+    # knows it is the last, with the exact count.
+    assert [r["progress"] for r in steps[0]] == [r["progress"] for r in steps[1]]
+    progress = [r["progress"] for r in steps[0]]
+    for key in ("epoch_sample_fraction", "epoch_token_fraction"):
+        for epoch in range(epochs):
+            values = [
+                p[key] for p, r in zip(progress, steps[0], strict=True) if r["epoch"] == epoch
+            ]
+            assert values == sorted(values) and values[-1] == 1.0, (key, epoch, values)
+    jobs = [p["job_fraction"] for p in progress]
+    assert jobs == sorted(jobs) and jobs[-1] == 1.0 and jobs[-2] < 1.0, jobs
+    for epoch in range(epochs):
+        rows = [(r, p) for r, p in zip(steps[0], progress, strict=True) if r["epoch"] == epoch]
+        assert rows[-1][1]["epoch_steps_exact"] and rows[-1][1]["epoch_steps_estimate"] == len(rows)
+        assert not any(p["epoch_steps_exact"] for _, p in rows[:-1]), rows
+    assert steps[0][-1]["max_steps"] == n, "the progress bar's total is not the run's length"
+    # Warm-up (HF's convention: step 0 at LR 0), then cosine to 0 over the job fraction.
+    lrs = [r["lr"] for r in steps[0]]
+    assert lrs[0] == 0.0 and abs(lrs[1] - lr / 2) < 1e-12, lrs[:3]
+    near_floor = [i for i, v in enumerate(lrs) if i >= 2 and v <= 0.01 * lr]
+    assert near_floor and near_floor[0] >= 0.95 * (n - 1), (n, lrs)
+    assert lrs[-1] <= 0.01 * lr, lrs

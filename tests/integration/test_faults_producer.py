@@ -9,6 +9,7 @@ import time
 import pytest
 
 from tests.integration.faults_cluster import FaultCluster, synthetic
+from tests.integration.harness import scaled
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -21,18 +22,23 @@ def test_producer_killed_mid_sample_loses_nothing_and_its_lane_is_reclaimed():
     size = 301
     # Each sample takes 30 ms to "preprocess", so the producer is almost always inside
     # dataset[i] (holding leases, with nothing committed for them) when the kill lands.
+    # --steps-ahead 1: the daemon plans only as the trainers consume, so production follows
+    # them; otherwise, on a loaded machine, the producer finished the whole epoch while the
+    # trainers were still starting and the kill found nothing to lose (issue 11).
     args = [*synthetic(size, workers=WORKERS, delay_s=0.03), "--buffer", "16"]
+    args += ["--steps-ahead", "1"]
     with FaultCluster(nodes=2, ranks_per_node=2, daemon_args=args) as fc:
         release = fc.cluster.tmp / "release"
-        fc.start_trainers("--hold-s", "30", "--hold-until", str(release))
+        fc.start_trainers("--hold-s", str(scaled(120)), "--hold-until", str(release))
         fc.wait_until(lambda: fc.steps_seen(2) >= 2, "node 1's ranks trained 2 steps")
-        fc.wait_until(lambda: fc.status(1).leased_samples > 0, "node 1's producer holds leases")
         victim = fc.producer_pids(1)[0]
+        fc.wait_until(lambda: _stopped_holding_leases(fc, victim), "node 1's producer holds leases")
         killed_s = time.monotonic()
         os.kill(victim, signal.SIGKILL)
+        os.kill(victim, signal.SIGCONT)  # a SIGKILLed process dies stopped or not; be explicit
         restarted_s = fc.wait_until(
-            lambda: len(set(fc.producer_pids(1)) - {victim}) == WORKERS,
-            "the supervisor restarted the killed producer",
+            lambda: fc.log(1).count(" attached (lane ") == 1 + WORKERS,
+            "the supervisor restarted the killed producer and it attached",
             timeout_s=30,
         )
         fc.wait_until(
@@ -60,15 +66,30 @@ def test_producer_killed_mid_sample_loses_nothing_and_its_lane_is_reclaimed():
               f"(kill at t={killed_s:.1f}); {detached[0].split(': ', 1)[-1]}")  # fmt: skip
 
 
+def _stopped_holding_leases(fc: FaultCluster, producer: int, node: int = 1) -> bool:
+    """Stops `producer` (SIGSTOP) and leaves it stopped if it holds leases: then the kill that
+    follows lands mid-sample (with one producer per node, its own leases) however slowly the
+    test itself runs."""
+    os.kill(producer, signal.SIGSTOP)
+    if fc.status(node).leased_samples > 0:
+        return True
+    os.kill(producer, signal.SIGCONT)
+    return False
+
+
 def test_hung_producer_leases_expire_and_are_re_leased_to_another():
-    size = 200
+    # --steps-ahead 1 and 400 samples: production follows the trainers and lasts seconds, so
+    # the job is still running when the test acts; under load the whole job of 200 samples
+    # once ended first and the status call found the daemon gone (issue 11).
+    size = 400
     args = [*synthetic(size, workers=2, delay_s=0.02), "--buffer", "16", "--lease-timeout", "2"]
+    args += ["--steps-ahead", "1"]
     with FaultCluster(nodes=1, ranks_per_node=2, daemon_args=args) as fc:
         fc.start_trainers()
         fc.wait_until(lambda: fc.steps_seen(0) >= 2, "rank 0 trained 2 steps")
-        fc.wait_until(lambda: fc.status(0).leased_samples > 0, "producers hold leases")
         victim = fc.producer_pids(0)[0]
-        os.kill(victim, signal.SIGSTOP)  # hung, not dead: its stream stays open
+        # Hung, not dead: its stream stays open. Stopped only while leases are held.
+        fc.wait_until(lambda: _stopped_holding_leases(fc, victim, node=0), "producers hold leases")
         try:
             took_s = fc.wait_until(
                 lambda: "leases expired without a commit" in fc.log(0),

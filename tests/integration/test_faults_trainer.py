@@ -8,6 +8,7 @@ import time
 import pytest
 
 from tests.integration.faults_cluster import FaultCluster, synthetic
+from tests.integration.harness import scaled
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -42,7 +43,7 @@ def test_reconnecting_trainers_resume_at_the_next_undelivered_step():
             fc.start_trainer([CRASH_RANK], "--stop-after", "6", "--stop-how", "kill"),
         ]  # fmt: skip
         for proc in first:
-            proc.wait(timeout=90)
+            proc.wait(timeout=scaled(90))
         for rank in (CLOSE_RANK, STATE_RANK, CRASH_RANK):
             fc.wait_until(lambda rank=rank: _detached(fc, rank), f"rank {rank} detached")
         crash_delivered = _delivered(fc, CRASH_RANK)

@@ -20,6 +20,7 @@ from odbd.cli import config_from_args, daemon_parser
 from odbd.demo.cluster import ClusterSpec, LocalCluster
 from tests.integration import faults_wire as wire
 from tests.integration.faults_cluster import synthetic
+from tests.integration.harness import scaled
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -45,7 +46,7 @@ def hub(tmp_path):
         cluster.start_node(0)
         config = config_from_args(daemon_parser().parse_args(cluster.command(1)[3:]))
         channel = grpc.insecure_channel(f"127.0.0.1:{cluster.peer_ports[0]}")
-        grpc.channel_ready_future(channel).result(timeout=30)
+        grpc.channel_ready_future(channel).result(timeout=scaled(30))
         session = wire.Session(channel, wire.JOIN)
         hello = peer_pb2.Hello(
             protocol_version=1,
@@ -77,7 +78,7 @@ def test_replayed_round_is_refused_and_fails_the_job_naming_the_node(hub):
     answer = session.end()
     assert answer.code is grpc.StatusCode.INVALID_ARGUMENT, answer
     assert "replayed round 0" in answer.details
-    assert cluster.wait(30) == [1], cluster.log(0)
+    assert cluster.wait(scaled(30)) == [1], cluster.log(0)
     log = cluster.log(0)
     assert "node 1" in log and "replayed round 0" in log and "Traceback" not in log, log
     assert cluster.leftover_segments() == []
@@ -95,7 +96,7 @@ def test_replayed_round_is_refused_and_fails_the_job_naming_the_node(hub):
 def test_garbage_round_payload_fails_the_job_naming_the_node(hub, payload):
     cluster, session = hub(*synthetic(SIZE), "--buffer", "4")  # the hub contributes round 0
     session.send(_contribution(0, payload))
-    assert cluster.wait(60) == [1], cluster.log(0)
+    assert cluster.wait(scaled(60)) == [1], cluster.log(0)
     log = cluster.log(0)
     assert "Traceback" not in log, log
     assert "node 1 sent a round 0 payload that is not an odbd offer" in log, log
@@ -112,7 +113,7 @@ def test_late_hello_of_another_version_never_stops_a_formed_job(hub):
     answer = wire.stream(channel, wire.JOIN, [peer_pb2.PeerMessage(hello=hello)])
     assert answer.code is grpc.StatusCode.FAILED_PRECONDITION, answer
     assert "already formed" in answer.details
-    time.sleep(1.0)  # a fatal refusal would abort the job at once
+    time.sleep(scaled(1.0))  # no event to poll for: a fatal refusal would abort the job at once
     assert cluster.processes[0].poll() is None, cluster.log(0)
     check = wire.unary(channel, wire.HEALTH, health_pb2.HealthCheckRequest())
     status = health_pb2.HealthCheckResponse.FromString(check.replies[0]).status

@@ -17,7 +17,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from odbd.demo.cluster import ClusterSpec, LocalCluster
-from tests.integration.harness import synthetic_args
+from tests.integration.harness import poll_until, scaled, synthetic_args
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
@@ -26,10 +26,11 @@ NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 def health(socket: str) -> int:
     with grpc.insecure_channel(f"unix:{socket}") as channel:
         stub = health_pb2_grpc.HealthStub(channel)
-        return stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=2).status
+        return stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=scaled(2)).status
 
 
 def wait_until(what: str, check, timeout_s: float) -> None:
+    timeout_s = scaled(timeout_s)  # given for an idle machine
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         try:
@@ -77,7 +78,7 @@ def test_sigterm_marks_not_serving_and_drains_in_flight_steps(tmp_path: Path) ->
     trainers: list[subprocess.Popen] = []
     try:
         cluster.start()
-        cluster.wait_sockets(30)
+        cluster.wait_sockets(scaled(30))
         sock = cluster.sockets[0]
         wait_until("SERVING with the producer attached", lambda: health(sock) == SERVING, 30)
         trainers, reports = start_trainers(cluster, tmp_path)
@@ -85,9 +86,9 @@ def test_sigterm_marks_not_serving_and_drains_in_flight_steps(tmp_path: Path) ->
         at_signal = [len(steps(r)) for r in reports]
         cluster.processes[0].send_signal(signal.SIGTERM)
         wait_until("NOT_SERVING after SIGTERM", lambda: health(sock) == NOT_SERVING, 2)
-        assert cluster.wait(40) == [0], cluster.log(0)
+        assert cluster.wait(scaled(40)) == [0], cluster.log(0)
         for t in trainers:
-            t.wait(timeout=30)
+            t.wait(timeout=scaled(30))
         done = [len(steps(r)) for r in reports]
         # Every rank trained the steps planned before the signal: still aligned, and more
         # than it had when the signal came (the queue is drained, not dropped).
@@ -108,7 +109,7 @@ def test_sigterm_with_a_hung_trainer_gives_up_after_the_drain_timeout(tmp_path: 
     trainers: list[subprocess.Popen] = []
     try:
         cluster.start()
-        cluster.wait_sockets(30)
+        cluster.wait_sockets(scaled(30))
         wait_until("SERVING", lambda: health(cluster.sockets[0]) == SERVING, 30)
         trainers, reports = start_trainers(cluster, tmp_path)
         wait_until("2 steps trained", lambda: all(len(steps(r)) >= 2 for r in reports), 60)
@@ -117,8 +118,8 @@ def test_sigterm_with_a_hung_trainer_gives_up_after_the_drain_timeout(tmp_path: 
         signalled = time.monotonic()
         cluster.processes[0].send_signal(signal.SIGTERM)
         # Steps were dropped: the exit says so (status 1, how many steps of which ranks).
-        assert cluster.wait(20) == [1], cluster.log(0)
-        assert time.monotonic() - signalled < 15
+        assert cluster.wait(scaled(20)) == [1], cluster.log(0)
+        assert time.monotonic() - signalled < scaled(15)
         assert cluster.leftover_segments() == [], "shared memory kept after the drain timeout"
         log = cluster.log(0)
         assert "stopped (SIGTERM) before trainers took everything" in log, log
@@ -139,14 +140,13 @@ def test_sigterm_while_waiting_for_peers_stops_at_once(tmp_path: Path) -> None:
     cluster = LocalCluster(spec)
     try:
         cluster.start_node(0)  # node 1 never comes: the job cannot form
-        deadline = time.monotonic() + 30
-        while not os.path.exists(cluster.sockets[0]) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        time.sleep(0.5)
+        poll_until(lambda: os.path.exists(cluster.sockets[0]), "node 0 serves its socket", 30)
+        # The socket is served before the daemon waits for its peers (odbd.daemon.app): the
+        # SIGTERM lands while the job forms, which is the case under test.
         signalled = time.monotonic()
         cluster.processes[0].send_signal(signal.SIGTERM)
-        assert cluster.processes[0].wait(timeout=20) == 0, cluster.log(0)
-        assert time.monotonic() - signalled < 10  # not the 120 s join timeout
+        assert cluster.processes[0].wait(timeout=scaled(20)) == 0, cluster.log(0)
+        assert time.monotonic() - signalled < scaled(10)  # not the 120 s join timeout
     finally:
         cluster.stop()
     assert cluster.leftover_segments() == []

@@ -6,13 +6,13 @@ import math
 import signal
 import subprocess
 import sys
-import time
 from collections import Counter
+from pathlib import Path
 
 import pytest
 
 from odbd.demo.cluster import ClusterSpec, LocalCluster
-from tests.integration.harness import _read, synthetic_args
+from tests.integration.harness import _read, admin_status, poll_until, scaled, synthetic_args
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -30,6 +30,53 @@ def _trainers(cluster, args_of) -> list[subprocess.Popen[bytes]]:
 
 @pytest.mark.parametrize("nodes", [1, 2])
 def test_killed_job_resumes_from_state_dir_without_loss_or_duplicates(nodes, tmp_path):
+    _kill_and_resume(nodes, tmp_path, tear=False)
+
+
+def test_a_journal_torn_mid_append_is_cut_and_the_job_resumes(tmp_path):
+    """Issue 11: the crash tore the last frame; the restart cuts it, warns, and resumes exactly."""
+    cluster = _kill_and_resume(2, tmp_path, tear=True)
+    for node in range(2):
+        log = cluster.log(node)
+        assert "WARNING" in log and "a frame is torn" in log, log
+        assert f"node{node}.journal" in log and "dropping the last 37 bytes" in log, log
+
+
+def _tear(journal: Path) -> None:
+    """Appends the first 37 bytes of a copy of the last frame: a crash mid-append."""
+    data = journal.read_bytes()
+    pos, last = 12, 0  # after the file header: b"ODBDJRNL" + u32 layout version
+    while pos < len(data):
+        last = pos
+        pos += 8 + int.from_bytes(data[pos : pos + 4], "little")
+    journal.write_bytes(data + data[last : last + 37])
+
+
+def test_a_journal_on_a_full_device_stops_the_daemon_with_the_fix(tmp_path):
+    """ENOSPC from the kernel: the journal path is a symlink to /dev/full."""
+    state = tmp_path / "state"
+    state.mkdir()
+    (state / "node0.journal").symlink_to("/dev/full")
+    spec = ClusterSpec(
+        nodes=1,
+        ranks_per_node=1,
+        daemon_args=[*synthetic_args(20), "--shm-size", "16M", "--state-dir", str(state)],
+    )
+    cluster = LocalCluster(spec)
+    try:
+        cluster.start()
+        (code,) = cluster.wait(60)
+    finally:
+        cluster.stop()
+    log = cluster.log(0)
+    assert code == 1, log
+    assert "Traceback" not in log and "Errno 28" not in log, log
+    assert "cannot write the --state-dir journal" in log and "No space left on device" in log
+    assert "The job stops" in log and "free space" in log, log
+    assert cluster.leftover_segments() == []
+
+
+def _kill_and_resume(nodes: int, tmp_path: Path, *, tear: bool) -> LocalCluster:
     size, epochs, stop_after = 150, 2, 5
     spec = ClusterSpec(
         nodes=nodes,
@@ -44,29 +91,38 @@ def test_killed_job_resumes_from_state_dir_without_loss_or_duplicates(nodes, tmp
     state = {r: tmp_path / f"rank{r}.state.json" for r in range(cluster.world)}
     try:
         cluster.start()
-        cluster.wait_sockets()
+        cluster.wait_sockets(scaled(60))
         first = _trainers(
             cluster,
             lambda r: ["--report", str(report[r]), "--epochs", str(epochs),
                        "--stop-after", str(stop_after), "--state-out", str(state[r])],
         )  # fmt: skip
         for t in first:
-            assert t.wait(timeout=120) == 0
-        time.sleep(0.5)  # let the daemons plan ahead: those steps must be discarded
+            assert t.wait(timeout=scaled(120)) == 0
+        # The daemons planned ahead of what the trainers took: those steps must be discarded.
+        poll_until(
+            lambda: all(
+                any(r.queued_steps for r in admin_status(sock).ranks) for sock in cluster.sockets
+            ),
+            "every daemon has steps planned but not delivered",
+        )
         for proc in cluster.processes:  # the crash: no drain, no cleanup
             proc.send_signal(signal.SIGKILL)
             proc.wait()
+        if tear:
+            for node in range(nodes):
+                _tear(tmp_path / "state" / f"node{node}.journal")
         for node in range(nodes):
             cluster.start_node(node)
-        cluster.wait_sockets()
+        cluster.wait_sockets(scaled(60))
         second = _trainers(
             cluster,
             lambda r: ["--report", str(report[r]), "--epochs", str(epochs),
                        "--state-in", str(state[r])],
         )  # fmt: skip
         for t in second:
-            assert t.wait(timeout=120) == 0
-        codes = cluster.wait(60)
+            assert t.wait(timeout=scaled(120)) == 0
+        codes = cluster.wait(scaled(60))
     finally:
         cluster.stop()
     assert codes == [0] * nodes, cluster.log(0)
@@ -82,3 +138,4 @@ def test_killed_job_resumes_from_state_dir_without_loss_or_duplicates(nodes, tmp
         assert sum(c - 1 for c in counts.values()) <= tail, f"epoch {epoch}: duplicates"
         assert len(ids) == size + tail
     assert cluster.leftover_segments() == []
+    return cluster

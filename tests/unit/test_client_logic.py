@@ -22,9 +22,11 @@ import torch
 from odbclient import ODBClient
 from odbclient.client import DEFAULT_SOCKET
 from odbclient.errors import (
+    ClientClosedError,
     DaemonConnectionError,
     DaemonTimeoutError,
     DaemonUnavailableError,
+    IteratorInUseError,
     JobFailedError,
     JobMismatchError,
     RankInUseError,
@@ -32,7 +34,7 @@ from odbclient.errors import (
     StateDictError,
 )
 from odbclient.shm import ShmLayoutError, encode_into, encoded_size
-from odbclient.wire.odbd.v1 import trainer_pb2, trainer_pb2_grpc
+from odbclient.wire.odbd.v1 import admin_pb2, admin_pb2_grpc, trainer_pb2, trainer_pb2_grpc
 from odbd.ingest.arena import Arena
 
 Event = trainer_pb2.TrainerEvent
@@ -46,6 +48,7 @@ class FakeDaemon:
     script: Script | None = None
     hellos: list[trainer_pb2.TrainerHello] = field(default_factory=list)
     delivered: queue.Queue[trainer_pb2.Delivered] = field(default_factory=queue.Queue)
+    status: admin_pb2.StatusReply | None = None  # None: no Admin service (UNIMPLEMENTED)
 
     def place(self, sample: dict[str, np.ndarray]) -> tuple[int, int, int]:
         """Writes a sample into the arena like a producer: (segment index, offset, nbytes)."""
@@ -131,18 +134,31 @@ class FakeTrainerService(trainer_pb2_grpc.TrainerServicer):
             pass  # the client went away
 
 
+class FakeAdminService(admin_pb2_grpc.AdminServicer):
+    def __init__(self, daemon: FakeDaemon) -> None:
+        self.daemon = daemon
+
+    def Status(self, request: Any, context: Any) -> admin_pb2.StatusReply:  # noqa: N802
+        if self.daemon.status is None:
+            context.abort(grpc.StatusCode.UNIMPLEMENTED, "no admin")
+        return self.daemon.status
+
+
 @pytest.fixture
 def daemon(tmp_path: Path) -> Iterator[FakeDaemon]:
     with Arena.create(f"test-client-{uuid.uuid4().hex[:8]}", 0, 1 << 20) as arena:
         fake = FakeDaemon(str(tmp_path / "odbd.sock"), arena)
-        server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+        executor = futures.ThreadPoolExecutor(max_workers=4)
+        server = grpc.server(executor)
         trainer_pb2_grpc.add_TrainerServicer_to_server(FakeTrainerService(fake), server)
+        admin_pb2_grpc.add_AdminServicer_to_server(FakeAdminService(fake), server)
         server.add_insecure_port(f"unix:{fake.socket}")
         server.start()
         try:
             yield fake
         finally:
-            server.stop(grace=None)
+            server.stop(grace=None).wait()
+            executor.shutdown(wait=True)  # grpc leaves its pool's threads idle
 
 
 def client_for(daemon: FakeDaemon, **kwargs: Any) -> ODBClient:
@@ -358,6 +374,54 @@ def test_stream_closed_without_job_end_is_a_connection_error(daemon: FakeDaemon)
 
 
 @pytest.mark.timeout(60)
+def test_close_wakes_a_next_blocked_in_another_thread(daemon: FakeDaemon) -> None:
+    """Issue 11: a thread left in next() after close() waited out its whole deadline, then
+    raised into whichever test ran at that moment."""
+
+    def script(hello: Any, context: Any) -> Iterator[Event]:
+        yield daemon.welcome()
+        wait_until_cancelled(context)  # no batch ever: next() can only end by close()
+
+    daemon.script = script
+    client = client_for(daemon, deadline_s=600.0)
+    batches = iter(client)  # connects: the welcome has arrived
+    raised: list[BaseException] = []
+    waiter = threading.Thread(target=_next_into, args=(batches, raised), name="blocked-next")
+    waiter.start()
+    client.close()
+    waiter.join(timeout=10)
+    assert not waiter.is_alive(), "next() still waits after close()"
+    assert len(raised) == 1 and isinstance(raised[0], ClientClosedError), raised
+    assert "rank 0" in str(raised[0]) and "was closed" in str(raised[0])
+    with pytest.raises(ClientClosedError):  # and every later iteration says so at once
+        next(iter(client))
+
+
+@pytest.mark.timeout(60)
+def test_close_drops_queued_batches_instead_of_handing_them_out(daemon: FakeDaemon) -> None:
+    def script(hello: Any, context: Any) -> Iterator[Event]:
+        yield daemon.welcome()
+        for step in range(12):  # more than the inbox holds (prefetch 2 + 4)
+            yield daemon.step(0, step, [2], ids_from=step)
+        wait_until_cancelled(context)
+
+    daemon.script = script
+    client = client_for(daemon, prefetch=2)
+    batches = iter(client)
+    assert next(batches).step == 0
+    client.close()
+    with pytest.raises(ClientClosedError):
+        next(batches)
+
+
+def _next_into(batches: Iterator[Any], raised: list[BaseException]) -> None:
+    try:
+        next(batches)
+    except BaseException as error:  # noqa: BLE001 (handed to the test thread)
+        raised.append(error)
+
+
+@pytest.mark.timeout(60)
 def test_corrupt_sample_reference_raises_instead_of_hanging(daemon: FakeDaemon) -> None:
     def script(hello: Any, context: Any) -> Iterator[Event]:
         yield daemon.welcome()
@@ -393,3 +457,86 @@ def test_socket_comes_from_argument_then_environment_then_default(
 def test_invalid_constructor_arguments_are_refused() -> None:
     with pytest.raises(ValueError, match="rank must be >= 0"):
         ODBClient(rank=-1)
+
+
+@pytest.mark.timeout(60)
+def test_timeout_says_what_the_daemon_reports_as_wrong(daemon: FakeDaemon) -> None:
+    def script(hello: Any, context: Any) -> Iterator[Event]:
+        yield daemon.welcome()
+        wait_until_cancelled(context)
+
+    daemon.script = script
+    daemon.status = admin_pb2.StatusReply(
+        phase="running",
+        last_error="external producer p1 says --dataset-size 90, the daemon has 100",
+        dataset_size=100,
+        producers=1,
+        ranks=[admin_pb2.RankStatus(rank=0, attached=True), admin_pb2.RankStatus(rank=1)],
+    )
+    with client_for(daemon, deadline_s=0.2) as client:
+        with pytest.raises(DaemonTimeoutError) as raised:
+            list(client)
+    message = str(raised.value)
+    assert "for rank 0 in 0.2 s" in message
+    assert "phase running; last error: external producer p1 says --dataset-size 90" in message
+    assert "0 of 100 samples emitted this epoch" in message
+    assert "local ranks not attached: [1]" in message
+
+
+@pytest.mark.timeout(60)
+def test_a_second_iterator_is_refused_while_the_first_is_live(daemon: FakeDaemon) -> None:
+    def script(hello: Any, context: Any) -> Iterator[Event]:
+        yield daemon.welcome()
+        for epoch in range(3):
+            yield daemon.step(epoch, 0, [3])
+            yield daemon.step(epoch, 1, [4])
+            yield epoch_end(epoch, 2)
+        yield job_end()
+
+    daemon.script = script
+    with client_for(daemon) as client:
+        first = iter(client)
+        with pytest.raises(IteratorInUseError, match="would split the epoch's batches"):
+            iter(client)
+        assert next(first).step == 0  # started: still refused, and the first is unharmed
+        with pytest.raises(IteratorInUseError, match="at epoch 0, step 1"):
+            iter(client)
+        assert [b.step for b in first] == [1]
+        assert [b.step for b in client] == [0, 1]  # the first ended: the next epoch is fine
+        for batch in client:  # a loop left with break drops its iterator
+            break
+        assert batch.step == 0
+        del batch
+        assert [b.step for b in client] == [1]  # the rest of epoch 2
+        assert list(client) == [] and client.job_ended
+
+
+@pytest.mark.timeout(60)
+def test_the_hello_carries_the_launcher_world(
+    daemon: FakeDaemon, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def script(hello: Any, context: Any) -> Iterator[Event]:
+        yield daemon.welcome()
+        yield job_end()
+
+    daemon.script = script
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    with client_for(daemon) as client:
+        list(client)
+    monkeypatch.delenv("WORLD_SIZE")
+    monkeypatch.delenv("RANK")
+    with client_for(daemon) as client:
+        list(client)
+    with client_for(daemon) as client:
+        client.set_world(1, 0, source="accelerate")
+        list(client)
+    env, unknown, declared = daemon.hellos
+    assert (env.world_size, env.launcher_rank) == (2, 0)
+    assert env.world_source == "$WORLD_SIZE=2, $RANK=0"
+    assert not unknown.HasField("world_size") and not unknown.HasField("launcher_rank")
+    assert (declared.world_size, declared.launcher_rank, declared.world_source) == (
+        1,
+        0,
+        "accelerate",
+    )

@@ -1,7 +1,13 @@
+import os
+import tempfile
+from pathlib import Path
+
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from odbd.daemon.journal import Journal, check_header, replay
+from odbd.daemon.journal import FILE_HEADER, Journal, JournalError, check_header, replay
 from odbd.errors import ConfigError
 
 FINGERPRINT = {"world": "2", "token_budget": "100"}
@@ -73,3 +79,116 @@ def test_a_journal_of_other_settings_is_refused(tmp_path):
     check_header(journal.records(), FINGERPRINT)
     with pytest.raises(ConfigError, match="token_budget='100'"):
         check_header(journal.records(), {**FINGERPRINT, "token_budget": "200"})
+
+
+def _round_records(records):
+    return [(h["kind"], h.get("round"), [a.tolist() for a in arrays]) for h, arrays in records]
+
+
+def test_open_cuts_a_torn_tail_so_the_resume_record_after_it_is_read(tmp_path, caplog):
+    """Issue 11: appending after a torn frame made a later round read as garbage."""
+    journal = write_rounds(tmp_path, [[(0, 0, [[1], [2]])], [(0, 1, [[3], [4]])]])
+    journal.close()
+    data = journal.path.read_bytes()
+    intact = len(data)
+    torn = data + data[-40:-3]  # a crash 37 bytes into appending a copy of the last frame
+    journal.path.write_bytes(torn)
+    reopened = Journal(tmp_path, 0)
+    with caplog.at_level("WARNING", logger="odbd.daemon.journal"):
+        reopened.open(FINGERPRINT, 10)
+    reopened.append_resume(0, 1)
+    records = reopened.records()
+    assert [h["kind"] for h, _ in records] == ["header", "round", "round", "resume"]
+    assert records[2][1][1].tolist() == [1, 1]  # the round before the tear is intact
+    (warning,) = [r.getMessage() for r in caplog.records]
+    assert str(journal.path) in warning and f"offset {intact}" in warning
+    assert "dropping the last 37 bytes" in warning and "produced again" in warning
+
+
+def test_a_layout_1_journal_is_refused_with_the_fix(tmp_path):
+    head = b'{"kind":"header","version":1,"fingerprint":{}}'
+    body = len(head).to_bytes(4, "little") + head
+    (tmp_path / "node0.journal").write_bytes(len(body).to_bytes(4, "little") + body)
+    with pytest.raises(ConfigError, match="journal layout 1 .*empty --state-dir"):
+        Journal(tmp_path, 0).records()
+
+
+def test_a_torn_file_header_starts_afresh(tmp_path):
+    (tmp_path / "node0.journal").write_bytes(b"ODBDJ")
+    journal = Journal(tmp_path, 0)
+    assert not journal.exists()
+    journal.open(FINGERPRINT, 10)
+    assert [h["kind"] for h, _ in journal.records()] == ["header"]
+
+
+@settings(max_examples=300, deadline=None)
+@given(data=st.data())
+def test_a_torn_or_flipped_tail_never_yields_a_garbage_record(data):
+    """Any cut or bit flip in the last frame: the records read are a prefix of those written."""
+    with tempfile.TemporaryDirectory() as name:
+        _check_damaged_tail(Path(name), data)
+
+
+def _check_damaged_tail(directory, data):
+    rounds = [[(0, k, [[10 * k + 1], [10 * k + 2, 10 * k + 3]])] for k in range(3)]
+    journal = write_rounds(directory, rounds)
+    journal.close()
+    written = _round_records(journal.records())
+    raw = bytearray(journal.path.read_bytes())
+    start = len(raw) - _last_frame_size(raw)
+    if data.draw(st.booleans(), label="cut"):
+        raw = raw[: data.draw(st.integers(start, len(raw) - 1), label="cut at")]
+    else:
+        bit = data.draw(st.integers(start * 8, len(raw) * 8 - 1), label="flipped bit")
+        raw[bit // 8] ^= 1 << (bit % 8)
+    journal.path.write_bytes(bytes(raw))
+    read = _round_records(Journal(directory, 0).records())
+    assert read == written[: len(written) - 1]
+    reopened = Journal(directory, 0)
+    reopened.open(FINGERPRINT, 10)
+    reopened.append_resume(0, 2)
+    assert _round_records(reopened.records()) == [*read, ("resume", None, [])]
+    reopened.close()
+
+
+def _last_frame_size(raw: bytes) -> int:
+    pos, size = len(FILE_HEADER), 0
+    while pos < len(raw):
+        size = 8 + int.from_bytes(raw[pos : pos + 4], "little")
+        pos += size
+    return size
+
+
+def test_a_full_disk_fails_the_append_with_the_fix(tmp_path):
+    """ENOSPC from the kernel (/dev/full dup'ed onto the journal's descriptor), not a mock."""
+    journal = write_rounds(tmp_path, [])
+    full = os.open("/dev/full", os.O_WRONLY)
+    try:
+        os.dup2(full, journal._fd)
+    finally:
+        os.close(full)
+    with pytest.raises(JournalError) as caught:
+        journal.append_round(0, [[0, 0, 2]], np.asarray([1, 2]), np.asarray([[1, 1]]), [], {})
+    message = str(caught.value)
+    assert str(journal.path) in message and "--state-dir" in message
+    assert "No space left on device" in message and "ENOSPC" in message
+    assert "The job stops" in message and "free space" in message
+    journal.close()
+    journal.close()  # twice: still no error
+
+
+def test_a_journal_on_a_full_device_fails_at_open(tmp_path):
+    (tmp_path / "node0.journal").symlink_to("/dev/full")
+    journal = Journal(tmp_path, 0)
+    assert not journal.exists()
+    with pytest.raises(JournalError, match="cannot write the --state-dir journal .*ENOSPC"):
+        journal.open(FINGERPRINT, 10)
+    journal.close()
+
+
+def test_close_logs_rather_than_raises_when_the_descriptor_is_gone(tmp_path, caplog):
+    journal = write_rounds(tmp_path, [])
+    os.close(journal._fd)  # e.g. closed under it: os.close now fails with EBADF
+    with caplog.at_level("WARNING", logger="odbd.daemon.journal"):
+        journal.close()
+    assert "cannot close the --state-dir journal" in caplog.text

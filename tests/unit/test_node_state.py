@@ -5,12 +5,16 @@ the node's lanes count as full once every producer holding leases waits for lane
 from __future__ import annotations
 
 import asyncio
+import uuid
+from collections.abc import AsyncIterator
 
 import numpy as np
 
 from odbclient.wire.odbd.v1 import ingest_pb2
 from odbd.config import DaemonConfig
 from odbd.daemon.node_state import RUN_AHEAD_BUFFERS, Location, NodeState
+from odbd.ingest.arena import Arena
+from odbd.ingest.lanes import Lanes
 from odbd.ingest.service import IngestService, ProducerSession
 from odbd.world import World
 
@@ -104,3 +108,73 @@ def test_lanes_are_full_once_every_lease_holder_waits_for_lane_space() -> None:
     assert not service.sessions[1].lane_full and not service.lanes_full()
     state.release(state.leases_of(1))  # producer 1 holds nothing: only producer 0 matters
     assert service.lanes_full()
+
+
+def _service(state: NodeState, rejected: list) -> IngestService:
+    return IngestService(
+        state=state,
+        lanes=None,  # type: ignore[arg-type]  # leases and rejections never touch lanes
+        welcome=ingest_pb2.IngestWelcome(),
+        lease_timeout_s=10.0,
+        on_progress=lambda: None,
+        on_rejected=rejected.append,
+        stats=None,  # type: ignore[arg-type]
+    )
+
+
+def test_rejected_ids_leave_the_lease_budget_and_more_ids_are_granted() -> None:
+    """Issue 11: with every sample rejected the reject branch granted nothing more, so a
+    producer with credit left waited forever while the round loop waited for samples."""
+    state, rejected = make_state(), []
+    service = _service(state, rejected)
+    session = ProducerSession(0, "p0", None, asyncio.Queue())  # type: ignore[arg-type]
+    service.sessions[0] = session
+
+    def grant() -> list[int]:
+        message = session.outbox.get_nowait()
+        return np.frombuffer(message.lease.view_keys, "<i8").tolist()
+
+    async def producer() -> AsyncIterator[ingest_pb2.ProducerMessage]:
+        yield ingest_pb2.ProducerMessage(lease=ingest_pb2.LeaseRequest(count=100))
+        first = grant()
+        assert len(first) == RUN_AHEAD_BUFFERS * BUFFER  # the lease budget, not the credit
+        rows = [
+            ingest_pb2.Rejection(view_key=k, reason="not_a_dict", detail="a tuple") for k in first
+        ]
+        yield ingest_pb2.ProducerMessage(reject=ingest_pb2.RejectBatch(rejections=rows))
+
+    asyncio.run(service._read(session, producer()))
+    assert len(rejected) == RUN_AHEAD_BUFFERS * BUFFER
+    assert len(grant()) == RUN_AHEAD_BUFFERS * BUFFER  # granted again from the credit left
+    assert state.first_rejection == {"not_a_dict": f"sample {rejected[0].identity}: a tuple"}
+
+
+def test_an_id_in_flight_at_two_producer_deaths_is_quarantined_one_death_re_leases() -> None:
+    state = make_state()
+    key = int(state.lease(producer=0, count=1, deadline=10.0)[0])
+    assert state.producer_died(0, key, "worker-0") == (1, None)  # maybe an operator's SIGKILL
+    state.release(state.leases_of(0))
+    assert int(state.lease(producer=1, count=1, deadline=10.0)[0]) == key  # re-leased first
+    assert state.producer_died(0, key, "worker-0") == (0, None)  # a stale mark: not its lease
+    deaths, quarantined = state.producer_died(1, key, "worker-1")
+    assert deaths == 2 and quarantined is not None
+    assert quarantined.reason == "producer_crash" and "worker-1" in quarantined.detail
+    assert state.leases == {} and state.take_rejected_delta() == {"producer_crash": 1}
+    assert state.ledger_counts()["rejected"] == 1
+
+
+def test_a_lane_header_is_idle_when_opened_and_read_back_by_the_daemon() -> None:
+    arena = Arena.create(f"t{uuid.uuid4().hex[:8]}", 0, 1 << 16)
+    try:
+        lanes = Lanes(arena, 4096)
+        first = lanes.open(producer=0)
+        assert first is not None and lanes.in_flight(first.lane_id) is None
+        with arena.view(first.allocation) as lane:
+            lane[:8] = np.int64(41).tobytes()  # what a producer writes before dataset[i]
+        assert lanes.in_flight(first.lane_id) == 41
+        lanes.orphan(first.lane_id)  # no live samples: back to the arena
+        second = lanes.open(producer=1)  # the same bytes, reused
+        assert second is not None and second.allocation.offset == first.allocation.offset
+        assert lanes.in_flight(second.lane_id) is None
+    finally:
+        arena.close()

@@ -19,7 +19,7 @@ import torch
 from odbclient import Producer, RejectReason, producer_main
 from odbclient.connect import PROTOCOL_VERSION
 from odbclient.errors import DaemonUnavailableError, ODBClientError, ProtocolError
-from odbclient.lane import CommitBuffer, LaneAllocator, LeaseCredits
+from odbclient.lane import IDLE, LANE_HEADER_BYTES, CommitBuffer, LaneAllocator, LeaseCredits
 from odbclient.producer import ProducerCore
 from odbclient.samples import (
     SampleFacts,
@@ -275,7 +275,8 @@ def test_full_lane_is_backpressure_until_the_daemon_frees() -> None:
     sample = make_sample(8)
     size = encoded_size(sample)
     assert size <= 256
-    core = make_core([sample] * 4, lane_size=512)  # room for two samples of <= 256 bytes
+    # room for two samples of <= 256 bytes after the lane header
+    core = make_core([sample] * 4, lane_size=LANE_HEADER_BYTES + 512)
     core.messages(0.0)
     core.on_grant([0, 1, 2, 3], [0, 1, 2, 3])
     sent = run_until_idle(core)
@@ -288,7 +289,8 @@ def test_full_lane_is_backpressure_until_the_daemon_frees() -> None:
     offsets = commits_of(sent)["offsets"]
     core.on_free([offsets[0]])
     sent = run_until_idle(core)
-    assert commits_of(sent)["view_keys"] == [2] and commits_of(sent)["offsets"] == [0]
+    assert commits_of(sent)["view_keys"] == [2]
+    assert commits_of(sent)["offsets"] == [LANE_HEADER_BYTES]
     assert lane_full_sizes(sent) == [size]  # a FreeBatch that made too little room: again
     core.on_free([offsets[1]])
     sent = run_until_idle(core)
@@ -365,7 +367,8 @@ class FakeIngest(ingest_pb2_grpc.IngestServicer):
 def ingest_daemon(tmp_path: Path) -> Iterator[tuple[FakeIngest, str]]:
     with Arena.create(f"test-prod-{uuid.uuid4().hex[:8]}", 0, 1 << 20) as arena:
         servicer = FakeIngest(arena, [0, 1, 2])
-        server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+        executor = futures.ThreadPoolExecutor(max_workers=4)
+        server = grpc.server(executor)
         ingest_pb2_grpc.add_IngestServicer_to_server(servicer, server)
         socket = str(tmp_path / "odbd.sock")
         server.add_insecure_port(f"unix:{socket}")
@@ -373,7 +376,8 @@ def ingest_daemon(tmp_path: Path) -> Iterator[tuple[FakeIngest, str]]:
         try:
             yield servicer, socket
         finally:
-            server.stop(grace=None)
+            server.stop(grace=None).wait()
+            executor.shutdown(wait=True)  # grpc leaves its pool's threads idle
 
 
 def committed_input_ids(servicer: FakeIngest) -> dict[int, list[int]]:
@@ -439,7 +443,8 @@ class RefusingIngest(ingest_pb2_grpc.IngestServicer):
 
 @pytest.mark.timeout(60)
 def test_producer_refusal_carries_the_daemon_message_and_fix(tmp_path: Path) -> None:
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    executor = futures.ThreadPoolExecutor(max_workers=2)
+    server = grpc.server(executor)
     ingest_pb2_grpc.add_IngestServicer_to_server(RefusingIngest(), server)
     socket = str(tmp_path / "odbd.sock")
     server.add_insecure_port(f"unix:{socket}")
@@ -448,7 +453,8 @@ def test_producer_refusal_carries_the_daemon_message_and_fix(tmp_path: Path) -> 
         with pytest.raises(ODBClientError, match="no room for another lane; run fewer producers"):
             Producer(ListDataset([]), socket, name="worker-1").run()
     finally:
-        server.stop(grace=None)
+        server.stop(grace=None).wait()
+        executor.shutdown(wait=True)  # grpc leaves its pool's threads idle
 
 
 @pytest.mark.timeout(30)
@@ -456,3 +462,45 @@ def test_producer_without_a_daemon_is_unavailable(tmp_path: Path) -> None:
     producer = Producer(ListDataset([]), str(tmp_path / "absent.sock"), connect_timeout_s=0.2)
     with pytest.raises(DaemonUnavailableError, match="absent.sock within 0.2 s"):
         producer.run()
+
+
+def test_the_lane_header_names_the_view_in_flight_while_dataset_getitem_runs() -> None:
+    """Issue 11: the daemon learns which id killed a producer from the lane header."""
+    seen: list[int] = []
+
+    class Watching:
+        def __len__(self) -> int:
+            return 3
+
+        def __getitem__(self, i: int) -> Any:
+            seen.append(int(np.frombuffer(lane, "<i8", count=1)[0]))
+            if i == 1:
+                raise ValueError("bad row")  # a rejection: the producer lives on
+            if i == 2:
+                raise SystemExit(3)  # the process dies inside dataset[i]
+            return make_sample(8)
+
+    lane = memoryview(bytearray(1 << 16))
+    lane[:8] = np.int64(12345).tobytes()  # a reused lane's old bytes
+    core = ProducerCore(
+        Watching(),
+        lane_buffer=lane,
+        lane_offset=4096,
+        length_key="input_ids",
+        labels_key="labels",
+        lease_batch=8,
+        commit_batch=4,
+        commit_interval_s=10.0,
+    )
+    header = np.frombuffer(lane, "<i8", count=1)
+    assert header[0] == IDLE
+    core.on_grant([70, 71, 72], [0, 1, 2])
+    core.work_one(0.0)
+    assert header[0] == IDLE
+    core.work_one(0.0)
+    assert header[0] == IDLE
+    with pytest.raises(SystemExit):
+        core.work_one(0.0)
+    assert seen == [70, 71, 72] and header[0] == 72
+    offsets = commits_of(core.commits.take())["offsets"]
+    assert offsets and min(offsets) >= LANE_HEADER_BYTES  # samples never overwrite the header

@@ -44,6 +44,9 @@ class ODBAccelerate:
             )
         self.accelerator = accelerator
         self.client = client
+        # Accelerate knows its world even when `accelerate launch --cpu` started one process
+        # for --num_processes 2: the daemon then refuses it instead of training rank 0 alone.
+        client.set_world(accelerator.num_processes, accelerator.process_index, source="accelerate")
 
     def __iter__(self) -> Iterator[StepInputs]:
         device = self.accelerator.device

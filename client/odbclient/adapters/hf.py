@@ -1,21 +1,27 @@
 """Hugging Face `Trainer` fed by odbd (optional extra `odbd[hf]`).
 
     client = ODBClient(rank=int(os.environ["RANK"]))
-    trainer = ODBTrainer(model=model, args=TrainingArguments(max_steps=10_000, ...),
-                         odb_client=client)
+    args = TrainingArguments(output_dir="out", lr_scheduler_type="cosine", warmup_steps=100)
+    trainer = ODBTrainer(model=model, args=args, odb_client=client)
     trainer.train()
 
-`ODBTrainer` is a `Trainer` subclass that changes two things and patches nothing:
+`ODBTrainer` is a `Trainer` subclass that changes four things and patches nothing:
 - `get_train_dataloader()` returns the rank's odbd batches (`ODBBatches`), not a sharded
   DataLoader: the daemons already decided which samples every rank trains in every step.
 - `compute_loss()` multiplies the model's loss (the rank's per-token mean, as HF causal LMs
   compute it without `num_items_in_batch`) by the batch's `loss_scale`, so DDP's average is the
   per-token mean over the whole step with `--loss-scaling exact`. An idle filler (loss_scale 0)
   still runs forward and backward, keeping DDP's collectives matched.
+- `create_scheduler()` builds a LambdaLR over odbd's job fraction (`odbclient.adapters.
+  schedule`): `lr_scheduler_type` constant, constant_with_warmup, linear, cosine or
+  cosine_with_min_lr (`lr_scheduler_kwargs={"min_lr_rate": r}`), with `warmup_steps` (steps) or
+  `warmup_ratio` (of the job); the decay reaches its floor on the job's last step.
+- A callback keeps `state.max_steps` (the progress bar's total) at odbd's estimate of the job's
+  steps, ends each epoch on its last step, and ends training on the job's last step, so no
+  empty epoch is ever started.
 
-Training ends when odbd ends the job (its last epoch): the next epoch yields no batch and the
-Trainer stops; `max_steps` is only an upper bound, required because odbd epochs have no length
-known in advance.
+`max_steps` is optional: when set (> 0) it caps the run (and the schedule then follows
+whichever of the cap and the job ends first); training otherwise ends with odbd's job.
 """
 
 from __future__ import annotations
@@ -23,35 +29,72 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from transformers import Trainer
+from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+from transformers.trainer_callback import ProgressCallback
 
 from odbclient.adapters.batches import LOSS_SCALE_KEY, ODBBatches
+from odbclient.adapters.schedule import Schedule, lr_factor
 from odbclient.client import ODBClient
 
 __all__ = ["LOSS_SCALE_KEY", "ODBBatches", "ODBTrainer"]
 
+# The Trainer needs max_steps > 0 for a dataloader without len(); without a user cap this
+# stands in until the first batch's estimate replaces it. Never reached: epochs end on odbd's
+# last step (ODBProgress), not after max_steps batches.
+_NO_CAP = 1 << 40
+
 
 class ODBTrainer(Trainer):
-    """A `transformers.Trainer` whose training batches and loss weights come from odbd."""
+    """A `transformers.Trainer` whose batches, loss weights and LR schedule come from odbd."""
 
     def __init__(self, *args: Any, odb_client: ODBClient, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        if self.args.max_steps <= 0:
-            raise ValueError(
-                "ODBTrainer needs TrainingArguments(max_steps=N > 0): odbd decides an epoch's "
-                "steps online, so the Trainer cannot count them in advance; training still "
-                "stops when odbd ends the job, so N is only an upper bound"
-            )
         if self.args.gradient_accumulation_steps != 1:
             raise ValueError(
                 "ODBTrainer needs gradient_accumulation_steps=1: each odbd step's loss_scale "
                 "weighs that step's tokens only, so accumulated micro-steps would be averaged "
                 "per step rather than per token; raise odbd's --token-budget for bigger steps"
             )
-        self.odb_batches = ODBBatches(odb_client)
+        self.odb_schedule = Schedule(
+            kind=str(getattr(self.args.lr_scheduler_type, "value", self.args.lr_scheduler_type)),
+            warmup_steps=int(self.args.warmup_steps) if self.args.warmup_steps >= 1 else 0,
+            warmup_fraction=_warmup_fraction(self.args),
+            min_lr_rate=_min_lr_rate(self.args),
+        )
+        self.odb_max_steps = self.args.max_steps if self.args.max_steps > 0 else None
+        if self.odb_max_steps is None:
+            self.args.max_steps = _NO_CAP
+        # Loss scales assume the daemon's --world: the Trainer's own world is checked.
+        odb_client.set_world(
+            self.args.world_size, self.args.process_index, source="transformers TrainingArguments"
+        )
+        self.odb_batches = ODBBatches(odb_client, on_epoch_end=self._odb_epoch_ended)
+        # First, so the progress bar's total is updated before ProgressCallback draws the step.
+        self.callback_handler.callbacks.insert(0, ODBProgress(self))
 
     def get_train_dataloader(self) -> ODBBatches:  # type: ignore[override]
         return self.odb_batches
+
+    def create_scheduler(
+        self, num_training_steps: int, optimizer: torch.optim.Optimizer | None = None
+    ) -> Any:
+        if self.lr_scheduler is None:
+            optimizer = optimizer if optimizer is not None else self.optimizer
+            assert optimizer is not None, "create_optimizer() runs before create_scheduler()"
+            self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(
+                optimizer,
+                lambda step: lr_factor(self.odb_schedule, self.odb_fraction(), step),
+            )
+            self._created_lr_scheduler = True
+        return self.lr_scheduler
+
+    def odb_fraction(self) -> float:
+        """How much of the run is trained: odbd's job fraction, or of the max_steps cap."""
+        last = self.odb_batches.last
+        fraction = last.progress.job_fraction if last is not None else 0.0
+        if self.odb_max_steps is not None:
+            fraction = max(fraction, min(self.state.global_step / self.odb_max_steps, 1.0))
+        return fraction
 
     def compute_loss(
         self,
@@ -68,3 +111,66 @@ class ODBTrainer(Trainer):
         loss = outputs["loss"] if isinstance(outputs, dict) else outputs[0]
         loss = loss * scale.to(device=loss.device, dtype=loss.dtype)
         return (loss, outputs) if return_outputs else loss
+
+    def _odb_epoch_ended(self) -> None:
+        # The epoch ran out without a step marked last (e.g. a flush round with no step): the
+        # loop must not wait for the rest of the max_steps it planned for this epoch.
+        self.control.should_epoch_stop = True
+        if self.odb_batches.client.job_ended:
+            self.control.should_training_stop = True
+
+
+class ODBProgress(TrainerCallback):
+    """Follows odbd's progress after every optimizer step (see ODBTrainer)."""
+
+    def __init__(self, trainer: ODBTrainer) -> None:
+        self.trainer = trainer
+
+    def on_step_end(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        **kwargs: Any,
+    ) -> None:
+        batches = self.trainer.odb_batches
+        batch = batches.last
+        if batch is None:
+            return
+        progress = batch.progress
+        estimate = progress.job_steps_estimate or _NO_CAP  # 0: endless job, no total
+        if self.trainer.odb_max_steps is not None:
+            estimate = min(estimate, self.trainer.odb_max_steps)
+        epoch_ends = progress.epoch_steps_exact and batch.step + 1 == progress.epoch_steps_estimate
+        job_ends = epoch_ends and batches.finish_epoch()
+        # Never below the steps trained + 1 before the job's end: the Trainer stops at max_steps.
+        state.max_steps = state.global_step if job_ends else max(estimate, state.global_step + 1)
+        _set_progress_bar_total(self.trainer, state.max_steps)
+        if epoch_ends:
+            control.should_epoch_stop = True
+        if job_ends:
+            control.should_training_stop = True
+
+
+def _set_progress_bar_total(trainer: Trainer, total: int) -> None:
+    for callback in trainer.callback_handler.callbacks:
+        bar = (
+            getattr(callback, "training_bar", None)
+            if isinstance(callback, ProgressCallback)
+            else None
+        )
+        if bar is not None and bar.total != total:
+            bar.total = total
+            bar.refresh()
+
+
+def _warmup_fraction(args: TrainingArguments) -> float:
+    """warmup_ratio, or a fractional warmup_steps (transformers 5 reads < 1 as a ratio)."""
+    ratio = float(getattr(args, "warmup_ratio", 0.0) or 0.0)
+    steps = float(args.warmup_steps or 0)
+    return ratio if ratio > 0 else (steps if 0 < steps < 1 else 0.0)
+
+
+def _min_lr_rate(args: TrainingArguments) -> float:
+    kwargs = args.lr_scheduler_kwargs
+    return float(kwargs.get("min_lr_rate", 0.0)) if isinstance(kwargs, dict) else 0.0

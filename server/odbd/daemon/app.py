@@ -33,7 +33,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry, start_http_server
 
-from odbclient.shm import SAMPLE_LAYOUT_VERSION, Allocation
+from odbclient.shm import SAMPLE_LAYOUT_VERSION, Allocation, read_meta
 from odbclient.wire.odbd.v1 import (
     admin_pb2,
     admin_pb2_grpc,
@@ -58,6 +58,7 @@ from odbd.errors import ConfigError, OdbdError
 from odbd.grpc_guard import DecodeGuard
 from odbd.ingest.arena import Arena
 from odbd.ingest.lanes import Lanes
+from odbd.ingest.rejections import RejectionLog, samples_made
 from odbd.ingest.service import IngestService
 from odbd.ingest.supervisor import ProducerSupervisor, SupervisorConfig
 from odbd.metrics.collector import DaemonCollector
@@ -102,6 +103,7 @@ class Daemon:
         self.ingest: IngestService | None = None
         self.exit_code = 0
         self.rejections: list[Rejected] = []
+        self._rejection_log = RejectionLog()
         self.stats = DaemonStats.for_config(config, dataset_size)
         self.metrics_address = ""
         self.phase = "starting"
@@ -131,6 +133,10 @@ class Daemon:
         _claim_socket_path(config.socket)
         self.arena = Arena.create(config.job_id, config.node_rank, config.shm_size)
         lanes = Lanes(self.arena, self._lane_bytes())
+        # Read only for the first sample and mismatches: a schema_mismatch then names the key.
+        self.state.sample_meta = lambda at: read_meta(
+            self._read_sample(*lanes.resolve(at), at.nbytes)
+        )
         self.ingest = IngestService(
             state=self.state,
             lanes=lanes,
@@ -139,6 +145,7 @@ class Daemon:
             on_progress=self._on_progress,
             on_rejected=self._on_rejected,
             stats=self.stats,
+            on_error=self._on_ingest_error,
         )
         trainer = TrainerService(
             job_id=config.job_id,
@@ -163,6 +170,7 @@ class Daemon:
             stats=self.stats,
             journal=self.journal,
             lanes_full=lambda: self.ingest is not None and self.ingest.lanes_full(),
+            producers=lambda: len(self.ingest.sessions) if self.ingest else 0,
         )
         self._serve_metrics(lanes)
         if config.dataset is not None and config.workers > 0:
@@ -175,6 +183,8 @@ class Daemon:
                     job_id=config.job_id,
                 ),
                 on_restart=self._on_producer_restart,
+                progress=lambda: samples_made(self.stats.ingest_samples, self.stats.rejected),
+                on_give_up=self.loop.give_up,
             )
             await self.supervisor.start()
         self._peers_joined = True  # SERVING follows from the health watcher once running
@@ -385,6 +395,7 @@ class Daemon:
             uptime_s=time.monotonic() - self.started_s,
             phase=self.phase,
             last_error=self.last_error,
+            waiting_for=loop.waiting_for if loop else "",
         )
 
     # -- health ------------------------------------------------------------------------------
@@ -440,14 +451,24 @@ class Daemon:
         if self.loop is not None:
             self.loop.progress.set()
 
+    def _on_ingest_error(self, message: str) -> None:
+        self.last_error = message  # e.g. a producer refused for its dataset size
+
     def _on_rejected(self, rejected: Rejected) -> None:
-        log.warning(
-            "rejected sample %d (view %d): %s: %s",
-            rejected.identity,
-            rejected.view_key,
-            rejected.reason,
-            rejected.detail,
-        )
+        in_full, summary = self._rejection_log.record(rejected.reason, time.monotonic())
+        if in_full:
+            log.warning(
+                "rejected sample %d (view %d): %s: %s (further %s rejections are counted, "
+                "summarised every %.0f s and at epoch end)",
+                rejected.identity,
+                rejected.view_key,
+                rejected.reason,
+                rejected.detail,
+                rejected.reason,
+                self._rejection_log.interval_s,
+            )
+        if summary:
+            log.warning("rejected since the last summary: %s", summary)
         self.rejections.append(rejected)
         self.stats.rejected[rejected.reason] += 1
 

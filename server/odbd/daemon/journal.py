@@ -5,33 +5,51 @@ bookkeeping from this journal and the trainers' resume point (their `ODBClient.s
 views trained in steps before the resume point stay emitted; every other view of the epoch goes
 back to pending and is produced again; rejected views stay rejected.
 
-File layout, version 1: frames of u32 little-endian length + body; body = u32 header length,
-UTF-8 JSON header, then the record's int64 arrays. Records:
-    {"kind": "header", "version": 1, "fingerprint": {...}, "views_per_iteration": M}
+File layout, version 2 (little-endian):
+    b"ODBDJRNL", u32 layout version
+    frames: u32 body length n, u32 crc32 of (the length bytes + body), body (n bytes)
+    body:   u32 header length, UTF-8 JSON header, then the record's int64 arrays
+Records:
+    {"kind": "header", "version": 2, "fingerprint": {...}, "views_per_iteration": M}
     {"kind": "round", "round": r, "steps": [[epoch, step, global_samples], ...],
      "counts": n, "rejected": {reason: n}}  + arrays keys (n,), counts (steps * W,),
                                               rejected_keys (this node's, since last round)
     {"kind": "resume", "epoch": e, "step": s}   a restart: steps >= (e, s) before it never ran
 Each round is appended and fsynced before its steps are queued, so any step a trainer saw is in
-the journal.
+the journal. A crash mid-append leaves a torn last frame: reading stops at the first frame that
+is short or fails its checksum, and `open` cuts the file there before appending, so a later
+record can never be read through the remains of a torn one. Version 1 (frames without a
+checksum) is refused: a torn tail there cannot be told from data.
 """
 
 from __future__ import annotations
 
+import errno
 import json
+import logging
 import os
+import stat
 import struct
+import zlib
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import BinaryIO
 
 import numpy as np
 
-from odbd.errors import ConfigError
+from odbd.errors import ConfigError, OdbdError
 
-VERSION = 1
+log = logging.getLogger(__name__)
+
+VERSION = 2
+MAGIC = b"ODBDJRNL"
 _LEN = struct.Struct("<I")
+_FRAME = struct.Struct("<II")  # body length, crc32
+FILE_HEADER = MAGIC + _LEN.pack(VERSION)
+
+
+class JournalError(OdbdError):
+    """The --state-dir journal could not be written: the job stops rather than run unrecorded."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,28 +72,151 @@ class ResumeState:
     incarnation: int = 0  # restarts so far, this one included
 
 
+Record = tuple[dict, list[np.ndarray]]
+
+
+@dataclass(frozen=True, slots=True)
+class Scan:
+    """What a journal's bytes hold (pure result of `scan`)."""
+
+    records: list[Record]  # every intact record, in file order
+    valid_bytes: int  # the intact prefix: file header and whole frames with a good checksum
+    problem: str  # why reading stopped before the end ("" when every byte was read)
+
+
+def encode_frame(header: dict, arrays: list[np.ndarray]) -> bytes:
+    header = dict(header, shapes=[int(a.shape[0]) for a in arrays])
+    head = json.dumps(header, separators=(",", ":")).encode()
+    body = _LEN.pack(len(head)) + head + b"".join(a.astype("<i8").tobytes() for a in arrays)
+    length = _LEN.pack(len(body))
+    return length + _LEN.pack(zlib.crc32(length + body)) + body
+
+
+def scan(data: bytes, path: Path | str = "the journal") -> Scan:
+    """Intact records of a journal file's bytes; raises ConfigError for another layout."""
+    if len(data) < len(FILE_HEADER) and FILE_HEADER.startswith(data):
+        problem = "the file header is torn" if data else ""
+        return Scan([], 0, problem)
+    _check_layout(data, path)
+    out: list[Record] = []
+    pos = len(FILE_HEADER)
+    while pos < len(data):
+        record, problem = _decode_frame(data, pos)
+        if record is None:
+            return Scan(out, pos, problem)
+        out.append(record)
+        pos += _FRAME.size + _LEN.unpack_from(data, pos)[0]
+    return Scan(out, pos, "")
+
+
+def _check_layout(data: bytes, path: Path | str) -> None:
+    if data.startswith(MAGIC):
+        (version,) = _LEN.unpack_from(data, len(MAGIC))
+        if version == VERSION:
+            return
+        found = f"journal layout {version}"
+    elif _looks_like_layout_1(data):
+        found = "journal layout 1 (frames without checksums, which a torn write can corrupt)"
+    else:
+        found = "bytes that are not an odbd journal"
+    raise ConfigError(
+        f"--state-dir journal {path} holds {found}; this odbd reads layout {VERSION}. Resume "
+        "with the odbd release that wrote it, or start the job afresh with an empty --state-dir"
+    )
+
+
+def _looks_like_layout_1(data: bytes) -> bool:
+    """Layout 1 began with a bare frame: u32 length, u32 JSON length, the header record."""
+    return data[2 * _LEN.size : 2 * _LEN.size + 17] == b'{"kind":"header",'
+
+
+def _decode_frame(data: bytes, pos: int) -> tuple[Record | None, str]:
+    """The record of the frame at `pos`, or None and why it is not intact."""
+    if pos + _FRAME.size > len(data):
+        return None, f"a frame header is torn ({len(data) - pos} of {_FRAME.size} bytes)"
+    length, crc = _FRAME.unpack_from(data, pos)
+    end = pos + _FRAME.size + length
+    if end > len(data):
+        return None, f"a frame is torn ({len(data) - pos - _FRAME.size} of {length} bytes)"
+    body = data[pos + _FRAME.size : end]
+    if zlib.crc32(data[pos : pos + _LEN.size] + body) != crc:
+        return None, "a frame fails its checksum"
+    try:
+        return _decode_body(body), ""
+    except (ValueError, KeyError, TypeError, struct.error) as error:
+        # A good checksum over a bad body is a bug, not a torn write; still never use it.
+        return None, f"a frame does not decode ({type(error).__name__}: {error})"
+
+
+def _decode_body(body: bytes) -> Record:
+    (head_len,) = _LEN.unpack_from(body, 0)
+    header = json.loads(body[_LEN.size : _LEN.size + head_len])
+    if not isinstance(header, dict) or not isinstance(header.get("kind"), str):
+        raise ValueError("the record has no kind")
+    arrays, at = [], _LEN.size + head_len
+    for n in header.get("shapes", []):
+        arrays.append(np.frombuffer(body, dtype="<i8", count=n, offset=at).astype(np.int64))
+        at += 8 * n
+    if at != len(body):
+        raise ValueError(f"the arrays end at byte {at} of {len(body)}")
+    return header, arrays
+
+
 class Journal:
     def __init__(self, directory: Path, node_rank: int) -> None:
         directory.mkdir(parents=True, exist_ok=True, mode=0o700)
         self.path = directory / f"node{node_rank}.journal"
-        self._file: BinaryIO | None = None
+        self._fd: int | None = None
 
     def exists(self) -> bool:
-        return self.path.exists() and self.path.stat().st_size > 0
+        """True if the journal holds a job's header: a restart, not a fresh start."""
+        return bool(self.records())
 
     def open(self, fingerprint: dict[str, str], views_per_iteration: int) -> None:
-        fresh = not self.exists()
-        self._file = open(self.path, "ab")  # noqa: SIM115 (closed in close())
-        os.chmod(self.path, 0o600)
-        if fresh:
+        """Opens for appending: cuts a torn or corrupt tail first, starts a fresh file if empty."""
+        valid = self._cut_torn_tail()
+        try:
+            self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+            if stat.S_ISREG(os.fstat(self._fd).st_mode):  # an older file may have other modes
+                os.fchmod(self._fd, 0o600)
+        except OSError as error:
+            raise self._error("open", error) from None
+        if valid == 0:
             header = {"kind": "header", "version": VERSION, "fingerprint": fingerprint}
             header["views_per_iteration"] = views_per_iteration
-            self._append(header, [])
+            self._write(FILE_HEADER + encode_frame(header, []), "write")
+
+    def _cut_torn_tail(self) -> int:
+        """Truncates the file to its intact records; returns the bytes kept (0: start afresh)."""
+        data = self._read()
+        found = scan(data, self.path)
+        keep = found.valid_bytes if found.records else 0  # no header record: nothing to keep
+        if keep < len(data):
+            log.warning(
+                "--state-dir journal %s: %s at byte offset %d; dropping the last %d bytes. The "
+                "daemon stopped while appending a record, so the last round's record is "
+                "incomplete; that round was never handed to trainers and is planned and "
+                "produced again",
+                self.path,
+                found.problem or "no complete header record",
+                found.valid_bytes,
+                len(data) - keep,
+            )
+            try:
+                os.truncate(self.path, keep)
+            except OSError as error:
+                raise self._error("truncate", error) from None
+        return keep
 
     def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
-            self._file = None
+        """Closes the file; never raises (a failed close only means nothing more is recorded)."""
+        if self._fd is None:
+            return
+        fd, self._fd = self._fd, None
+        try:
+            os.close(fd)
+        except OSError as error:
+            log.warning("%s", self._error("close", error))
 
     def append_round(
         self,
@@ -88,38 +229,50 @@ class Journal:
     ) -> None:
         header = {"kind": "round", "round": round_index, "steps": steps, "rejected": rejected}
         rejected_arr = np.asarray(rejected_keys, dtype=np.int64)
-        self._append(header, [keys, counts.reshape(-1), rejected_arr])
+        self._write(encode_frame(header, [keys, counts.reshape(-1), rejected_arr]), "write")
 
     def append_resume(self, epoch: int, step: int) -> None:
-        self._append({"kind": "resume", "epoch": epoch, "step": step}, [])
+        self._write(encode_frame({"kind": "resume", "epoch": epoch, "step": step}, []), "write")
 
-    def _append(self, header: dict, arrays: list[np.ndarray]) -> None:
-        assert self._file is not None
-        header = dict(header, shapes=[int(a.shape[0]) for a in arrays])
-        head = json.dumps(header, separators=(",", ":")).encode()
-        body = _LEN.pack(len(head)) + head + b"".join(a.astype("<i8").tobytes() for a in arrays)
-        self._file.write(_LEN.pack(len(body)) + body)
-        self._file.flush()
-        os.fsync(self._file.fileno())
+    def _write(self, data: bytes, what: str) -> None:
+        if self._fd is None:
+            raise JournalError(f"--state-dir journal {self.path} was written after close()")
+        view = memoryview(data)
+        try:
+            while view:
+                view = view[os.write(self._fd, view) :]  # a short write continues
+            os.fsync(self._fd)
+        except OSError as error:
+            raise self._error("fsync" if not view else what, error) from None
 
-    def records(self) -> list[tuple[dict, list[np.ndarray]]]:
-        """Every complete record; a torn last frame (crash mid-write) is ignored."""
-        data = self.path.read_bytes() if self.path.exists() else b""
-        out, pos = [], 0
-        while pos + _LEN.size <= len(data):
-            (length,) = _LEN.unpack_from(data, pos)
-            if pos + _LEN.size + length > len(data):
-                break
-            body = data[pos + _LEN.size : pos + _LEN.size + length]
-            (head_len,) = _LEN.unpack_from(body, 0)
-            header = json.loads(body[_LEN.size : _LEN.size + head_len])
-            arrays, at = [], _LEN.size + head_len
-            for n in header.get("shapes", []):
-                arrays.append(np.frombuffer(body, dtype="<i8", count=n, offset=at).astype(np.int64))
-                at += 8 * n
-            out.append((header, arrays))
-            pos += _LEN.size + length
-        return out
+    def _error(self, what: str, error: OSError) -> JournalError:
+        cause = os.strerror(error.errno) if error.errno else str(error)
+        fix = (
+            "free space on that file system or point --state-dir at one with room"
+            if error.errno in (errno.ENOSPC, errno.EDQUOT)
+            else "check that file system and its permissions, or point --state-dir elsewhere"
+        )
+        return JournalError(
+            f"cannot {what} the --state-dir journal {self.path}: {cause} (errno "
+            f"{errno.errorcode.get(error.errno or 0, error.errno)}). The job stops: without the "
+            f"journal a restart could repeat or skip trained steps. To fix, {fix}, then "
+            "restart the job (it resumes from the journal's last complete round)"
+        )
+
+    def records(self) -> list[Record]:
+        """Every intact record; a torn or corrupt tail (crash mid-write) is left out."""
+        return scan(self._read(), self.path).records
+
+    def _read(self) -> bytes:
+        """The file's bytes; b"" if it does not exist or is not a regular file (a device)."""
+        try:
+            if not stat.S_ISREG(self.path.stat().st_mode):
+                return b""
+            return self.path.read_bytes()
+        except FileNotFoundError:
+            return b""
+        except OSError as error:
+            raise self._error("read", error) from None
 
 
 def check_header(records: list[tuple[dict, list[np.ndarray]]], fingerprint: dict[str, str]) -> None:

@@ -10,17 +10,27 @@ these methods and performs what they return.
 from __future__ import annotations
 
 from collections import Counter, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from odbclient.samples import schema_difference
+from odbclient.shm import SampleMeta, ShmLayoutError
 from odbd.config import DaemonConfig
+from odbd.ingest.rejections import PRODUCER_CRASH
 from odbd.planner.ledger import ViewLedger
 from odbd.planner.sampler import num_views, sampler_identities, views_of_ranks
 from odbd.planner.types import IntArray, SampleTable, UnitOffer
 from odbd.planner.view_keys import by_iteration
 
 RUN_AHEAD_BUFFERS = 2  # buffers' worth of samples a unit may lease: this round's and the next
+# A sample is quarantined once producers died this many times while making it. One death may
+# be an operator's SIGKILL or the OOM killer landing on whatever id was in flight: that id is
+# re-leased (nothing lost). A sample that kills its producer does so again at once (released
+# ids are re-leased first), so the second death on the same identity is the crash's signature,
+# at the cost of one more producer restart per bad sample.
+DEATHS_TO_QUARANTINE = 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,9 +99,15 @@ class NodeState:
         self.locations: dict[int, Location] = {}
         self.leases: dict[int, tuple[int, float]] = {}  # key -> (producer, deadline)
         self.schema_hash: int | None = None
+        self.first_schema: SampleMeta | None = None  # the first sample's, to name a mismatch
+        # Reads a committed sample's header from shared memory; set by the daemon (I/O), None
+        # in pure use, where a schema mismatch cannot say which key differs.
+        self.sample_meta: Callable[[Location], SampleMeta] | None = None
         self.rejected: Counter[str] = Counter()  # since the last round's offer
         self.rejected_total: Counter[str] = Counter()
         self.rejected_keys: list[int] = []  # since the last round, for the --state-dir journal
+        self.first_rejection: dict[str, str] = {}  # reason -> "sample I: detail", for errors
+        self.deaths: Counter[int] = Counter()  # identity -> producer deaths while making it
         self.paused = False  # no leases while a restart waits for the trainers' resume point
         # Producers may fill the next round's buffer while this one waits for its round (the
         # exchange, the trainers' queue room): without it they idle from the moment a buffer
@@ -242,7 +258,7 @@ class NodeState:
             if holder is None or holder[0] != producer:
                 stale.append(locations[i])
                 continue
-            reason = self._reason_to_reject(int(lengths[i]), int(schema_hashes[i]))
+            reason = self._reason_to_reject(int(lengths[i]), int(schema_hashes[i]), locations[i])
             if reason is not None:
                 rejections.append(self._reject_leased(key, reason[0], reason[1], locations[i]))
                 continue
@@ -275,14 +291,35 @@ class NodeState:
             return np.zeros_like(keys)
         return keys // self.views_per_iteration
 
-    def _reason_to_reject(self, length: int, schema: int) -> tuple[str, str] | None:
+    def _reason_to_reject(
+        self, length: int, schema: int, location: Location
+    ) -> tuple[str, str] | None:
         if length <= 0:
             return "zero_length", f"{self.config.length_key} has length 0"
         if self.schema_hash is None:
             self.schema_hash = schema
+            self.first_schema = self._schema_at(location)  # read once per job
         elif schema != self.schema_hash:
-            return "schema_mismatch", "keys, dtypes or shapes differ from the first sample's"
+            first, this = self.first_schema, self._schema_at(location)
+            what = (
+                schema_difference(first, this)
+                if first is not None and this is not None
+                else "keys, dtypes or shapes differ from the first sample's"
+            )
+            return "schema_mismatch", (
+                f"{what}; every sample needs the first sample's keys and dtypes, and the same "
+                "dimensions after the first; make them uniform in preprocessing"
+            )
         return None
+
+    def _schema_at(self, location: Location) -> SampleMeta | None:
+        """A committed sample's keys, dtypes and shapes; None without a reader or if unreadable."""
+        if self.sample_meta is None:
+            return None
+        try:
+            return self.sample_meta(location)
+        except ShmLayoutError:  # a producer wrote garbage: the message stays generic
+            return None
 
     def reject(self, producer: int, key: int, reason: str, detail: str) -> Rejected | None:
         """A producer could not make this sample; None if it no longer held the lease."""
@@ -290,6 +327,25 @@ class NodeState:
         if holder is None or holder[0] != producer:
             return None
         return self._reject_leased(key, reason, detail, None)
+
+    def producer_died(self, producer: int, key: int, name: str) -> tuple[int, Rejected | None]:
+        """Producer `producer` (`name`) ended with `key` in flight (its lane header): counts the
+        death against the sample's identity. Returns (deaths so far, the quarantine as a
+        rejection once they reach DEATHS_TO_QUARANTINE, else None: the lease is released)."""
+        holder = self.leases.get(key)
+        if holder is None or holder[0] != producer:
+            return 0, None  # a stale mark: the lease expired and went elsewhere
+        it, view = self._split(key)
+        identity = int(it.identities[view])
+        self.deaths[identity] += 1
+        deaths = self.deaths[identity]
+        if deaths < DEATHS_TO_QUARANTINE:
+            return deaths, None
+        detail = (
+            f"{deaths} producers died while making it (the last: {name}); quarantined, "
+            "never emitted"
+        )
+        return deaths, self._reject_leased(key, PRODUCER_CRASH, detail, None)
 
     def _reject_leased(
         self, key: int, reason: str, detail: str, location: Location | None
@@ -301,7 +357,9 @@ class NodeState:
         self.rejected_keys.append(key)
         self.rejected[reason] += 1
         self.rejected_total[reason] += 1
-        return Rejected(key, int(it.identities[view]), reason, detail, location)
+        identity = int(it.identities[view])
+        self.first_rejection.setdefault(reason, f"sample {identity}: {detail}")
+        return Rejected(key, identity, reason, detail, location)
 
     # -- rounds ------------------------------------------------------------------------------
 

@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import time
@@ -26,9 +27,11 @@ from odbd.config import DaemonConfig
 from odbd.daemon import offer_codec
 from odbd.daemon.journal import Journal, ResumeState
 from odbd.daemon.node_state import NodeState
-from odbd.errors import InvariantError
+from odbd.errors import InvariantError, OdbdError
 from odbd.ingest.lanes import Lanes
+from odbd.ingest.rejections import empty_epoch_failure
 from odbd.metrics.stats import DaemonStats
+from odbd.planner.progress import JobShape, Progress, StepFacts, step_progress
 from odbd.planner.round import plan_round
 from odbd.planner.types import RoundPlan, UnitPlan
 from odbd.round import RoundBarrier
@@ -37,6 +40,30 @@ from odbd.serve.rank_queue import QueuedItem, RankQueue
 log = logging.getLogger("odbd.round")
 
 _WAIT_LOG_S = 10.0
+_TELL_FAILURE_S = 60.0  # a failed job waits this long for unattached trainers to learn why
+
+
+def wait_reason(
+    *, producers: int, buffered: int, rejected: dict[str, int], lanes_full: bool
+) -> str:
+    """Why nothing arrives, as far as this node can tell, for the periodic wait line."""
+    if producers == 0:
+        return (
+            "no producer is attached: start producers on this node (python -m "
+            "odbclient.producer_main --socket ...), or see above why --workers stopped"
+        )
+    if lanes_full:
+        return "every producer waits for lane space: raise --shm-size or lower --buffer"
+    if buffered == 0 and rejected:
+        return (
+            f"{producers} producers attached but every sample since the last round was "
+            f"rejected {rejected}"
+        )
+    return f"{producers} producers attached and making samples"
+
+
+class JobFailed(OdbdError):
+    """The job cannot train (an epoch emitted nothing): trainers got JobEnd(failed) first."""
 
 
 @dataclass(slots=True)
@@ -63,6 +90,7 @@ class RoundLoop:
         stats: DaemonStats,
         journal: Journal | None = None,
         lanes_full: Callable[[], bool] = lambda: False,
+        producers: Callable[[], int] = lambda: 0,
     ) -> None:
         self.config = config
         self.state = state
@@ -75,16 +103,23 @@ class RoundLoop:
         self.journal = journal
         self.lanes_full = lanes_full  # IngestService.lanes_full
         self.lanes_full_warned = False
+        self.producers = producers  # producers attached now (for the wait line)
         self.resume: tuple[int, int] | None = None  # set by restore(): announced in round 0
         self.round_seed_base = 0  # plans of a restarted job must not repeat the old seeds
         self.progress = asyncio.Event()
+        self.waiting_for = ""  # Admin status: what the next round waits for, for stalled trainers
         self.round_index = 0
         self.done = False
+        self.failure: str | None = None  # an epoch trained nothing: the same round everywhere
+        self.fatal: str | None = None  # this node cannot go on (its producers keep dying)
         self.quota_consumed = 0  # non-join: views emitted or rejected, over every node
         self.filler_schema = ""
         self.steps_in_epoch: Counter[int] = Counter()
         self.tally = self._new_tally()
         self.last_wait_log = time.monotonic()
+        # Per epoch, over every node: samples and loss tokens planned (StepBatch.progress).
+        self.epoch_emitted: Counter[int] = Counter()
+        self.epoch_tokens: Counter[int] = Counter()
 
     def _new_tally(self) -> EpochTally:
         return EpochTally(0, 0, np.zeros(self.state.dataset_size, dtype=bool), Counter())
@@ -102,7 +137,9 @@ class RoundLoop:
                 rejected=self.state.take_rejected_delta(),
                 resume=self.resume if self.round_index == 0 else None,
             )
+            self.waiting_for = f"the other nodes' offers for round {self.round_index}"
             payloads = await self.barrier.exchange(self.round_index, offer_codec.encode(offer))
+            self.waiting_for = ""
             offers = [self._decode(node, p) for node, p in enumerate(payloads)]
             self._check_agreement(offers)
             units = sorted((u for o in offers for u in o.units), key=lambda u: u.unit)
@@ -111,6 +148,9 @@ class RoundLoop:
             self._record_round(plan)
             self.on_planned(plan)
             self.round_index += 1
+        if self.failure is not None:
+            await self._tell_trainers()
+            raise JobFailed(self.failure)
 
     # -- 1. readiness ------------------------------------------------------------------------
 
@@ -120,13 +160,18 @@ class RoundLoop:
     async def _wait_ready(self) -> None:
         while True:
             self.barrier.raise_failure()  # a lost peer fails the job now, not at the next round
+            if self.fatal is not None:
+                self.abort(self.fatal)
+                await self._tell_trainers()
+                raise JobFailed(self.fatal)
             room = self._queued_min() <= self.config.steps_ahead
-            if room and self.state.units_ready():
+            if room and (self.state.units_ready() or self._round_rejected()):
                 return
             if room and self._buffer_capped_by_lanes():
                 self._count_lanes_full_round()
                 return
             self.progress.clear()
+            self.waiting_for = self._what_blocks(room)
             try:
                 await asyncio.wait_for(self.progress.wait(), timeout=self.config.stall_s)
             except TimeoutError:
@@ -135,6 +180,29 @@ class RoundLoop:
                 if self._queued_min() <= 1 and self.state.buffered_now() > 0:
                     return
                 self._log_waiting(room)
+
+    def _round_rejected(self) -> bool:
+        """A round's worth of this node's samples was rejected and none is buffered: offer the
+        empty round anyway, so the counts reach every node and the epoch can end (non-join
+        epochs end by counting rejections against the quota)."""
+        capacity = self.state.planner.unit_capacity * len(self.state.local_unit_ids())
+        rejected = sum(self.state.rejected.values())
+        return self.state.buffered_now() == 0 and rejected >= capacity
+
+    def _what_blocks(self, room: bool) -> str:
+        if not room:
+            ahead = self.config.steps_ahead
+            behind = [r for r, q in sorted(self.queues.items()) if q.queued_steps() > ahead]
+            idle = [r for r in behind if not self.queues[r].attached]
+            return (
+                f"trainers: ranks {behind} have more than --steps-ahead "
+                f"{self.config.steps_ahead} steps queued"
+                + (f" (ranks {idle} have no trainer attached)" if idle else "")
+            )
+        return (
+            f"producers: {self.state.buffered_now()} samples buffered of "
+            f"{self.state.planner.unit_capacity} per unit, {len(self.state.leases)} leased"
+        )
 
     def _buffer_capped_by_lanes(self) -> bool:
         """Every producer waits for lane space with samples buffered: the buffer cannot fill
@@ -170,11 +238,17 @@ class RoundLoop:
         self.last_wait_log = now
         if room:
             log.info(
-                "round %d waits for producers: %d samples buffered of %d per unit; leases: %d",
+                "round %d waits for producers: %d samples buffered of %d per unit; leases: %d; %s",
                 self.round_index,
                 self.state.buffered_now(),
                 self.state.planner.unit_capacity,
                 len(self.state.leases),
+                wait_reason(
+                    producers=self.producers(),
+                    buffered=self.state.buffered_now(),
+                    rejected=dict(self.state.rejected),
+                    lanes_full=self.lanes_full(),
+                ),
             )
 
     # -- 3. plan inputs ----------------------------------------------------------------------
@@ -208,9 +282,11 @@ class RoundLoop:
     # -- 4. apply ----------------------------------------------------------------------------
 
     def _apply(self, plan: RoundPlan, offers: list[offer_codec.NodeOffer]) -> None:
+        quota_before = self.quota_consumed
         step_epochs = self._step_epochs(plan)
         kept = len(step_epochs)
         step_numbers = self._number_steps(step_epochs)
+        progress = self._plan_progress(plan, quota_before, step_epochs, step_numbers)
         if self.journal is not None:
             rejected: Counter[str] = Counter()
             for o in offers:
@@ -220,7 +296,7 @@ class RoundLoop:
         for unit in plan.units:
             self._tally_identities(unit, kept)
             if unit.unit in local:
-                self._queue_unit(plan, unit, step_epochs, step_numbers)
+                self._queue_unit(plan, unit, step_epochs, step_numbers, progress)
         self._record_steps(plan, kept)
         self._advance_epochs(plan, step_epochs)
 
@@ -300,6 +376,7 @@ class RoundLoop:
         for s in resume.trained_steps:
             self.steps_in_epoch[s.epoch] = max(self.steps_in_epoch[s.epoch], s.step + 1)
             self.quota_consumed += s.global_samples
+            self.epoch_emitted[s.epoch] += s.global_samples
             if s.epoch == resume.epoch:
                 self.tally.steps += 1
                 self.tally.samples += s.global_samples
@@ -335,6 +412,41 @@ class RoundLoop:
             self.quota_consumed += count
         return epochs
 
+    def _plan_progress(
+        self, plan: RoundPlan, quota_before: int, step_epochs: list[int], step_numbers: list[int]
+    ) -> list[Progress]:
+        """Each kept step's StepBatch.progress, from global facts only (the same on every
+        daemon): non-join counts the epoch's views by the sample quota (rejections included,
+        the step reaching the epoch's share is its last); join by the epoch's emitted and
+        rejected samples (the flush round's last step is the epoch's last)."""
+        n = self.state.dataset_size
+        job = JobShape(dataset_size=n, epochs=self.config.epochs)
+        assert self.tally.rejected is not None
+        rejected = sum(self.tally.rejected.values())  # join: of the epoch being planned
+        quota = quota_before
+        progress = []
+        for i, (epoch, number) in enumerate(zip(step_epochs, step_numbers, strict=True)):
+            samples = int(plan.stats.global_num_samples[i])
+            self.epoch_emitted[epoch] += samples
+            self.epoch_tokens[epoch] += int(plan.stats.global_num_tokens[i])
+            quota += samples
+            if self.config.join:
+                consumed = self.epoch_emitted[epoch] + rejected
+                last = plan.final and i == len(step_epochs) - 1
+            else:
+                consumed, last = quota - epoch * n, quota >= (epoch + 1) * n
+            facts = StepFacts(
+                epoch=epoch,
+                step=number,
+                consumed=consumed,
+                emitted=self.epoch_emitted[epoch],
+                tokens=self.epoch_tokens[epoch],
+                last=last,
+                steps_before_epoch=sum(c for e, c in self.steps_in_epoch.items() if e < epoch),
+            )
+            progress.append(step_progress(job, facts))
+        return progress
+
     def _tally_identities(self, unit: UnitPlan, kept: int) -> None:
         g = self.state.planner.ranks_per_unit
         end = int(unit.slot_offsets[kept * g])
@@ -343,24 +455,51 @@ class RoundLoop:
         self.tally.seen[self.state.identities_of(keys)] = True
 
     def _queue_unit(
-        self, plan: RoundPlan, unit: UnitPlan, step_epochs: list[int], step_numbers: list[int]
+        self,
+        plan: RoundPlan,
+        unit: UnitPlan,
+        step_epochs: list[int],
+        step_numbers: list[int],
+        progress: list[Progress],
     ) -> None:
         g = self.state.planner.ranks_per_unit
         ranks = self.state.planner.unit_ranks(unit.unit)
         kept = len(step_epochs)
         end = int(unit.slot_offsets[kept * g])
         self.state.mark_emitted(unit.emitted.views[:end])
+        self._count_oversized(unit.emitted.views[:end], unit.emitted.lengths[:end])
         tail = unit.emitted.take(np.arange(end, len(unit.emitted)))  # past the quota: not run
         self.state.return_samples(unit.unit, unit.leftover.concat(tail))
         for local_rank, rank in enumerate(ranks):
             items = [
                 self._step_item(
                     plan, unit, step, rank, unit.slot(step, local_rank, g),
-                    step_epochs[step], step_numbers[step],
+                    step_epochs[step], step_numbers[step], progress[step],
                 )
                 for step in range(kept)
             ]  # fmt: skip
             self.queues[rank].push(items)
+
+    def _count_oversized(self, views: np.ndarray, lengths: np.ndarray) -> None:
+        """Counts emitted samples longer than the token budget; warns once, at the first.
+
+        Grouping gives such a sample a group of its own (B(l) = max(budget // l, 1) = 1), so it
+        trains, but its step exceeds the budget the operator sized memory for."""
+        over = np.flatnonzero(lengths > self.config.token_budget)
+        if over.size == 0:
+            return
+        if self.stats.oversized_samples == 0:
+            identity = int(self.state.identities_of(views[over[:1]])[0])
+            log.warning(
+                "sample %d has %d tokens, more than --token-budget %d: it is trained alone in "
+                "its own group, whose padded area exceeds the budget (shown once; "
+                "odbd_oversized_samples_total counts them all); raise --token-budget or "
+                "truncate samples in preprocessing",
+                identity,
+                int(lengths[over[0]]),
+                self.config.token_budget,
+            )
+        self.stats.oversized_samples += int(over.size)
 
     def _step_item(
         self,
@@ -371,6 +510,7 @@ class RoundLoop:
         rows: slice,
         epoch: int,
         number: int,
+        progress: Progress,
     ) -> QueuedItem:
         keys = unit.emitted.views[rows]
         locations = [self.state.locations.pop(int(k)) for k in keys.tolist()]
@@ -393,6 +533,7 @@ class RoundLoop:
             offsets=np.asarray([o for _, o in where], dtype="<u8").tobytes(),
             nbytes=np.asarray([loc.nbytes for loc in locations], dtype="<u8").tobytes(),
             filler_schema=self.filler_schema if idle else "",
+            progress=trainer_pb2.Progress(**dataclasses.asdict(progress)),
         )
         return QueuedItem(epoch, number, trainer_pb2.TrainerEvent(step=batch), locations)
 
@@ -427,6 +568,12 @@ class RoundLoop:
     def _end_epoch(self, epoch: int) -> None:
         tally = self.tally
         assert tally.seen is not None and tally.rejected is not None
+        if tally.samples == 0:
+            # Decided from global facts (every node's offers), so every daemon fails alike; the
+            # trainers get the failed JobEnd instead of an empty epoch.
+            self.failure = empty_epoch_failure(epoch, tally.rejected, self.state.first_rejection)
+            self._end_job(self.failure, failed=True)
+            return
         end = trainer_pb2.EpochEnd(
             epoch=epoch,
             num_steps=tally.steps,
@@ -450,15 +597,32 @@ class RoundLoop:
         self.stats.epochs_done += 1
 
     def _end_job(self, reason: str, failed: bool = False) -> None:
+        if self.done:
+            return  # a failure ended it already (then "all epochs done" follows)
         self.done = True
         end = trainer_pb2.JobEnd(reason=reason, failed=failed)
         for queue in self.queues.values():
             queue.push([QueuedItem(self.state.epoch, -1, trainer_pb2.TrainerEvent(job_end=end))])
 
+    def give_up(self, reason: str) -> None:
+        """This node cannot make samples any more: the job fails at once (peers see it go)."""
+        self.fatal = reason
+        self.progress.set()
+
+    async def _tell_trainers(self) -> None:
+        """A job can fail before its trainers attach (every sample rejected in seconds): wait,
+        bounded, until each local rank connected once, so it raises JobFailedError with the
+        reason rather than finding no daemon. Ranks still attached are drained by the daemon."""
+        deadline = time.monotonic() + _TELL_FAILURE_S
+        while missing := [r for r, q in self.queues.items() if q.attaches == 0]:
+            if time.monotonic() > deadline:
+                log.warning("ranks %s never attached to learn that the job failed", missing)
+                return
+            await asyncio.sleep(0.05)
+
     def fail(self, reason: str) -> None:
         """The job stops (SIGTERM): trainers take what is queued, then learn why."""
-        if not self.done:
-            self._end_job(reason, failed=True)
+        self._end_job(reason, failed=True)
 
     def abort(self, reason: str) -> None:
         """The job cannot go on (peer lost, round timeout): trainers learn it next.

@@ -6,13 +6,19 @@ The daemon tracks which lane offsets hold live samples: trainers' deliveries fre
 offsets go back to the producer), and a lane whose producer died is returned to the arena once
 its last live sample was delivered. Bytes a killed producer half-wrote were never committed,
 so they are never read: they vanish with the lane.
+
+A lane's first LANE_HEADER_BYTES are its header (odbclient.lane): the view key its producer
+is making, IDLE between samples. The daemon sets it IDLE when it opens the lane and reads it
+when the producer's stream ends, to learn which id (if any) was in flight when it died.
 """
 
 from __future__ import annotations
 
+import struct
 from collections import defaultdict
 from dataclasses import dataclass, field
 
+from odbclient.lane import IDLE
 from odbclient.shm import Allocation
 from odbd.daemon.node_state import Location
 from odbd.errors import InvariantError
@@ -42,6 +48,8 @@ class Lanes:
         if allocation is None:
             return None
         lane = Lane(self._next_id, allocation, self._segment_index[allocation.segment], producer)
+        with self.arena.view(allocation) as header:  # a reused lane holds old bytes
+            struct.pack_into("<q", header, 0, IDLE)
         self._lanes[lane.lane_id] = lane
         self._next_id += 1
         return lane
@@ -56,6 +64,12 @@ class Lanes:
         if location.offset + location.nbytes > lane.allocation.length:
             raise InvariantError(f"sample at lane offset {location.offset} overruns its lane")
         lane.live.add(location.offset)
+
+    def in_flight(self, lane_id: int) -> int | None:
+        """The view key the lane's producer was making (its header), None between samples."""
+        with self.arena.view(self._lanes[lane_id].allocation) as lane:
+            (key,) = struct.unpack_from("<q", lane, 0)
+        return None if key == IDLE else int(key)
 
     def resolve(self, location: Location) -> tuple[int, int]:
         """(segment index, byte offset in the segment) of a sample, for the trainer."""

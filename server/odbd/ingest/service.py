@@ -43,6 +43,7 @@ class IngestService(ingest_pb2_grpc.IngestServicer):
         on_progress: Callable[[], None],
         on_rejected: Callable[[Rejected], None],
         stats: DaemonStats,
+        on_error: Callable[[str], None] = lambda message: None,
     ) -> None:
         self._state = state
         self._lanes = lanes
@@ -51,6 +52,7 @@ class IngestService(ingest_pb2_grpc.IngestServicer):
         self._on_progress = on_progress
         self._on_rejected = on_rejected
         self._stats = stats
+        self._on_error = on_error  # the daemon's last_error, shown by `odbd status`
         self.sessions: dict[int, ProducerSession] = {}
         self._next_producer = 0
         self.closing = False
@@ -91,6 +93,11 @@ class IngestService(ingest_pb2_grpc.IngestServicer):
         )
         if self.closing:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the daemon is shutting down")
+        refusal = size_refusal(hello, self._welcome.dataset_size)
+        if refusal is not None:
+            log.error("refused a producer: %s", refusal)
+            self._on_error(refusal)
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, refusal)
         producer = self._next_producer
         self._next_producer += 1
         lane = self._lanes.open(producer)
@@ -129,6 +136,9 @@ class IngestService(ingest_pb2_grpc.IngestServicer):
                     )
                     if rejected is not None:
                         self._on_rejected(rejected)
+                # A rejected id leaves its unit's lease budget: without new grants a job whose
+                # samples are all rejected would wait forever with no lease outstanding.
+                self.pump_leases()
                 self._on_progress()
 
     def _commit(self, session: ProducerSession, batch: ingest_pb2.CommitBatch) -> None:
@@ -159,6 +169,8 @@ class IngestService(ingest_pb2_grpc.IngestServicer):
         ]
         if give_back:
             self._send_free(session, give_back)
+        if rejections:
+            self.pump_leases()  # rejected ids left the lease budget (see _read)
         self._on_progress()
 
     def pump_leases(self) -> None:
@@ -220,12 +232,54 @@ class IngestService(ingest_pb2_grpc.IngestServicer):
     def _close(self, session: ProducerSession) -> None:
         if self.sessions.pop(session.producer, None) is None:
             return
+        self._account_death(session)
         held = self._state.leases_of(session.producer)
         self._state.release(held)
         self._lanes.orphan(session.lane.lane_id)
         log.info("producer %s detached; %d leases go back to the pool", session.name, len(held))
         self.pump_leases()
         self._on_progress()
+
+    def _account_death(self, session: ProducerSession) -> None:
+        """A stream that ends with a view key in the lane header ended inside dataset[i]: the
+        producer died making it. The id is re-leased the first time, quarantined (rejected as
+        producer_crash) once it was in flight at DEATHS_TO_QUARANTINE deaths."""
+        key = self._lanes.in_flight(session.lane.lane_id)
+        if key is None or self.closing:  # between samples, or told to stop mid-sample
+            return
+        deaths, quarantined = self._state.producer_died(session.producer, key, session.name)
+        if quarantined is not None:
+            log.error(
+                "quarantined sample %d (view %d): producers died %d times while making it "
+                "(the last: %s); it is rejected as %s and the epoch goes on without it",
+                quarantined.identity,
+                key,
+                deaths,
+                session.name,
+                quarantined.reason,
+            )
+            self._on_rejected(quarantined)
+        elif deaths:
+            identity = int(self._state.identities_of(np.asarray([key]))[0])
+            log.warning(
+                "producer %s ended while making sample %d (view %d); it is re-leased, and "
+                "quarantined if a producer dies on it again",
+                session.name,
+                identity,
+                key,
+            )
+
+
+def size_refusal(hello: ingest_pb2.ProducerHello, served: int) -> str | None:
+    """Why a producer whose dataset has another size than the daemon serves is refused."""
+    if not hello.dataset_size or hello.dataset_size == served:
+        return None
+    name = hello.name or f"pid {hello.pid}"
+    return (
+        f"producer {name}'s dataset has {hello.dataset_size} samples but this daemon serves "
+        f"{served} identities; start the producer with the job's dataset (check its "
+        "--dataset-arg) or the daemon with --dataset-size matching it"
+    )
 
 
 async def _refuse_if_malformed(

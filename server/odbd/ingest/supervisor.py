@@ -2,7 +2,9 @@
 
 Each worker is `python -m odbclient.producer_main`, a plain odbclient Producer: the daemon
 treats it exactly like an external producer. A worker that dies is restarted (its leases went
-back to the pool when its stream broke); one that keeps dying is given up on with a clear log.
+back to the pool when its stream broke, and a sample that kept killing producers was
+quarantined). One that dies _MAX_DEATHS times within _RESTART_WINDOW_S with no sample made on
+the node in between cannot be kept alive: it is given up, and the job fails (on_give_up).
 
 Stopping: workers run in their own session, so a terminal's Ctrl-C (SIGINT to the foreground
 process group) reaches only the daemon, which stops them itself: Shutdown on their stream,
@@ -16,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import shlex
 import signal
 import sys
 import time
@@ -24,8 +27,9 @@ from dataclasses import dataclass, field
 
 log = logging.getLogger("odbd.producers")
 
-_MAX_RESTARTS = 5  # within _RESTART_WINDOW_S, then the worker is given up
+_MAX_DEATHS = 5  # in a row within _RESTART_WINDOW_S, no sample made between: give up
 _RESTART_WINDOW_S = 60.0
+_RESTART_DELAY_S = 0.5
 # After Shutdown, a worker still running is inside the user's preprocessing (or still
 # starting): its work is lost either way, so it is killed soon (Ctrl-C must end the daemon
 # within 2 s).
@@ -45,13 +49,32 @@ class SupervisorConfig:
 class _Worker:
     name: str
     process: asyncio.subprocess.Process | None = None
-    starts: list[float] = field(default_factory=list)
+    deaths: list[float] = field(default_factory=list)  # since the node last made a sample
+
+
+def deaths_without_progress(
+    deaths: list[float], now_s: float, progressed: bool, window_s: float = _RESTART_WINDOW_S
+) -> list[float]:
+    """A worker's deaths that count towards giving up, after one more at `now_s`: a death
+    after the node made samples (committed or rejected, a quarantine included) starts a new
+    run, so a worker that dies on each of several bad samples is restarted for every one."""
+    if progressed:
+        return [now_s]
+    return [t for t in deaths if now_s - t < window_s] + [now_s]
 
 
 class ProducerSupervisor:
-    def __init__(self, config: SupervisorConfig, on_restart: Callable[[], None]) -> None:
+    def __init__(
+        self,
+        config: SupervisorConfig,
+        on_restart: Callable[[], None],
+        progress: Callable[[], int] = lambda: 0,
+        on_give_up: Callable[[str], None] = lambda message: None,
+    ) -> None:
         self.config = config
         self._on_restart = on_restart
+        self._progress = progress  # samples the node made so far (committed + rejected)
+        self._on_give_up = on_give_up
         self._workers = [_Worker(f"worker-{i}") for i in range(config.workers)]
         self._tasks: list[asyncio.Task[None]] = []
         self._stopping = False
@@ -70,20 +93,7 @@ class ProducerSupervisor:
 
     async def _keep_running(self, worker: _Worker) -> None:
         while not self._stopping:
-            now = time.monotonic()
-            worker.starts = [t for t in worker.starts if now - t < _RESTART_WINDOW_S] + [now]
-            if len(worker.starts) > _MAX_RESTARTS:
-                log.error(
-                    "producer %s died %d times within %.0f s; not restarting it. Run "
-                    "`python -m odbclient.producer_main --socket %s --dataset %s` by hand to "
-                    "see why",
-                    worker.name,
-                    _MAX_RESTARTS,
-                    _RESTART_WINDOW_S,
-                    self.config.socket,
-                    self.config.dataset,
-                )
-                return
+            made = self._progress()
             worker.process = await asyncio.create_subprocess_exec(
                 *self.command(worker.name),
                 start_new_session=True,  # a terminal's SIGINT is the daemon's to handle
@@ -92,10 +102,29 @@ class ProducerSupervisor:
             code = await worker.process.wait()
             if self._stopping or code == 0:
                 return
+            # The daemon accounts for the sample in flight when it sees the stream end; give
+            # it a moment so that a quarantine by this very death counts as progress.
+            await asyncio.sleep(_RESTART_DELAY_S)
+            if self._stopping:
+                return
+            now = time.monotonic()
+            worker.deaths = deaths_without_progress(worker.deaths, now, self._progress() > made)
+            if len(worker.deaths) >= _MAX_DEATHS:
+                self._give_up(worker, code)
+                return
             self.num_restarts += 1
             self._on_restart()
             log.warning("producer %s exited with status %s; restarting it", worker.name, code)
-            await asyncio.sleep(0.5)
+
+    def _give_up(self, worker: _Worker, code: int) -> None:
+        message = (
+            f"producer {worker.name} died {len(worker.deaths)} times within "
+            f"{_RESTART_WINDOW_S:.0f} s with no sample made in between (last exit status "
+            f"{code}); it cannot be kept alive, so the job fails. Run "
+            f"`{shlex.join(self.command(worker.name))}` by hand to see why"
+        )
+        log.error("%s", message)
+        self._on_give_up(message)
 
     def pids(self) -> list[int]:
         return [w.process.pid for w in self._workers if w.process and w.process.returncode is None]

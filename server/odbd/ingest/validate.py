@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from odbclient.lane import LANE_HEADER_BYTES
 from odbclient.samples import RejectReason
 from odbclient.wire.odbd.v1 import ingest_pb2
 from odbd.errors import OdbdError
@@ -54,10 +55,11 @@ def decode_commit(batch: ingest_pb2.CommitBatch, lane_bytes: int, live: set[int]
     rows = CommitRows(**columns)
     offsets, nbytes = rows.offsets.tolist(), rows.nbytes.tolist()
     for offset, size in zip(offsets, nbytes, strict=True):
-        if size == 0 or offset + size > lane_bytes:
+        if size == 0 or offset < LANE_HEADER_BYTES or offset + size > lane_bytes:
             raise MalformedMessage(
                 f"a committed sample at lane offset {offset} with {size} bytes does not lie "
-                f"inside the producer's {lane_bytes}-byte lane"
+                f"inside the producer's {lane_bytes}-byte lane after its "
+                f"{LANE_HEADER_BYTES}-byte header"
             )
     if len(set(offsets)) != len(offsets) or live.intersection(offsets):
         raise MalformedMessage(

@@ -22,11 +22,18 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from odbclient.samples import RejectReason
+from odbd.ingest.rejections import PRODUCER_CRASH
 from odbd.metrics.stats import DaemonStats
 
 VERSION = "0.1.0"
 # Exported at 0 from the start, so the first rejection is an increase() and alerts see it.
-KNOWN_REJECT_REASONS = ("zero_length", "schema_mismatch", *(r.value for r in RejectReason))
+# The daemon adds zero_length, schema_mismatch and producer_crash (an id that killed producers).
+KNOWN_REJECT_REASONS = (
+    "zero_length",
+    "schema_mismatch",
+    PRODUCER_CRASH,
+    *(r.value for r in RejectReason),
+)
 
 
 class DaemonCollector(Collector):
@@ -141,6 +148,12 @@ class DaemonCollector(Collector):
                 s.lanes_full_rounds,
             ),
             ("producer_restarts", "producer processes restarted", s.producers_restarted),
+            (
+                "oversized_samples",
+                "samples longer than --token-budget, each trained alone in its own group "
+                "(raise --token-budget or truncate in preprocessing)",
+                s.oversized_samples,
+            ),
         )
         rejected = CounterMetricFamily(
             "odbd_rejected_samples", "samples rejected at ingest", labels=["reason"]

@@ -84,6 +84,9 @@ class TrainerService(trainer_pb2_grpc.TrainerServicer):
         hello = await read_hello(
             request_iterator, context, who="trainer", hello_type="TrainerHello", job_id=self._job_id
         )
+        refusal = world_refusal(hello, self._welcome.world_size)
+        if refusal is not None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, refusal)
         if hello.rank not in self._queues:
             ranks = sorted(self._queues)
             await context.abort(
@@ -110,6 +113,32 @@ class TrainerService(trainer_pb2_grpc.TrainerServicer):
                 delivered = message.delivered
                 self._on_free(queue.deliver(delivered.epoch, delivered.step))
                 self._on_delivered(queue.rank, delivered)
+
+
+def world_refusal(hello: trainer_pb2.TrainerHello, world_size: int) -> str | None:
+    """Why a trainer whose own world disagrees with the daemon's must not train, else None.
+
+    A hello without a world (no process group, no launcher variables) is accepted: a single
+    process trainer for debugging has nothing to compare. Every loss_scale assumes the
+    daemon's --world, so a mismatch would train with silently wrong gradient weights.
+    """
+    source = hello.world_source or "the trainer process"
+    if hello.HasField("world_size") and hello.world_size != world_size:
+        return (
+            f"trainer rank {hello.rank} runs in a world of {hello.world_size} processes (from "
+            f"{source}) but this job's --world is {world_size}: every loss_scale assumes "
+            f"{world_size} ranks; launch {world_size} trainer processes (torchrun "
+            f"--nproc-per-node, accelerate launch --num_processes {world_size}) or restart the "
+            f"daemons with --world {hello.world_size}"
+        )
+    if hello.HasField("launcher_rank") and hello.launcher_rank != hello.rank:
+        return (
+            f"the trainer asked for rank {hello.rank} but its launcher made it rank "
+            f"{hello.launcher_rank} (from {source}): two processes would train the same "
+            "batches; build ODBClient(rank=...) from that rank (torch.distributed.get_rank(), "
+            "$RANK or accelerator.process_index)"
+        )
+    return None
 
 
 def _ready_steps(queue: RankQueue, prefetch: int, *, first: QueuedItem) -> list[QueuedItem]:

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from odbd import flags
 from odbd.errors import ConfigError
 from odbd.planner.config import Balance, CostModel, Grouping, LossScaling, PlannerConfig
 from odbd.simulate.distributions import NAMES, sample_lengths
@@ -59,52 +60,59 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         metavar="N",
         help=f"samples drawn with --dist (default {DEFAULT_NUM_SAMPLES}); with --lengths, "
-        "only the first N lines",
+        "only the first N lines (default: all)",
     )
     world = parser.add_argument_group("world and planner")
-    world.add_argument("--world", type=int, default=16, metavar="W", help="DDP world (16)")
-    world.add_argument(
-        "--nproc-per-node", type=int, default=8, metavar="G", help="ranks per node (8)"
-    )
+    world.add_argument("--world", type=int, default=16, metavar="W", help="DDP world")
+    world.add_argument("--nproc-per-node", type=int, default=8, metavar="G", help="ranks per node")
     world.add_argument(
         "--token-budget",
         type=int,
         default=12288,
         metavar="L",
-        help="max padded tokens per rank-step (12288)",
+        help="max padded tokens per rank-step",
     )
-    world.add_argument("--buffer", type=int, default=1024, metavar="B", help="samples/rank (1024)")
+    world.add_argument("--buffer", type=int, default=1024, metavar="B", help="samples per rank")
     world.add_argument(
         "--grouping",
         choices=[g.value for g in Grouping],
         default="min-time",
-        help="min-time (default) or the paper's threshold grouping",
+        help="min-time or the paper's threshold grouping",
     )
     world.add_argument(
         "--balance",
         choices=[b.value for b in Balance],
         default="node",
-        help="pool a node's buffers (node, default) or the paper's per-rank buffers",
+        help="pool a node's buffers (node) or the paper's per-rank buffers (rank)",
     )
-    world.add_argument("--loss-scaling", choices=[s.value for s in LossScaling], default="exact")
+    world.add_argument(
+        "--loss-scaling",
+        choices=[s.value for s in LossScaling],
+        default="exact",
+        help="how per-rank losses are scaled",
+    )
     world.add_argument(
         "--join",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="join: every identity each epoch (default); no-join: sample quota",
+        help="join: every identity each epoch; no-join: sample quota",
     )
-    world.add_argument("--epochs", type=int, default=1, metavar="E", help="trainer epochs (1)")
-    world.add_argument("--seed", type=int, default=0, metavar="S", help="lengths and sampler (0)")
+    world.add_argument("--epochs", type=int, default=1, metavar="E", help="trainer epochs")
+    world.add_argument(
+        "--seed",
+        type=flags.integer(0, flags.MAX_SEED),
+        default=0,
+        metavar="S",
+        help="seeds the lengths and the sampler",
+    )
     model = parser.add_argument_group("cost model (token-equivalents)")
     model.add_argument(
-        "--cost-a", type=float, metavar="A", default=cost.a, help=f"per padded token ({cost.a:g})"
+        "--cost-a", type=flags.number, metavar="A", default=cost.a, help="per padded token"
     )
     model.add_argument(
-        "--cost-b", type=float, metavar="B", default=cost.b, help=f"per length² ({cost.b:g})"
+        "--cost-b", type=flags.number, metavar="B", default=cost.b, help="per length²"
     )
-    model.add_argument(
-        "--cost-c", type=float, metavar="C", default=cost.c, help=f"per step ({cost.c:g})"
-    )
+    model.add_argument("--cost-c", type=flags.number, metavar="C", default=cost.c, help="per step")
     output = parser.add_argument_group("baselines and output")
     output.add_argument(
         "--compare", action="store_true", help="add fixed-batch and paper baselines (same data)"
@@ -113,7 +121,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--compare-batch-sizes",
         default="1,4",
         metavar="BS,...",
-        help="fixed batch sizes for --compare (1,4)",
+        help="fixed batch sizes for --compare",
     )
     output.add_argument("--json", action="store_true", help="print one JSON object")
     output.add_argument(
@@ -138,18 +146,12 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = _OneLineErrorParser(
+    # One-line errors (exit 2) naming the closest flag on a typo; defaults shown in --help.
+    parser = flags.OneLineParser(
         prog=PROG, description="Run the odbd planner over a length distribution (DESIGN.md s4)."
     )
     add_arguments(parser)
     return run(parser.parse_args(argv))
-
-
-class _OneLineErrorParser(argparse.ArgumentParser):
-    """argparse prints the usage before its error; scripts want exactly one line."""
-
-    def error(self, message: str) -> None:  # type: ignore[override]
-        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see --help)\n")
 
 
 def build_setup(args: argparse.Namespace) -> Setup:
@@ -188,6 +190,11 @@ def _load_lengths(args: argparse.Namespace) -> tuple[np.ndarray, str]:
         )
     if args.num_samples is not None and args.num_samples < 0:
         raise ConfigError(f"--num-samples must be >= 0, got {args.num_samples}")
+    if args.num_samples is not None and args.num_samples > flags.MAX_DATASET_SIZE:
+        raise ConfigError(
+            f"--num-samples {args.num_samples} is over {flags.MAX_DATASET_SIZE}: the simulation "
+            "holds arrays of N lengths in memory; pass a smaller N"
+        )
     if args.dist is not None:
         n = DEFAULT_NUM_SAMPLES if args.num_samples is None else args.num_samples
         return sample_lengths(args.dist, n, args.seed), f"{n:,} samples of {args.dist}"

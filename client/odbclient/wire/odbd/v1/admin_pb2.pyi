@@ -27,7 +27,7 @@ class RankStatus(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., attached: _Optional[bool] = ..., queued_steps: _Optional[int] = ..., delivered_steps: _Optional[int] = ..., wait_s: _Optional[float] = ..., compute_s: _Optional[float] = ...) -> None: ...
 
 class StatusReply(_message.Message):
-    __slots__ = ("job_id", "node_rank", "num_nodes", "epoch", "round", "dataset_size", "epoch_emitted_samples", "buffered_samples", "leased_samples", "producers", "shm_used_bytes", "shm_capacity_bytes", "ranks", "rejected_by_reason", "uptime_s", "phase", "last_error", "producers_lane_full")
+    __slots__ = ("job_id", "node_rank", "num_nodes", "epoch", "round", "dataset_size", "epoch_emitted_samples", "buffered_samples", "leased_samples", "producers", "shm_used_bytes", "shm_capacity_bytes", "ranks", "rejected_by_reason", "uptime_s", "phase", "last_error", "producers_lane_full", "waiting_for")
     class RejectedByReasonEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -53,6 +53,7 @@ class StatusReply(_message.Message):
     PHASE_FIELD_NUMBER: _ClassVar[int]
     LAST_ERROR_FIELD_NUMBER: _ClassVar[int]
     PRODUCERS_LANE_FULL_FIELD_NUMBER: _ClassVar[int]
+    WAITING_FOR_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     node_rank: int
     num_nodes: int
@@ -71,4 +72,5 @@ class StatusReply(_message.Message):
     phase: str
     last_error: str
     producers_lane_full: int
-    def __init__(self, job_id: _Optional[str] = ..., node_rank: _Optional[int] = ..., num_nodes: _Optional[int] = ..., epoch: _Optional[int] = ..., round: _Optional[int] = ..., dataset_size: _Optional[int] = ..., epoch_emitted_samples: _Optional[int] = ..., buffered_samples: _Optional[int] = ..., leased_samples: _Optional[int] = ..., producers: _Optional[int] = ..., shm_used_bytes: _Optional[int] = ..., shm_capacity_bytes: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[RankStatus, _Mapping]]] = ..., rejected_by_reason: _Optional[_Mapping[str, int]] = ..., uptime_s: _Optional[float] = ..., phase: _Optional[str] = ..., last_error: _Optional[str] = ..., producers_lane_full: _Optional[int] = ...) -> None: ...
+    waiting_for: str
+    def __init__(self, job_id: _Optional[str] = ..., node_rank: _Optional[int] = ..., num_nodes: _Optional[int] = ..., epoch: _Optional[int] = ..., round: _Optional[int] = ..., dataset_size: _Optional[int] = ..., epoch_emitted_samples: _Optional[int] = ..., buffered_samples: _Optional[int] = ..., leased_samples: _Optional[int] = ..., producers: _Optional[int] = ..., shm_used_bytes: _Optional[int] = ..., shm_capacity_bytes: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[RankStatus, _Mapping]]] = ..., rejected_by_reason: _Optional[_Mapping[str, int]] = ..., uptime_s: _Optional[float] = ..., phase: _Optional[str] = ..., last_error: _Optional[str] = ..., producers_lane_full: _Optional[int] = ..., waiting_for: _Optional[str] = ...) -> None: ...

@@ -7,16 +7,18 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class ProducerHello(_message.Message):
-    __slots__ = ("protocol_version", "job_id", "name", "pid")
+    __slots__ = ("protocol_version", "job_id", "name", "pid", "dataset_size")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
+    DATASET_SIZE_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     job_id: str
     name: str
     pid: int
-    def __init__(self, protocol_version: _Optional[int] = ..., job_id: _Optional[str] = ..., name: _Optional[str] = ..., pid: _Optional[int] = ...) -> None: ...
+    dataset_size: int
+    def __init__(self, protocol_version: _Optional[int] = ..., job_id: _Optional[str] = ..., name: _Optional[str] = ..., pid: _Optional[int] = ..., dataset_size: _Optional[int] = ...) -> None: ...
 
 class LeaseRequest(_message.Message):
     __slots__ = ("count",)

@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class TrainerHello(_message.Message):
-    __slots__ = ("protocol_version", "job_id", "rank", "resume", "resume_epoch", "resume_step", "prefetch")
+    __slots__ = ("protocol_version", "job_id", "rank", "resume", "resume_epoch", "resume_step", "prefetch", "world_size", "launcher_rank", "world_source")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
@@ -15,6 +15,9 @@ class TrainerHello(_message.Message):
     RESUME_EPOCH_FIELD_NUMBER: _ClassVar[int]
     RESUME_STEP_FIELD_NUMBER: _ClassVar[int]
     PREFETCH_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    LAUNCHER_RANK_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SOURCE_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     job_id: str
     rank: int
@@ -22,7 +25,10 @@ class TrainerHello(_message.Message):
     resume_epoch: int
     resume_step: int
     prefetch: int
-    def __init__(self, protocol_version: _Optional[int] = ..., job_id: _Optional[str] = ..., rank: _Optional[int] = ..., resume: _Optional[bool] = ..., resume_epoch: _Optional[int] = ..., resume_step: _Optional[int] = ..., prefetch: _Optional[int] = ...) -> None: ...
+    world_size: int
+    launcher_rank: int
+    world_source: str
+    def __init__(self, protocol_version: _Optional[int] = ..., job_id: _Optional[str] = ..., rank: _Optional[int] = ..., resume: _Optional[bool] = ..., resume_epoch: _Optional[int] = ..., resume_step: _Optional[int] = ..., prefetch: _Optional[int] = ..., world_size: _Optional[int] = ..., launcher_rank: _Optional[int] = ..., world_source: _Optional[str] = ...) -> None: ...
 
 class Delivered(_message.Message):
     __slots__ = ("epoch", "step", "wait_s", "compute_s", "steps")
@@ -73,7 +79,7 @@ class TrainerWelcome(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., segments: _Optional[_Iterable[str]] = ..., layout_version: _Optional[int] = ..., world_size: _Optional[int] = ..., length_key: _Optional[str] = ..., pads: _Optional[_Iterable[_Union[PadValue, _Mapping]]] = ..., loss_scaling: _Optional[str] = ...) -> None: ...
 
 class StepBatch(_message.Message):
-    __slots__ = ("epoch", "step", "is_idle", "loss_scale", "num_samples", "num_tokens", "global_num_samples", "global_num_tokens", "sample_ids", "segments", "offsets", "nbytes", "filler_schema")
+    __slots__ = ("epoch", "step", "is_idle", "loss_scale", "num_samples", "num_tokens", "global_num_samples", "global_num_tokens", "sample_ids", "segments", "offsets", "nbytes", "filler_schema", "progress")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     IS_IDLE_FIELD_NUMBER: _ClassVar[int]
@@ -87,6 +93,7 @@ class StepBatch(_message.Message):
     OFFSETS_FIELD_NUMBER: _ClassVar[int]
     NBYTES_FIELD_NUMBER: _ClassVar[int]
     FILLER_SCHEMA_FIELD_NUMBER: _ClassVar[int]
+    PROGRESS_FIELD_NUMBER: _ClassVar[int]
     epoch: int
     step: int
     is_idle: bool
@@ -100,7 +107,26 @@ class StepBatch(_message.Message):
     offsets: bytes
     nbytes: bytes
     filler_schema: str
-    def __init__(self, epoch: _Optional[int] = ..., step: _Optional[int] = ..., is_idle: _Optional[bool] = ..., loss_scale: _Optional[float] = ..., num_samples: _Optional[int] = ..., num_tokens: _Optional[int] = ..., global_num_samples: _Optional[int] = ..., global_num_tokens: _Optional[int] = ..., sample_ids: _Optional[bytes] = ..., segments: _Optional[bytes] = ..., offsets: _Optional[bytes] = ..., nbytes: _Optional[bytes] = ..., filler_schema: _Optional[str] = ...) -> None: ...
+    progress: Progress
+    def __init__(self, epoch: _Optional[int] = ..., step: _Optional[int] = ..., is_idle: _Optional[bool] = ..., loss_scale: _Optional[float] = ..., num_samples: _Optional[int] = ..., num_tokens: _Optional[int] = ..., global_num_samples: _Optional[int] = ..., global_num_tokens: _Optional[int] = ..., sample_ids: _Optional[bytes] = ..., segments: _Optional[bytes] = ..., offsets: _Optional[bytes] = ..., nbytes: _Optional[bytes] = ..., filler_schema: _Optional[str] = ..., progress: _Optional[_Union[Progress, _Mapping]] = ...) -> None: ...
+
+class Progress(_message.Message):
+    __slots__ = ("epoch_steps_estimate", "epoch_steps_exact", "epoch_sample_fraction", "epoch_token_fraction", "epoch_tokens", "job_fraction", "job_steps_estimate")
+    EPOCH_STEPS_ESTIMATE_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_STEPS_EXACT_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_SAMPLE_FRACTION_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_TOKEN_FRACTION_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    JOB_FRACTION_FIELD_NUMBER: _ClassVar[int]
+    JOB_STEPS_ESTIMATE_FIELD_NUMBER: _ClassVar[int]
+    epoch_steps_estimate: int
+    epoch_steps_exact: bool
+    epoch_sample_fraction: float
+    epoch_token_fraction: float
+    epoch_tokens: int
+    job_fraction: float
+    job_steps_estimate: int
+    def __init__(self, epoch_steps_estimate: _Optional[int] = ..., epoch_steps_exact: _Optional[bool] = ..., epoch_sample_fraction: _Optional[float] = ..., epoch_token_fraction: _Optional[float] = ..., epoch_tokens: _Optional[int] = ..., job_fraction: _Optional[float] = ..., job_steps_estimate: _Optional[int] = ...) -> None: ...
 
 class EpochEnd(_message.Message):
     __slots__ = ("epoch", "num_steps", "global_num_samples", "rejected_by_reason", "num_identities")

@@ -1,0 +1,85 @@
+"""Rejected samples for operators: what each reason means to fix, the verdict on an epoch that
+trained nothing, and a log that names each reason once and then only counts.
+
+Pure except `RejectionLog`, which only decides *when* to log (the clock is passed in).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+PRODUCER_CRASH = "producer_crash"  # the daemon's own reason: the id killed its producer twice
+
+# What to change, per reason (the closed set of KNOWN_REJECT_REASONS).
+REJECT_FIXES: Mapping[str, str] = {
+    "missing_length_key": "every sample must hold the --length-key array; check --length-key "
+    "against the keys __getitem__ returns",
+    "not_a_dict": "__getitem__ must return a dict of string keys to numpy arrays or tensors "
+    "(not a tuple or list)",
+    "unsupported_dtype": "convert the arrays to numeric or bool dtypes in __getitem__",
+    "preprocess_error": "fix the exception __getitem__ raises (run it by hand on the sample named)",
+    "unsupported_value": "return numbers only: drop text columns (dataset.remove_columns) or "
+    "tokenize them, and make nested lists rectangular (see docs/datasets.md)",
+    "length_key_not_1d": "return the --length-key array 1-D, e.g. tokenizer(...)['input_ids'] "
+    "without return_tensors='pt', or squeeze its batch dimension",
+    "too_large": "raise the daemon's --shm-size, or shorten the samples",
+    "zero_length": "drop samples whose --length-key array is empty",
+    "schema_mismatch": "every sample must have the same keys, dtypes and trailing shapes",
+    PRODUCER_CRASH: "__getitem__ kills the process on the sample named (sys.exit, abort, a "
+    "crash in a C extension); run it by hand on that sample",
+}
+
+
+def samples_made(ingested: int, rejected: Mapping[str, int]) -> int:
+    """Samples a node's producers finished (committed or rejected), for the supervisor's
+    give-up rule: a quarantine is not a sample a producer made, so it is not counted."""
+    return ingested + sum(n for reason, n in rejected.items() if reason != PRODUCER_CRASH)
+
+
+def empty_epoch_failure(
+    epoch: int, rejected: Mapping[str, int], first_rejection: Mapping[str, str]
+) -> str:
+    """Why the job fails when epoch `epoch` emitted no sample: every daemon decides it from the
+    same global counts (the round offers); `first_rejection` is this node's first detail per
+    reason, so only the example may differ between nodes."""
+    if not rejected:
+        return (
+            f"epoch {epoch} ended with no sample trained and none rejected; the job trains "
+            "nothing: check --dataset-size / the dataset's len() and the trainers' world size"
+        )
+    counts = ", ".join(f"{reason}: {n}" for reason, n in Counter(rejected).most_common())
+    top = Counter(rejected).most_common(1)[0][0]
+    example = first_rejection.get(top, "")
+    fix = REJECT_FIXES.get(top, "fix the dataset")
+    return (
+        f"epoch {epoch} trained nothing: all {sum(rejected.values())} samples were rejected "
+        f"({counts})" + (f"; first {top}: {example}" if example else "") + f". Fix: {fix}"
+    )
+
+
+@dataclass(slots=True)
+class RejectionLog:
+    """One WARNING for the first rejection of each reason, then at most one summary per
+    `interval_s` (counts by reason since the last line), not one line per sample."""
+
+    interval_s: float = 10.0
+    seen: set[str] = field(default_factory=set)
+    pending: Counter[str] = field(default_factory=Counter)
+    last_summary_s: float | None = None
+
+    def record(self, reason: str, now_s: float) -> tuple[bool, dict[str, int] | None]:
+        """(log this one in full, summary to log now or None)."""
+        first = reason not in self.seen
+        self.seen.add(reason)
+        if first:
+            return True, None
+        self.pending[reason] += 1
+        if self.last_summary_s is None:
+            self.last_summary_s = now_s  # the first full line started the interval
+        if now_s - self.last_summary_s < self.interval_s:
+            return False, None
+        self.last_summary_s = now_s
+        summary, self.pending = dict(self.pending), Counter()
+        return False, summary

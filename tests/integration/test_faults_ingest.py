@@ -1,0 +1,141 @@
+"""Ingest faults (issue 11): samples that kill their producer, jobs whose every sample is
+rejected, producers that cannot attach. Real daemons, producers and trainer processes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.integration.faults_cluster import FaultCluster, synthetic
+
+pytestmark = pytest.mark.timeout(180)
+
+CRASH_DATASET = str(Path(__file__).with_name("crash_dataset.py"))
+
+
+def _dataset(factory: str, size: int, workers: int = 1, **args: object) -> list[str]:
+    out = ["--dataset", f"{CRASH_DATASET}:{factory}", "--workers", str(workers)]
+    out += ["--dataset-arg", f"size={size}"]
+    for key, value in args.items():
+        out += ["--dataset-arg", f"{key}={value}"]
+    return out
+
+
+def _job_failed(fc: FaultCluster) -> list[str]:
+    """Every trainer rank's JobFailedError message (asserting each rank got one)."""
+    messages = []
+    for rank in range(fc.world):
+        errors = fc.errors(rank)
+        assert [e["error"] for e in errors] == ["JobFailedError"], (rank, fc.describe())
+        messages.append(errors[0]["message"])
+    return messages
+
+
+@pytest.mark.parametrize("join", [True, False], ids=["join", "no-join"])
+def test_every_sample_not_a_dict_fails_the_job_on_every_daemon_naming_the_reason(join):
+    size = 200
+    args = [*_dataset("tuples", size), "--buffer", "8", *([] if join else ["--no-join"])]
+    with FaultCluster(nodes=2, ranks_per_node=1, daemon_args=args) as fc:
+        fc.start_trainers("--deadline-s", "120")
+        daemon_codes, trainer_codes = fc.wait_done(120)
+        assert daemon_codes == [1, 1], fc.describe()
+        assert trainer_codes == [0, 0], fc.describe()  # the trainer script records the error
+        for message in _job_failed(fc):
+            assert "trained nothing" in message and "not_a_dict" in message, message
+            assert "__getitem__ must return a dict" in message, message
+        for node in range(2):
+            log = fc.log(node)
+            assert "trained nothing" in log and "ERROR" in log, log[-3000:]
+            assert log.count("not_a_dict") < 10, "one line per rejected sample"
+        assert fc.cluster.leftover_segments() == []
+
+
+def test_a_length_key_missing_from_every_sample_fails_the_job_with_the_fix():
+    size = 120
+    args = [*synthetic(size), "--length-key", "tokens", "--buffer", "8"]
+    with FaultCluster(nodes=1, ranks_per_node=2, daemon_args=args) as fc:
+        fc.start_trainers("--deadline-s", "120")
+        daemon_codes, trainer_codes = fc.wait_done(120)
+        assert daemon_codes == [1], fc.describe()
+        for message in _job_failed(fc):
+            assert f"all {size} samples were rejected (missing_length_key: {size})" in message
+            assert "check --length-key" in message, message
+
+
+def _assert_quarantined(fc: FaultCluster, size: int, crash_ids: set[int]) -> None:
+    """Every identity but the crashing ones trained exactly once (plus the sampler's tail
+    padding), the crashing ones never, and EpochEnd counts them as producer_crash."""
+    ids = fc.emitted_ids(0)
+    assert set(ids) == set(range(size)) - crash_ids, fc.describe()
+    tail = fc.world * -(-size // fc.world) - size
+    assert len(ids) <= size - len(crash_ids) + tail, ids
+    for rank in range(fc.world):
+        summary = [r for r in fc.records(rank) if "epoch_end" in r][-1]["summary"]
+        assert summary["rejected_by_reason"] == {"producer_crash": len(crash_ids)}, summary
+    log = "".join(fc.log(n) for n in range(len(fc.daemons)))
+    for identity in crash_ids:
+        assert f"quarantined sample {identity} " in log, log[-3000:]
+
+
+@pytest.mark.parametrize("how", ["exit", "abort", "segv"])
+def test_a_sample_that_kills_its_producer_is_quarantined_and_the_epoch_completes(how):
+    size, bad = 160, 77
+    args = [*_dataset("crashing", size, workers=2, crash_at=bad, how=how), "--buffer", "8"]
+    with FaultCluster(nodes=1, ranks_per_node=2, daemon_args=args) as fc:
+        fc.start_trainers()
+        daemon_codes, trainer_codes = fc.wait_done(150)
+        fc.assert_clean_exit(daemon_codes, trainer_codes)
+        fc.assert_aligned()
+        _assert_quarantined(fc, size, {bad})
+        log = fc.log(0)
+        assert f"ended while making sample {bad} " in log, log[-3000:]
+        assert log.count("restarting it") == 2, log[-3000:]  # one death each, then quarantine
+
+
+def test_first_and_last_samples_crash_under_one_worker_and_both_are_quarantined():
+    """Neighbours: the very first sample a fresh producer makes (--no-shuffle: identity 0),
+    the epoch's last one, two crashing ids, and one worker (no other producer to take over)."""
+    size = 120
+    crash = {0, size - 1}
+    args = [*_dataset("crashing", size, workers=1, crash_at=f"0;{size - 1}", how="exit")]
+    args += ["--buffer", "8", "--no-shuffle"]
+    with FaultCluster(nodes=2, ranks_per_node=1, daemon_args=args) as fc:
+        fc.start_trainers()
+        daemon_codes, trainer_codes = fc.wait_done(150)
+        fc.assert_clean_exit(daemon_codes, trainer_codes)
+        fc.assert_aligned()
+        _assert_quarantined(fc, size, crash)
+
+
+def test_producers_that_cannot_be_kept_alive_fail_the_job_naming_the_command():
+    size = 60
+    args = [*_dataset("crashing", size, workers=1, crash_at="*", how="exit"), "--buffer", "8"]
+    with FaultCluster(nodes=1, ranks_per_node=2, daemon_args=args) as fc:
+        fc.start_trainers("--deadline-s", "120")
+        daemon_codes, _ = fc.wait_done(150)
+        assert daemon_codes == [1], fc.describe()
+        for message in _job_failed(fc):
+            assert "cannot be kept alive" in message and "exit status 3" in message, message
+            assert f"--dataset-arg size={size}" in message, message
+            assert "--dataset-arg crash_at=*" in message and "--dataset-arg how=exit" in message
+        status_error = "cannot be kept alive"
+        assert status_error in fc.log(0)
+
+
+def test_an_external_producer_with_another_dataset_size_is_refused_naming_both_sizes():
+    args = ["--dataset-size", "100", "--buffer", "8"]
+    with FaultCluster(nodes=1, ranks_per_node=2, daemon_args=args) as fc:
+        wrong = fc.start_producer(0, "size=90")
+        assert wrong.wait(60) == 1, fc.describe()
+        said = (fc.cluster.tmp / "producer0.log").read_text()
+        assert "90 samples" in said and "serves 100 identities" in said, said
+        status = fc.status(0)
+        assert "90 samples" in status.last_error and "100 identities" in status.last_error
+        assert "ERROR odbd.ingest: refused a producer" in fc.log(0)
+        assert status.producers == 0
+        fc.start_producer(0, "size=100")  # the daemon still serves the right one
+        fc.start_trainers()
+        daemon_codes, trainer_codes = fc.wait_done(120)
+        fc.assert_clean_exit(daemon_codes, trainer_codes)
+        fc.assert_exactly_once(100)
