@@ -416,3 +416,25 @@ def test_a_full_state_dir_fails_the_job_cleanly_and_still_releases_shm_and_socke
     assert "No space left on device" in daemon_log, daemon_log
     assert "Traceback" not in daemon_log, daemon_log
     assert_released(cluster)
+
+
+@pytest.mark.timeout(120)
+def test_a_producer_stuck_in_the_dataset_dies_with_a_sigkilled_daemon() -> None:
+    dataset = str(Path(__file__).with_name("stuck_dataset.py")) + ":make"
+    args = ["--dataset", dataset, "--workers", "1", "--shm-size", "16M", "--buffer", "16"]
+    with LocalCluster(ClusterSpec(nodes=1, ranks_per_node=1, daemon_args=args)) as cluster:
+        cluster.wait_sockets(60)
+        sock = cluster.sockets[0]
+        wait_until("the producer attached", lambda: status(sock).producers == 1, 60)
+        wait_until("a lease in the producer's hands", lambda: status(sock).leased_samples, 60)
+        stuck = producer_pids(sock)
+        assert len(stuck) == 1
+        cluster.processes[0].kill()  # no shutdown: only the kernel can stop the producer now
+        cluster.processes[0].wait()
+        killed = time.monotonic()
+        wait_until("the producer gone", lambda: not producer_pids(sock), 30)
+        print(
+            f"FAULT daemon SIGKILLed: stuck producer gone {time.monotonic() - killed:.2f} s later"
+        )
+    for name in cluster.leftover_segments():  # a SIGKILLed daemon cannot unlink its arena
+        os.unlink(f"/dev/shm/{name}")

@@ -114,14 +114,16 @@ def send_all(queue: RankQueue) -> list[QueuedItem]:
     return sent
 
 
-def test_a_rank_took_the_job_end_once_its_stream_ends_after_it_with_every_step_delivered() -> None:
+def test_a_rank_took_the_job_end_once_its_stream_closes_after_it_with_every_step_delivered() -> (
+    None
+):
     queue = RankQueue(rank=0)
     queue.push([step(0, 0), step(0, 1), marker(0), job_end(0)])
     queue.attached = True
     send_all(queue)
-    assert not queue.finished()  # sent, but steps 0 and 1 not yet delivered
     queue.deliver(0, 1)
-    assert queue.finished()
+    assert not queue.finished()  # a successful end: the trainer closes its stream itself
+    assert not queue.took_job_end  # still attached
     queue.attached = False
     assert queue.took_job_end
 
@@ -171,17 +173,19 @@ def test_the_job_end_stays_queued_after_delivery_for_a_client_that_connects_late
     assert [i.job_end is not None for i in again] == [True]
 
 
-def test_next_to_send_returns_none_once_the_job_end_was_sent_and_everything_delivered() -> None:
-    async def scenario() -> None:
+def test_next_to_send_returns_none_once_a_failed_job_end_went_out_but_waits_after_success() -> None:
+    async def scenario(failed: bool) -> bool:
         queue = RankQueue(rank=0)
-        queue.push([step(0, 0), job_end(0)])
+        queue.push([step(0, 0), job_end(0, failed=failed)])
         first = await queue.next_to_send(prefetch=8)
         end = await queue.next_to_send(prefetch=8)
         assert first is not None and end is not None and end.job_end is not None
-        waiting = asyncio.ensure_future(queue.next_to_send(prefetch=8))
-        await asyncio.sleep(0)
-        assert not waiting.done()  # step 0 is not delivered yet: the stream stays open
         queue.deliver(0, 0)
-        assert await asyncio.wait_for(waiting, timeout=5) is None
+        waiting = asyncio.ensure_future(queue.next_to_send(prefetch=8))
+        await asyncio.sleep(0.05)
+        ended = waiting.done() and waiting.result() is None
+        waiting.cancel()
+        return ended
 
-    asyncio.run(scenario())
+    assert asyncio.run(scenario(failed=True))
+    assert not asyncio.run(scenario(failed=False))  # the trainer, not the daemon, closes it

@@ -81,7 +81,8 @@ class ProducerSupervisor:
         self.num_restarts = 0
 
     def command(self, name: str) -> list[str]:
-        args = [sys.executable, "-m", "odbd.ingest.producer_guard", "--socket", self.config.socket]
+        """The producer's command line, as an operator would run it by hand."""
+        args = [sys.executable, "-m", "odbclient.producer_main", "--socket", self.config.socket]
         args += ["--dataset", self.config.dataset, "--name", name, "--job-id", self.config.job_id]
         for key, value in self.config.dataset_args:
             args += ["--dataset-arg", f"{key}={value}"]
@@ -99,7 +100,7 @@ class ProducerSupervisor:
         while not self._stopping:
             made = self._progress()
             worker.process = await asyncio.create_subprocess_exec(
-                *self.command(worker.name),
+                *_guarded(self.command(worker.name)),
                 start_new_session=True,  # a terminal's SIGINT is the daemon's to handle
                 env={**os.environ, "ODBD_DAEMON_PID": str(os.getpid())},  # producer_guard
             )
@@ -166,3 +167,9 @@ class ProducerSupervisor:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+
+
+def _guarded(command: list[str]) -> list[str]:
+    """`python -m odbclient.producer_main ARGS` run through producer_guard (dies with us)."""
+    python, _, module, *args = command
+    return [python, "-m", "odbd.ingest.producer_guard", module, *args]

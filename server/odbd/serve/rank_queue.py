@@ -3,10 +3,12 @@
 Items stay queued until the trainer reports them delivered, so a client that reconnects is
 sent again every step it had not delivered; their shared memory is freed only then.
 
-The job's end: a rank has taken it once its stream ended after the JobEnd marker went out on
+The job's end: a rank has taken it once its stream closed after the JobEnd marker went out on
 that stream with every step delivered (a failed job's end needs no delivery: its remaining
-steps will not run). The Train stream ends itself at that point (`next_to_send` returns None),
-so a trainer that keeps its client open still lets the daemon finish.
+steps will not run). The trainer closes the stream (ODBClient.close, or its process exiting);
+a trainer that keeps its client open is attached and is waited for. A failed job's end is the
+one the daemon closes itself (`next_to_send` returns None once it went out), so the trainer
+reads it as JobFailedError before the daemon shuts its server down.
 """
 
 from __future__ import annotations
@@ -69,7 +71,7 @@ class RankQueue:
             self.ever_attached = True
         elif self._attached:
             self.detached_at_s = self._clock()
-            self.took_job_end = self.took_job_end or self.finished()
+            self.took_job_end = self.took_job_end or self._job_end_taken_here()
             self._job_end_sent = None
         self._attached = value
 
@@ -87,10 +89,12 @@ class RankQueue:
         self._changed.set()
 
     def finished(self) -> bool:
-        """The job's end went out on this connection and nothing more is owed to it."""
-        if self._job_end_sent is None:
-            return False
-        return self._job_end_sent.failed or self.queued_steps() == 0
+        """The stream may end: a failed job's end went out on it (nothing more will follow)."""
+        return self._job_end_sent is not None and self._job_end_sent.failed
+
+    def _job_end_taken_here(self) -> bool:
+        """This connection got the job's end and (unless the job failed) every step."""
+        return self.finished() or (self._job_end_sent is not None and self.queued_steps() == 0)
 
     def take_ready(self, prefetch: int) -> QueuedItem | None:
         """The next item if it may be sent now (fewer than `prefetch` sent steps await
@@ -115,7 +119,7 @@ class RankQueue:
 
     async def next_to_send(self, prefetch: int) -> QueuedItem | None:
         """The next item, once it may be sent (take_ready); None once the stream is finished
-        (the job's end was sent and every step delivered): the stream should end."""
+        (a failed job's end went out): the stream should end."""
         while (item := self.take_ready(prefetch)) is None:
             if self.finished():
                 return None

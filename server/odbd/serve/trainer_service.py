@@ -164,8 +164,8 @@ def _steps_event(items: list[QueuedItem]) -> trainer_pb2.TrainerEvent:
 async def _first(
     send: Coroutine[Any, Any, QueuedItem | None], reader: asyncio.Future[None]
 ) -> QueuedItem | None:
-    """The next queue item, or None once the client's side of the stream ended or the rank
-    took the job's end (RankQueue.next_to_send)."""
+    """The next queue item, or None once the client's side of the stream ended or a failed
+    job's end went out (RankQueue.next_to_send)."""
     sender = asyncio.ensure_future(send)
     waiting: set[asyncio.Future[Any]] = {sender, reader}
     done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
