@@ -85,7 +85,9 @@ class FaultCluster:
         cmd += ["--epochs", str(self.epochs), *extra]
         name = "-".join(map(str, ranks))
         log = open(self.cluster.tmp / f"trainer{name}.log", "ab")  # noqa: SIM115
-        env = {**os.environ, "PYTHONPATH": str(REPO)}
+        # Keep the caller's path (a worktree's server/ and client/) ahead of the installed tree.
+        path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+        env = {**os.environ, "PYTHONPATH": path}
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
         log.close()
         self.trainers.append(proc)

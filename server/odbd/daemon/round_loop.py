@@ -39,6 +39,13 @@ log = logging.getLogger("odbd.round")
 _WAIT_LOG_S = 10.0
 
 
+def _describe_rank(queue: RankQueue) -> str:
+    first = queue.first_undelivered()
+    where = f" from epoch {first[0]} step {first[1]}" if first is not None else ""
+    client = "its client is attached" if queue.attached else "no client attached"
+    return f"rank {queue.rank} has {queue.queued_steps()} steps undelivered{where}, {client}"
+
+
 @dataclass(slots=True)
 class EpochTally:
     """Facts of the epoch being emitted, over every node (each daemon sees every offer)."""
@@ -118,6 +125,7 @@ class RoundLoop:
         return min(q.queued_steps() for q in self.queues.values())
 
     async def _wait_ready(self) -> None:
+        reported = ""  # the last reason sent to the hub, so an unchanged wait sends nothing
         while True:
             self.barrier.raise_failure()  # a lost peer fails the job now, not at the next round
             room = self._queued_min() <= self.config.steps_ahead
@@ -134,7 +142,11 @@ class RoundLoop:
                 # plan with what is buffered once they are about to run dry.
                 if self._queued_min() <= 1 and self.state.buffered_now() > 0:
                     return
-                self._log_waiting(room)
+                reason = self._wait_reason(room)
+                self._log_waiting(reason)
+                if reason != reported:
+                    await self.barrier.report_waiting(self.round_index, reason)
+                    reported = reason
 
     def _buffer_capped_by_lanes(self) -> bool:
         """Every producer waits for lane space with samples buffered: the buffer cannot fill
@@ -163,19 +175,39 @@ class RoundLoop:
             per_sample / 2**20,
         )
 
-    def _log_waiting(self, room: bool) -> None:
+    def _wait_reason(self, room: bool) -> str:
+        """Why this node cannot offer the round yet, naming the ranks that hold it up.
+
+        No room: every local rank has more than --steps-ahead steps queued, so the ranks that
+        have not taken theirs are named. Room but no full buffer: producers are short, and if a
+        rank sits on far more queued steps than --steps-ahead, its undelivered batches hold the
+        shared memory the producers need, so it is named too.
+        """
+        lagging = sorted(
+            (q for q in self.queues.values() if q.queued_steps() > self.config.steps_ahead),
+            key=lambda q: (-q.queued_steps(), q.rank),
+        )
+        ranks = "; ".join(_describe_rank(q) for q in lagging[:4])
+        if not room:
+            return (
+                f"its trainers have not taken their queued steps ({ranks}); a rank that stopped "
+                "calling next() (hung, deadlocked, or stuck outside the loop) holds up the job"
+            )
+        producers = (
+            f"its producers filled {self.state.buffered_now()} of the "
+            f"{self.state.planner.unit_capacity} samples a unit buffers "
+            f"({len(self.state.leases)} leases out)"
+        )
+        if lagging:
+            return f"{producers}, and shared memory is held by undelivered steps ({ranks})"
+        return producers
+
+    def _log_waiting(self, reason: str) -> None:
         now = time.monotonic()
         if now - self.last_wait_log < _WAIT_LOG_S:
             return
         self.last_wait_log = now
-        if room:
-            log.info(
-                "round %d waits for producers: %d samples buffered of %d per unit; leases: %d",
-                self.round_index,
-                self.state.buffered_now(),
-                self.state.planner.unit_capacity,
-                len(self.state.leases),
-            )
+        log.info("round %d waits: %s", self.round_index, reason)
 
     # -- 3. plan inputs ----------------------------------------------------------------------
 
