@@ -9,7 +9,7 @@ import grpc
 
 from odbd.errors import ConfigError
 
-PROTOCOL_VERSION = 2  # 2: PeerMessage.waiting
+PROTOCOL_VERSION = 1
 # A round result carries every node's payload in one message: up to a few hundred KB per node
 # per round today, so 64 MiB leaves room for 64 nodes with ~1 MB offers each.
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
