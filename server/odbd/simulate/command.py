@@ -225,7 +225,9 @@ def _write_outputs(setup: Setup, outcome: Outcome) -> None:
     freshness = repeated_groups(outcome.result.iter_steps())
     if setup.as_json:
         report = report_json(outcome.ours, dict(outcome.baselines))
-        print(json.dumps({**report, "repeated_groups": freshness.as_json()}))
+        if setup.epochs > 1:  # only meaningful across epochs
+            report["repeated_groups"] = freshness.as_json()
+        print(json.dumps(report))
         return
     print(_header(setup, outcome.num_rejected))
     print(render_table(("odbd", outcome.ours), outcome.baselines))
