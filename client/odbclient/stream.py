@@ -61,7 +61,7 @@ def status_clause(reply: admin_pb2.StatusReply) -> str:
     if reply.last_error:
         parts.append(f"last error: {reply.last_error}")
     if reply.waiting_for:
-        parts.append(f"the next round waits for {reply.waiting_for}")
+        parts.append(f"its next round waits because {reply.waiting_for}")
     detached = [r.rank for r in reply.ranks if not r.attached]
     parts.append(
         f"round {reply.round}, epoch {reply.epoch}, {reply.epoch_emitted_samples} of "

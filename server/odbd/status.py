@@ -80,7 +80,7 @@ def render(reply: admin_pb2.StatusReply) -> str:
             f"{r.rank:>4}  {attached:>7}  {r.queued_steps:>6}  {r.delivered_steps:>9}  {overlap:>7}"
         )
     if reply.waiting_for:
-        lines.append(f"next round waits for {reply.waiting_for}")
+        lines.append(f"next round waits because {reply.waiting_for}")
     if reply.last_error:
         lines.append(f"last error: {reply.last_error}")
     return "\n".join(lines)

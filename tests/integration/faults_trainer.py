@@ -80,6 +80,10 @@ def _stop(client: ODBClient, args: argparse.Namespace) -> None:
         Path(args.state_out).write_text(json.dumps(client.state_dict()))
     if args.stop_how == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
+    if args.stop_how == "hang":  # a rank stuck outside the loop: attached, never calls next()
+        deadline = time.monotonic() + args.deadline_s
+        while time.monotonic() < deadline:
+            time.sleep(0.1)
     client.close()
 
 
@@ -91,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--epochs", type=int, default=1)
     p.add_argument("--step-sleep-s", type=float, default=0.0, help="simulated compute per step")
     p.add_argument("--stop-after", type=int, default=-1)
-    p.add_argument("--stop-how", choices=("close", "kill"), default="close")
+    p.add_argument("--stop-how", choices=("close", "kill", "hang"), default="close")
     p.add_argument("--state-in", default="")
     p.add_argument("--state-out", default="")
     p.add_argument("--deadline-s", type=float, default=120.0)

@@ -499,3 +499,49 @@ def test_round_timeout_in_one_loop_fails_every_waiting_daemon() -> None:
         await close_all(barriers)
 
     run(scenario())
+
+
+@pytest.mark.timeout(60)
+def test_a_round_timeout_quotes_why_the_missing_spoke_waits() -> None:
+    """The spoke's Waiting message reaches the hub and every daemon's error quotes it."""
+
+    async def waiting_scenario() -> None:
+        hub, spoke = await start_cluster(2, round_timeout_s=1.5)
+        try:
+            await spoke.report_waiting(0, "rank 3 has 9 steps undelivered")
+            with pytest.raises(RoundTimeoutError) as at_hub:
+                await hub.exchange(0, b"hub offer")
+            message = str(at_hub.value)
+            assert "node 1" in message and "rank 3 has 9 steps undelivered" in message
+            # The spoke got round 0's result early (it was the straggler): it learns of the
+            # abort on its stream, without another exchange.
+            deadline = time.monotonic() + 10.0
+            with pytest.raises(RoundTimeoutError, match="rank 3 has 9 steps undelivered"):
+                while time.monotonic() < deadline:
+                    spoke.raise_failure()
+                    await asyncio.sleep(0.02)
+        finally:
+            await close_all([hub, spoke])
+
+    run(waiting_scenario())
+
+
+@pytest.mark.timeout(60)
+def test_a_hub_whose_own_loop_was_blocked_past_the_deadline_blames_itself() -> None:
+    """The event loop is blocked (as if SIGSTOPped) while the spoke's contribution is in flight."""
+
+    async def scenario() -> None:
+        hub, spoke = await start_cluster(2, round_timeout_s=1.0)
+        try:
+            round0 = asyncio.create_task(hub.exchange(0, b"hub offer"))
+            await asyncio.sleep(0.3)  # let the hub's contribution arm the round deadline
+            time.sleep(2.5)  # the fault: this process (the hub's loop) does not run
+            with pytest.raises(OdbdError) as failed:
+                await round0
+            message = str(failed.value)
+            assert "node 0, the hub) itself did not run for" in message, message
+            assert "is not to blame" in message, message
+        finally:
+            await close_all([hub, spoke])
+
+    run(scenario())

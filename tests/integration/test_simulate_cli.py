@@ -111,3 +111,15 @@ def test_bad_lengths_file_names_the_line(
     path = tmp_path / "bad.txt"
     path.write_text(content)
     assert_one_line_error(simulate("--lengths", str(path)), f"{path}:{line}:", text)
+
+
+def test_two_epochs_report_the_groups_they_repeat_with_and_without_fresh_groups() -> None:
+    """Issue 10: a buffer holding the whole dataset; the exact sort repeats many groups."""
+    args = ["--dist", "llava", "--num-samples", "1000", "--world", "2", "--nproc-per-node", "2",
+            "--buffer", "1024", "--token-budget", "4096", "--epochs", "2", "--json"]  # fmt: skip
+    fresh, exact = (json.loads(simulate(*args, flag).stdout)
+                    for flag in ("--fresh-groups", "--no-fresh-groups"))  # fmt: skip
+    assert fresh["repeated_groups"]["groups"] == exact["repeated_groups"]["groups"] > 100
+    assert exact["repeated_groups"]["repeated"] > 4 * fresh["repeated_groups"]["repeated"]
+    assert fresh["steps"] <= exact["steps"]
+    assert abs(fresh["efficiency"] - exact["efficiency"]) < 0.01

@@ -28,6 +28,7 @@ def test_timeout_names_what_the_round_waits_for() -> None:
     message = str(raised.value)
     assert f"no batch from odbd on unix:{cluster.sockets[0]} for rank 0 in 4 s" in message
     assert "the daemon reports phase running" in message, message
-    assert "the next round waits for producers: 0 samples buffered" in message, message
+    assert "its next round waits because its producers filled 0 of the" in message, message
+    assert "no producer is attached" in message, message
     assert "0 producers" in message and "local ranks not attached: [1]" in message, message
     assert cluster.leftover_segments() == []

@@ -110,3 +110,16 @@ def test_table_lists_every_run_with_speedup_of_ours() -> None:
     assert lines[0].split()[0] == "run" and len(lines) == 4
     assert lines[2].startswith("odbd") and lines[2].endswith("1.00x")
     assert lines[3].startswith("fixed-1") and lines[3].endswith("3.00x")
+
+
+def test_repeated_groups_counts_multi_sample_groups_an_epoch_formed_again():
+    from odbd.simulate.report import repeated_groups
+
+    steps = [
+        (0, 0, [[(1, 5), (2, 5)], [(3, 9)]]),
+        (0, 1, [[(4, 5), (5, 5)], []]),
+        (1, 0, [[(2, 5), (1, 5)], [(3, 9)]]),  # {1, 2} again; a lone sample does not count
+        (1, 1, [[(4, 5), (6, 5)], [(5, 9)]]),
+    ]
+    freshness = repeated_groups(steps)
+    assert (freshness.repeated, freshness.groups) == (1, 2)

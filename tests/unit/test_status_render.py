@@ -30,7 +30,7 @@ def test_status_names_producers_waiting_for_lane_space() -> None:
 
 
 def test_status_says_what_the_next_round_waits_for_and_the_last_error() -> None:
-    text = render(reply(waiting_for="producers: 0 samples buffered", last_error="boom"))
-    assert "next round waits for producers: 0 samples buffered" in text
+    text = render(reply(waiting_for="its producers filled 0 of 8 samples", last_error="boom"))
+    assert "next round waits because its producers filled 0 of 8 samples" in text
     assert text.endswith("last error: boom")
     assert "waits for" not in render(reply())

@@ -66,6 +66,13 @@ class JobFailed(OdbdError):
     """The job cannot train (an epoch emitted nothing): trainers got JobEnd(failed) first."""
 
 
+def _describe_rank(queue: RankQueue) -> str:
+    first = queue.first_undelivered()
+    where = f" from epoch {first[0]} step {first[1]}" if first is not None else ""
+    client = "its client is attached" if queue.attached else "no client attached"
+    return f"rank {queue.rank} has {queue.queued_steps()} steps undelivered{where}, {client}"
+
+
 @dataclass(slots=True)
 class EpochTally:
     """Facts of the epoch being emitted, over every node (each daemon sees every offer)."""
@@ -107,7 +114,8 @@ class RoundLoop:
         self.resume: tuple[int, int] | None = None  # set by restore(): announced in round 0
         self.round_seed_base = 0  # plans of a restarted job must not repeat the old seeds
         self.progress = asyncio.Event()
-        self.waiting_for = ""  # Admin status: what the next round waits for, for stalled trainers
+        self._exchanging = False  # this node's offer is in the barrier: it waits for the others
+        self._room: bool | None = None  # set while _wait_ready waits: were the queues short?
         self.round_index = 0
         self.done = False
         self.failure: str | None = None  # an epoch trained nothing: the same round everywhere
@@ -137,9 +145,9 @@ class RoundLoop:
                 rejected=self.state.take_rejected_delta(),
                 resume=self.resume if self.round_index == 0 else None,
             )
-            self.waiting_for = f"the other nodes' offers for round {self.round_index}"
+            self._exchanging = True
             payloads = await self.barrier.exchange(self.round_index, offer_codec.encode(offer))
-            self.waiting_for = ""
+            self._exchanging = False
             offers = [self._decode(node, p) for node, p in enumerate(payloads)]
             self._check_agreement(offers)
             units = sorted((u for o in offers for u in o.units), key=lambda u: u.unit)
@@ -158,6 +166,7 @@ class RoundLoop:
         return min(q.queued_steps() for q in self.queues.values())
 
     async def _wait_ready(self) -> None:
+        reported = ""  # the last reason sent to the hub, so an unchanged wait sends nothing
         while True:
             self.barrier.raise_failure()  # a lost peer fails the job now, not at the next round
             if self.fatal is not None:
@@ -171,7 +180,7 @@ class RoundLoop:
                 self._count_lanes_full_round()
                 return
             self.progress.clear()
-            self.waiting_for = self._what_blocks(room)
+            self._room = room
             try:
                 await asyncio.wait_for(self.progress.wait(), timeout=self.config.stall_s)
             except TimeoutError:
@@ -179,7 +188,13 @@ class RoundLoop:
                 # plan with what is buffered once they are about to run dry.
                 if self._queued_min() <= 1 and self.state.buffered_now() > 0:
                     return
-                self._log_waiting(room)
+                reason = self._wait_reason(room)
+                self._log_waiting(reason)
+                if reason != reported:
+                    await self.barrier.report_waiting(self.round_index, reason)
+                    reported = reason
+            finally:
+                self._room = None
 
     def _round_rejected(self) -> bool:
         """A round's worth of this node's samples was rejected and none is buffered: offer the
@@ -188,21 +203,6 @@ class RoundLoop:
         capacity = self.state.planner.unit_capacity * len(self.state.local_unit_ids())
         rejected = sum(self.state.rejected.values())
         return self.state.buffered_now() == 0 and rejected >= capacity
-
-    def _what_blocks(self, room: bool) -> str:
-        if not room:
-            ahead = self.config.steps_ahead
-            behind = [r for r, q in sorted(self.queues.items()) if q.queued_steps() > ahead]
-            idle = [r for r in behind if not self.queues[r].attached]
-            return (
-                f"trainers: ranks {behind} have more than --steps-ahead "
-                f"{self.config.steps_ahead} steps queued"
-                + (f" (ranks {idle} have no trainer attached)" if idle else "")
-            )
-        return (
-            f"producers: {self.state.buffered_now()} samples buffered of "
-            f"{self.state.planner.unit_capacity} per unit, {len(self.state.leases)} leased"
-        )
 
     def _buffer_capped_by_lanes(self) -> bool:
         """Every producer waits for lane space with samples buffered: the buffer cannot fill
@@ -231,25 +231,52 @@ class RoundLoop:
             per_sample / 2**20,
         )
 
-    def _log_waiting(self, room: bool) -> None:
+    def _wait_reason(self, room: bool) -> str:
+        """Why this node cannot offer the round yet, naming the ranks that hold it up.
+
+        No room: every local rank has more than --steps-ahead steps queued, so the ranks that
+        have not taken theirs are named. Room but no full buffer: producers are short, and if a
+        rank sits on far more queued steps than --steps-ahead, its undelivered batches hold the
+        shared memory the producers need, so it is named too.
+        """
+        lagging = sorted(
+            (q for q in self.queues.values() if q.queued_steps() > self.config.steps_ahead),
+            key=lambda q: (-q.queued_steps(), q.rank),
+        )
+        ranks = "; ".join(_describe_rank(q) for q in lagging[:4])
+        if not room:
+            return (
+                f"its trainers have not taken their queued steps ({ranks}); a rank that stopped "
+                "calling next() (hung, deadlocked, or stuck outside the loop) holds up the job"
+            )
+        producers = (
+            f"its producers filled {self.state.buffered_now()} of the "
+            f"{self.state.planner.unit_capacity} samples a unit buffers "
+            f"({len(self.state.leases)} leases out): "
+            + wait_reason(
+                producers=self.producers(),
+                buffered=self.state.buffered_now(),
+                rejected=dict(self.state.rejected),
+                lanes_full=self.lanes_full(),
+            )
+        )
+        if lagging:
+            return f"{producers}, and shared memory is held by undelivered steps ({ranks})"
+        return producers
+
+    @property
+    def waiting_for(self) -> str:
+        """What the next round waits for, for `odbd status` and a stalled trainer's error."""
+        if self._exchanging:
+            return f"the other nodes' offers for round {self.round_index}"
+        return "" if self._room is None else self._wait_reason(self._room)
+
+    def _log_waiting(self, reason: str) -> None:
         now = time.monotonic()
         if now - self.last_wait_log < _WAIT_LOG_S:
             return
         self.last_wait_log = now
-        if room:
-            log.info(
-                "round %d waits for producers: %d samples buffered of %d per unit; leases: %d; %s",
-                self.round_index,
-                self.state.buffered_now(),
-                self.state.planner.unit_capacity,
-                len(self.state.leases),
-                wait_reason(
-                    producers=self.producers(),
-                    buffered=self.state.buffered_now(),
-                    rejected=dict(self.state.rejected),
-                    lanes_full=self.lanes_full(),
-                ),
-            )
+        log.info("round %d waits: %s", self.round_index, reason)
 
     # -- 3. plan inputs ----------------------------------------------------------------------
 

@@ -63,6 +63,9 @@ class PlannerConfig:
     cost: CostModel = field(default_factory=CostModel)
     max_steps_per_round: int = 0  # C in the paper's target T; 0 = unbounded
     seed: int = 0
+    # min-time: vary group membership with (seed, round) so epochs over the same samples do not
+    # repeat groups (grouping.SORT_JITTER); off = the exact sort, for comparisons in simulate.
+    fresh_groups: bool = True
 
     def __post_init__(self) -> None:
         if self.token_budget <= 0:

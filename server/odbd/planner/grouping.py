@@ -3,6 +3,11 @@
 Both strategies sort the buffer longest first and cut contiguous ranges, so a group's padded area
 is its first member's length times its size. Budget rule (DESIGN.md section 3.5): padded area <= L,
 except one sample longer than L, which is a group of one.
+
+Fresh groups every epoch: sorted exactly, a buffer holding the same samples again (a large buffer,
+a later epoch) is cut into the same groups. Given a seeded generator, min-time sorts by a key
+jittered by up to SORT_JITTER of each length instead, so samples within ~1 % of each other trade
+places, then orders each group longest first again (`_jittered_cuts`).
 """
 
 from __future__ import annotations
@@ -29,11 +34,28 @@ def sort_longest_first(table: SampleTable) -> np.ndarray:
     return np.argsort(-lengths, kind="stable")
 
 
-def group_buffer(table: SampleTable, budget: int, strategy: Grouping) -> Groups:
-    """Cuts the buffer into groups with the named strategy."""
+# How far the jittered sort may move a sample: past at most SORT_JITTER_RANKS neighbours, and by
+# at most SORT_JITTER of its length (compare with `odbd simulate --epochs 2 --no-fresh-groups`).
+SORT_JITTER = 0.01
+SORT_JITTER_RANKS = 8
+
+
+def group_buffer(
+    table: SampleTable, budget: int, strategy: Grouping, rng: np.random.Generator | None = None
+) -> Groups:
+    """Cuts the buffer into groups with the named strategy.
+
+    With `rng` (seeded identically on every daemon), min-time groups vary with the seed; without,
+    the exact sort and greedy cut (deterministic for a given buffer).
+    """
     if len(table) and int(table.lengths.min()) < 1:
         raise InvariantError("0-length samples must be rejected at ingest, before grouping")
     order = sort_longest_first(table)
+    if rng is not None and strategy is Grouping.MIN_TIME:
+        varied = _jittered_cuts(table.lengths, order, budget, rng)
+        exact_count = len(_fill_cuts(table.lengths[order], budget)[0])
+        if len(varied) <= exact_count:  # never more groups (steps) than the exact sort
+            return varied
     lengths = table.lengths[order]
     if strategy is Grouping.PAPER:
         starts, ends = _paper_cuts(lengths.tolist(), budget)
@@ -65,6 +87,57 @@ def _fill_cuts(lengths: np.ndarray, budget: int) -> tuple[list[int], list[int]]:
         starts.append(i)
         i = jump[i]
     return starts, starts[1:] + [n] if starts else []
+
+
+def _jittered_cuts(
+    lengths: np.ndarray, exact: np.ndarray, budget: int, rng: np.random.Generator
+) -> Groups:
+    """min-time's greedy fill over a jittered sort (`exact` = the rows sorted longest first).
+
+    Each sample's key is its length plus u * min(SORT_JITTER * length, the gap to the sample
+    SORT_JITTER_RANKS places longer), u uniform in [0, 1): in a dense buffer samples trade places
+    with a few neighbours of nearly the same length, in a sparse one by at most 1 %, so padding
+    barely changes. Sorted by key descending, every later sample is no longer than the key of a
+    group's first sample, so ceil(key) * size <= L keeps the budget without looking inside the
+    group; where the first sample's own capacity is larger the group grows while its true
+    longest * size stays within L. Each group is then ordered longest first, as the rest of the
+    planner assumes.
+    """
+    n = int(lengths.shape[0])
+    exact_lengths = lengths[exact]
+    longer = exact_lengths[np.maximum(np.arange(n) - SORT_JITTER_RANKS, 0)]
+    jitter = np.minimum(SORT_JITTER * exact_lengths, longer - exact_lengths)
+    key = exact_lengths + jitter * rng.random(n)
+    by_key = np.argsort(-key, kind="stable")
+    order = exact[by_key]
+    sorted_lengths = lengths[order]
+    bound = np.ceil(key[by_key]).astype(np.int64)
+    bound_end = np.minimum(np.arange(n) + np.maximum(budget // bound, 1), n)
+    may_grow = (budget // np.maximum(sorted_lengths, 1)) > (budget // bound)
+    starts: list[int] = []
+    i = 0
+    while i < n:
+        starts.append(i)
+        end = int(bound_end[i])
+        if may_grow[i] and end < n:
+            end = _grow(sorted_lengths, i, end, budget)
+        i = end
+    ends = starts[1:] + [n] if starts else []
+    group_of_row = np.repeat(np.arange(len(starts)), np.diff([*starts, n]))
+    order = order[np.lexsort((-sorted_lengths, group_of_row))]  # longest first in each group
+    return Groups(order, np.asarray(starts, dtype=np.int64), np.asarray(ends, dtype=np.int64))
+
+
+def _grow(sorted_lengths: np.ndarray, start: int, end: int, budget: int) -> int:
+    """Extends the group [start, end) while its longest * size stays within the budget."""
+    longest = int(sorted_lengths[start:end].max())
+    n = int(sorted_lengths.shape[0])
+    while end < n:
+        longest = max(longest, int(sorted_lengths[end]))
+        if longest * (end + 1 - start) > budget:
+            break
+        end += 1
+    return end
 
 
 def _paper_cuts(lengths: list[int], budget: int) -> tuple[list[int], list[int]]:

@@ -69,7 +69,12 @@ def plan_round(offers: Sequence[UnitOffer], config: PlannerConfig, round_index: 
     """Plans one round from every unit's offer (offers[u].unit == u, one per unit)."""
     _check_offers(offers, config)
     g = config.ranks_per_unit
-    grouped = [group_buffer(o.samples, config.token_budget, config.grouping) for o in offers]
+    grouped = [
+        group_buffer(
+            o.samples, config.token_budget, config.grouping, _cut_rng(config, round_index, o)
+        )
+        for o in offers
+    ]
     sorted_ = [_Sorted.of(o.samples, gr.order) for o, gr in zip(offers, grouped, strict=True)]
     num_steps = _target_steps(offers, grouped, config)
     perm = assignment.step_order(num_steps, config.seed, round_index)
@@ -88,6 +93,16 @@ def plan_round(offers: Sequence[UnitOffer], config: PlannerConfig, round_index: 
     step_stats = _step_stats(columns, offers, config)
     final = all(o.dry for o in offers) and all(len(u.leftover) == 0 for u in units)
     return RoundPlan(round_index, num_steps, tuple(units), step_stats, final)
+
+
+def _cut_rng(
+    config: PlannerConfig, round_index: int, offer: UnitOffer
+) -> np.random.Generator | None:
+    """Seeds min-time's jittered sort: (seed, round, unit) is the same on every daemon, and
+    rounds are numbered across epochs, so a later epoch's buffer is grouped differently."""
+    if not config.fresh_groups:
+        return None
+    return np.random.default_rng([config.seed & (2**63 - 1), round_index, offer.unit])
 
 
 def _check_offers(offers: Sequence[UnitOffer], config: PlannerConfig) -> None:

@@ -107,6 +107,14 @@ class RoundBarrier:
         self.last_round = RoundRecord(round_index, time.perf_counter() - started_s, done.last_node)
         return list(done.payloads)
 
+    async def report_waiting(self, round_index: int, reason: str) -> None:
+        """Why this daemon has not contributed `round_index` yet, e.g. "rank 3 has not taken
+        ...". If the round times out, every daemon's error quotes the latest reason."""
+        if self._hub is not None:
+            self._hub.note_waiting(0, round_index, reason)
+        elif self._spoke is not None:
+            await self._spoke.report_waiting(round_index, reason)
+
     def raise_failure(self) -> None:
         """Raises the job's failure (peer lost, round timeout) if one is known, without a round.
 

@@ -21,6 +21,8 @@ from odbd.errors import InvariantError, OdbdError
 from odbd.round.config import PROTOCOL_VERSION, RoundConfig, max_payload_bytes
 from odbd.round.errors import HandshakeError, PeerLostError, RoundTimeoutError
 from odbd.round.handshake import check_hello
+from odbd.round.spoke import grace_s
+from odbd.round.stall import TICK_S, StallWatch
 from odbd.round.table import CompletedRound, ProtocolViolation, RoundTable
 
 log = logging.getLogger(__name__)
@@ -55,8 +57,16 @@ class Hub:
         self._timers: dict[int, asyncio.TimerHandle] = {}  # round -> its deadline
         self._sent_early: dict[int, int] = {}  # round -> the spoke that got its result early
         self._failure: OdbdError | None = None
+        self._waiting: dict[int, tuple[int, str]] = {}  # node -> (round, why it has not sent it)
         self._loop = asyncio.get_running_loop()
         self._formed: asyncio.Future[None] = self._loop.create_future()
+        self._watch = StallWatch(self._loop.time())
+        self._ticker = self._loop.create_task(self._tick())
+
+    async def _tick(self) -> None:
+        while True:
+            await asyncio.sleep(TICK_S)
+            self._watch.tick(self._loop.time())
 
     # -- the job's formation ------------------------------------------------------------------
 
@@ -155,6 +165,9 @@ class Hub:
                 if kind == "leave":
                     self._left(spoke)
                     return
+                if kind == "waiting":
+                    self.note_waiting(spoke.node, msg.waiting.round, msg.waiting.reason)
+                    continue
                 contribution = msg.contribution
                 if kind != "contribution" or contribution.node_rank != spoke.node:
                     raise ProtocolViolation(
@@ -232,9 +245,20 @@ class Hub:
             raise InvariantError(f"the hub's own contribution broke the protocol: {exc}") from None
         return await waiter
 
+    def note_waiting(self, node: int, round_index: int, reason: str) -> None:
+        """Why `node` has not contributed `round_index` yet; quoted if that round times out."""
+        self._waiting[node] = (round_index, reason[:_MAX_REASON_CHARS])
+
+    def _why_missing(self, node: int, round_index: int) -> str:
+        waiting = self._waiting.get(node)
+        if waiting is None or waiting[0] != round_index:
+            return f"{self._name(node)} did not contribute"
+        return f"{self._name(node)} did not contribute: it waits because {waiting[1]}"
+
     def _contribute(self, node: int, round_index: int, payload: bytes) -> None:
         if self._failure is not None:
             return  # the job is over; late contributions change nothing
+        self._waiting.pop(node, None)
         done = self._table.add(node, round_index, payload)
         if done is None:
             if round_index not in self._timers:
@@ -282,9 +306,9 @@ class Hub:
         reason = (
             f"round {round_index} did not complete within the "
             f"{self._config.round_timeout_s:g} s round deadline: "
-            f"{_names(self._name(n) for n in missing)} did not contribute. Every daemon stops "
-            "this job; check why that daemon stalled (its log, producers and trainers) or raise "
-            "the round timeout"
+            f"{'; '.join(self._why_missing(n, round_index) for n in missing) or 'no node'}. "
+            "Every daemon stops this job; check why that daemon stalled (its log, producers and "
+            "trainers) or raise the round timeout"
         )
         self._abort(
             peer_pb2.ABORT_KIND_ROUND_TIMEOUT, round_index, reason, missing, RoundTimeoutError
@@ -303,6 +327,8 @@ class Hub:
         """Fails the job everywhere: every stream gets an Abort, every local wait the error."""
         if self._failure is not None:
             return
+        if kind in (peer_pb2.ABORT_KIND_ROUND_TIMEOUT, peer_pb2.ABORT_KIND_PEER_LOST):
+            reason = self._blame_own_stall(round_index, reason, missing)
         log.error("%s", reason)
         self._failure = error(reason)
         refs = [common_pb2.NodeRef(node_rank=n, address=self._address(n)) for n in missing]
@@ -315,6 +341,27 @@ class Hub:
                 spoke.state = "ending"
         self._fail_local(error, reason)
         self._on_serving(False)
+
+    def _blame_own_stall(self, round_index: int, reason: str, missing: list[int]) -> str:
+        """The hub's own freeze, not the peers, when this process did not run long enough that
+        a peer's contribution or its patience ran out unheard (peers give up after the round
+        deadline plus a grace). Half the deadline frozen is enough to make the peers' timing
+        meaningless."""
+        timeout = self._config.round_timeout_s
+        now = self._loop.time()
+        stall = self._watch.longest_since(now - timeout - grace_s(timeout) - 1.0, now)
+        if stall is None or stall.duration_s < 0.5 * timeout:
+            return reason
+        peers = _names(self._name(n) for n in missing if n != 0)
+        return (
+            f"round {round_index} failed because this daemon (node 0, the hub) itself did not "
+            f"run for {stall.duration_s:.1f} s, against a {timeout:g} s round deadline: the "
+            "process was stopped or starved (SIGSTOP, a paused VM or container, swapping, CPU "
+            f"starvation), so it could not hear the other daemons in time; {peers} is not to "
+            "blame. Every daemon stops this job; find what froze this host's odbd, then "
+            "restart the job on all nodes (resume from --state-dir). What the hub saw on "
+            f"resuming: {reason}"
+        )
 
     def _fail_local(self, error: type[OdbdError], reason: str) -> None:
         for timer in self._timers.values():
@@ -333,6 +380,7 @@ class Hub:
 
     def close(self) -> None:
         """Ends every stream normally after what is already queued (results of past rounds)."""
+        self._ticker.cancel()
         for spoke in self._spokes.values():
             if spoke.state == "active":
                 spoke.outbox.put_nowait(_End(grpc.StatusCode.OK))
@@ -353,6 +401,9 @@ class Hub:
     def _name(self, node: int) -> str:
         address = self._address(node)
         return f"node {node} ({address})" if address else f"node {node}"
+
+
+_MAX_REASON_CHARS = 1024
 
 
 def _names(names: Iterable[str]) -> str:

@@ -185,6 +185,14 @@ class Spoke:
             payloads[self._config.node_rank] = payload
         return CompletedRound(round_index, tuple(payloads), result.last_node_rank)
 
+    async def report_waiting(self, round_index: int, reason: str) -> None:
+        """Tells the hub why this node has not contributed `round_index` yet (best effort:
+        a broken stream is reported by the reader, and the hub's deadline holds regardless)."""
+        waiting = peer_pb2.Waiting(round=round_index, reason=reason)
+        with contextlib.suppress(Exception):
+            async with self._write_lock, asyncio.timeout(1.0):
+                await self._call.write(peer_pb2.PeerMessage(waiting=waiting))
+
     async def close(self) -> None:
         """Says Leave, then waits briefly for the hub to end the stream cleanly."""
         self._fail(PeerLostError("the round barrier of this node was closed"))

@@ -22,7 +22,7 @@ from odbd.errors import ConfigError
 from odbd.planner.config import Balance, CostModel, Grouping, LossScaling, PlannerConfig
 from odbd.simulate.distributions import NAMES, sample_lengths
 from odbd.simulate.lengths import read_lengths
-from odbd.simulate.report import render_table, report_json
+from odbd.simulate.report import render_freshness, render_table, repeated_groups, report_json
 from odbd.world import World
 
 if TYPE_CHECKING:
@@ -105,6 +105,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="S",
         help="seeds the lengths and the sampler",
     )
+    world.add_argument(
+        "--fresh-groups",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="vary min-time groups with seed and round, or sort exactly",
+    )
     model = parser.add_argument_group("cost model (token-equivalents)")
     model.add_argument(
         "--cost-a", type=flags.number, metavar="A", default=cost.a, help="per padded token"
@@ -168,6 +174,7 @@ def build_setup(args: argparse.Namespace) -> Setup:
         loss_scaling=LossScaling(args.loss_scaling),
         cost=CostModel(a=args.cost_a, b=args.cost_b, c=args.cost_c),
         seed=args.seed,
+        fresh_groups=args.fresh_groups,
     )
     lengths, source = _load_lengths(args)
     return Setup(
@@ -222,21 +229,28 @@ def _batch_sizes(text: str) -> tuple[int, ...]:
 def _write_outputs(setup: Setup, outcome: Outcome) -> None:
     if setup.plan_out is not None:
         outcome.write_plan(setup.plan_out)
+    freshness = repeated_groups(outcome.result.iter_steps())
     if setup.as_json:
-        print(json.dumps(report_json(outcome.ours, dict(outcome.baselines))))
+        report = report_json(outcome.ours, dict(outcome.baselines))
+        if setup.epochs > 1:  # only meaningful across epochs
+            report["repeated_groups"] = freshness.as_json()
+        print(json.dumps(report))
         return
     print(_header(setup, outcome.num_rejected))
     print(render_table(("odbd", outcome.ours), outcome.baselines))
+    if setup.epochs > 1:
+        print(render_freshness(freshness))
 
 
 def _header(setup: Setup, num_rejected: int) -> str:
     c = setup.config
     mode = "join" if setup.join else "no-join"
+    fresh = "on" if c.fresh_groups else "off"
     lines = [
         f"{setup.source}; world {c.world.world_size} ({c.world.num_nodes} nodes x "
         f"{c.world.ranks_per_node}), token budget {c.token_budget}, buffer {c.buffer_size}/rank",
         f"odbd: grouping {c.grouping.value}, balance {c.balance.value}, {mode}, "
-        f"{setup.epochs} epoch(s), seed {c.seed}; "
+        f"{setup.epochs} epoch(s), seed {c.seed}, fresh groups {fresh}; "
         f"cost a={c.cost.a:g} b={c.cost.b:g} c={c.cost.c:g} (token-equivalents)",
     ]
     if num_rejected:

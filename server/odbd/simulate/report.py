@@ -6,7 +6,7 @@ One `summarize` serves the planner and every baseline: all of them produce StepS
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -63,6 +63,39 @@ def summarize(stats: StepStats, cost: CostModel, budget: int, world_size: int) -
 
 def _ratio(numerator: float, denominator: float, *, empty: float) -> float:
     return numerator / denominator if denominator > 0 else empty
+
+
+@dataclass(frozen=True, slots=True)
+class Freshness:
+    """How many groups of a later epoch an earlier one already formed (same sample ids)."""
+
+    repeated: int  # groups of epoch e > 0 with >= 2 samples that epoch e - 1 also formed
+    groups: int  # groups of epochs e > 0 with >= 2 samples (a lone sample cannot vary)
+
+    def as_json(self) -> dict[str, int]:
+        return {"repeated": self.repeated, "groups": self.groups}
+
+
+def repeated_groups(steps: Iterable[tuple[int, int, list[list[tuple[int, int]]]]]) -> Freshness:
+    """Freshness of a plan given as SimulationResult.iter_steps() (epoch, step, ranks)."""
+    by_epoch: dict[int, set[frozenset[int]]] = {}
+    for epoch, _, ranks in steps:
+        formed = by_epoch.setdefault(epoch, set())
+        formed.update(frozenset(i for i, _ in rank) for rank in ranks if len(rank) > 1)
+    num_repeated = num_groups = 0
+    for epoch, formed in by_epoch.items():
+        if epoch - 1 in by_epoch:
+            num_repeated += len(formed & by_epoch[epoch - 1])
+            num_groups += len(formed)
+    return Freshness(num_repeated, num_groups)
+
+
+def render_freshness(freshness: Freshness) -> str:
+    share = _ratio(freshness.repeated, freshness.groups, empty=0.0)
+    return (
+        f"groups repeated across epochs: {freshness.repeated:,} of {freshness.groups:,} "
+        f"({100 * share:.1f} %) multi-sample groups of an epoch were already formed by the last"
+    )
 
 
 def report_json(ours: Summary, baselines: Mapping[str, Summary]) -> dict[str, Any]:

@@ -92,15 +92,25 @@ class Leave(_message.Message):
     reason: str
     def __init__(self, reason: _Optional[str] = ...) -> None: ...
 
+class Waiting(_message.Message):
+    __slots__ = ("round", "reason")
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    round: int
+    reason: str
+    def __init__(self, round: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
+
 class PeerMessage(_message.Message):
-    __slots__ = ("hello", "contribution", "leave")
+    __slots__ = ("hello", "contribution", "leave", "waiting")
     HELLO_FIELD_NUMBER: _ClassVar[int]
     CONTRIBUTION_FIELD_NUMBER: _ClassVar[int]
     LEAVE_FIELD_NUMBER: _ClassVar[int]
+    WAITING_FIELD_NUMBER: _ClassVar[int]
     hello: Hello
     contribution: Contribution
     leave: Leave
-    def __init__(self, hello: _Optional[_Union[Hello, _Mapping]] = ..., contribution: _Optional[_Union[Contribution, _Mapping]] = ..., leave: _Optional[_Union[Leave, _Mapping]] = ...) -> None: ...
+    waiting: Waiting
+    def __init__(self, hello: _Optional[_Union[Hello, _Mapping]] = ..., contribution: _Optional[_Union[Contribution, _Mapping]] = ..., leave: _Optional[_Union[Leave, _Mapping]] = ..., waiting: _Optional[_Union[Waiting, _Mapping]] = ...) -> None: ...
 
 class HubMessage(_message.Message):
     __slots__ = ("welcome", "result", "abort")

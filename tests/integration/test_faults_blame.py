@@ -1,0 +1,67 @@
+"""A failed round names the real culprit (issue 11): a rank that stopped calling next(), or the
+hub itself when it was frozen past the round deadline, never an innocent peer."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from tests.integration.faults_cluster import FaultCluster, synthetic
+
+pytestmark = pytest.mark.timeout(240)
+
+SIZE = 2000
+
+
+def _args(round_timeout_s: float) -> list[str]:
+    # Slow producers and many small steps keep rounds going for the whole test.
+    args = [*synthetic(SIZE, workers=1, delay_s=0.005), "--buffer", "8", "--token-budget", "1024"]
+    return [*args, "--round-timeout", str(round_timeout_s), "--steps-ahead", "4"]
+
+
+def _wait_exits(fc: FaultCluster, timeout_s: float) -> list[int | None]:
+    fc.wait_until(lambda: all(d.poll() is not None for d in fc.daemons), "every daemon exited",
+                  timeout_s)  # fmt: skip
+    return [d.returncode for d in fc.daemons]
+
+
+def test_a_rank_that_stops_iterating_is_named_by_every_daemon_and_trainer():
+    timeout_s = 8.0
+    with FaultCluster(nodes=2, ranks_per_node=1, daemon_args=_args(timeout_s)) as fc:
+        fc.start_trainer([0], "--step-sleep-s", "0.01")
+        fc.start_trainer([1], "--step-sleep-s", "0.01", "--stop-after", "5", "--stop-how", "hang")
+        codes = _wait_exits(fc, timeout_s + 60)
+        assert codes == [1, 1], fc.describe()
+        for node in (0, 1):
+            log = fc.log(node)
+            assert "node 1 (" in log and "rank 1 has" in log, log
+            assert "steps undelivered from epoch 0 step 5" in log, log
+            assert "its client is attached" in log, log
+        fc.wait_until(lambda: fc.errors(0) != [], "rank 0 learned why the job failed")
+        [error] = fc.errors(0)
+        assert error["error"] == "JobFailedError", error
+        assert "rank 1 has" in error["message"] and "client is attached" in error["message"]
+
+
+def test_a_frozen_hub_blames_itself_not_its_peer():
+    timeout_s = 2.0
+    with FaultCluster(nodes=2, ranks_per_node=1, daemon_args=_args(timeout_s)) as fc:
+        fc.start_trainers("--step-sleep-s", "0.01")
+        fc.wait_until(
+            lambda: all(fc.steps_seen(r) >= 3 for r in range(fc.world)), "every rank trained"
+        )
+        hub = fc.daemons[0].pid
+        os.kill(hub, signal.SIGSTOP)
+        time.sleep(3 * timeout_s)  # the fault itself: frozen past the deadline and its grace
+        os.kill(hub, signal.SIGCONT)
+        codes = _wait_exits(fc, 60)
+        assert codes == [1, 1], fc.describe()
+        log = fc.log(0)
+        assert "this daemon (node 0, the hub) itself did not run for" in log, log
+        assert "is not to blame" in log, log
+        fc.wait_until(lambda: fc.errors(0) != [], "rank 0 learned why the job failed")
+        [error] = fc.errors(0)
+        assert "itself did not run for" in error["message"], error
