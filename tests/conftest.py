@@ -6,13 +6,17 @@ the machine (tests/integration/harness.py: slowdown).
 (named in the error, with what leaked). Things that are shutting down get a short grace. What
 leaked is then cleaned up (children killed, segments unlinked) so the next test starts clean
 and is not blamed; a thread cannot be stopped, so it only fails the test that started it.
+A passed test's LocalCluster directories (logs, sockets, reports in the temp dir) are removed;
+a failed test's stay for its logs.
 """
 
 from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -180,11 +184,40 @@ def clean_up(leaks: Leaks) -> None:
             pass
 
 
+# -- cluster directories ------------------------------------------------------------------------
+
+_CALL_REPORT = pytest.StashKey[pytest.TestReport]()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]):  # type: ignore[no-untyped-def]
+    report = yield
+    if report.when == "call":
+        item.stash[_CALL_REPORT] = report
+    return report
+
+
+def cluster_dirs() -> set[str]:
+    """This run's LocalCluster directories (odbd.demo.cluster: odbd-<job id>-XXXX in the temp
+    dir, job ids t<pid>x...): daemon and trainer logs, unix sockets, reports."""
+    mine = re.compile(rf"odbd-t{os.getpid()}x\d+-")
+    return {name for name in os.listdir(tempfile.gettempdir()) if mine.match(name)}
+
+
+def remove_cluster_dirs(names: set[str]) -> None:
+    """A passed test's cluster directories go (a failed one's stay, for its logs)."""
+    for name in names:
+        shutil.rmtree(os.path.join(tempfile.gettempdir(), name), ignore_errors=True)
+
+
 @pytest.fixture(autouse=True)
 def no_leaks(request: pytest.FixtureRequest) -> Iterator[None]:
-    before = snapshot()
+    before, dirs_before = snapshot(), cluster_dirs()
     yield
     leaks = wait_for_leaks(before, scaled(LEAK_GRACE_S))
     if leaks:
         clean_up(leaks)
         pytest.fail(describe_leaks(request.node.nodeid, leaks), pytrace=False)
+    report = request.node.stash.get(_CALL_REPORT, None)
+    if report is not None and report.passed:
+        remove_cluster_dirs(cluster_dirs() - dirs_before)

@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
         stop_hogs(hogs)
         took = time.monotonic() - started
         print(f"under_load: exit {code} after {took:.0f} s ({took / 60:.1f} min)", flush=True)
-    return code
+    return code if code >= 0 else 128 - code  # killed by signal N: exit 128 + N, as a shell
 
 
 if __name__ == "__main__":

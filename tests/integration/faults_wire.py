@@ -103,3 +103,4 @@ class Session:
     def cancel(self) -> None:
         self._outbox.put(self._END)
         self._call.cancel()
+        self._reader.join(timeout=CALL_TIMEOUT_S)  # a test leaves no thread behind (conftest)

@@ -16,7 +16,7 @@ import pytest
 
 from odbclient.connect import DEFAULT_PREFETCH
 from tests.integration.faults_cluster import FaultCluster, synthetic
-from tests.integration.harness import http_get
+from tests.integration.harness import http_get, scaled
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -42,7 +42,7 @@ def _kill_and_watch(fc: FaultCluster, victim: int) -> tuple[float, float]:
     fc.daemons[victim].kill()
     survivors = [n for n in range(len(fc.daemons)) if n != victim]
     exits = {}
-    deadline = time.monotonic() + ROUND_TIMEOUT_S + 10
+    deadline = time.monotonic() + ROUND_TIMEOUT_S + scaled(10)
     while len(exits) < len(survivors) and time.monotonic() < deadline:
         for node in survivors:
             if node not in exits and fc.daemons[node].poll() is not None:
