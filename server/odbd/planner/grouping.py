@@ -116,27 +116,31 @@ def _jittered_cuts(
     sorted_lengths = lengths[order]
     bound = np.ceil(key[by_key]).astype(np.int64)
     bound_end = np.minimum(np.arange(n) + np.maximum(budget // bound, 1), n)
-    may_grow = (budget // np.maximum(sorted_lengths, 1)) > (budget // bound)
+    may_grow = ((budget // np.maximum(sorted_lengths, 1)) > (budget // bound)).tobytes()
+    jump = array.array("q")  # plain ints for the walk, as in _fill_cuts
+    jump.frombytes(bound_end.astype(np.int64).tobytes())
+    as_ints = sorted_lengths.tolist()  # _grow reads a few entries per group: plain ints
     starts: list[int] = []
     i = 0
     while i < n:
         starts.append(i)
-        end = int(bound_end[i])
+        end = jump[i]
         if may_grow[i] and end < n:
-            end = _grow(sorted_lengths, i, end, budget)
+            end = _grow(as_ints, i, end, budget)
         i = end
-    ends = starts[1:] + [n] if starts else []
-    group_of_row = np.repeat(np.arange(len(starts)), np.diff([*starts, n]))
+    start_arr = np.asarray(starts, dtype=np.int64)
+    end_arr = np.append(start_arr[1:], n) if starts else start_arr
+    group_of_row = np.repeat(np.arange(len(starts)), end_arr - start_arr)
     order = order[np.lexsort((-sorted_lengths, group_of_row))]  # longest first in each group
-    return Groups(order, np.asarray(starts, dtype=np.int64), np.asarray(ends, dtype=np.int64))
+    return Groups(order, start_arr, end_arr)
 
 
-def _grow(sorted_lengths: np.ndarray, start: int, end: int, budget: int) -> int:
+def _grow(sorted_lengths: list[int], start: int, end: int, budget: int) -> int:
     """Extends the group [start, end) while its longest * size stays within the budget."""
-    longest = int(sorted_lengths[start:end].max())
-    n = int(sorted_lengths.shape[0])
+    longest = max(sorted_lengths[start:end])
+    n = len(sorted_lengths)
     while end < n:
-        longest = max(longest, int(sorted_lengths[end]))
+        longest = max(longest, sorted_lengths[end])
         if longest * (end + 1 - start) > budget:
             break
         end += 1
