@@ -95,8 +95,7 @@ def _jittered_cuts(
     """min-time's greedy fill over a jittered sort (`exact` = the rows sorted longest first).
 
     Each sample's key is its length plus u * min(SORT_JITTER * length, the gap to the sample
-    SORT_JITTER_RANKS places longer), u uniform in [0, 1), ties broken at random: in a dense
-    buffer samples trade places
+    SORT_JITTER_RANKS places longer), u uniform in [0, 1): in a dense buffer samples trade places
     with a few neighbours of nearly the same length, in a sparse one by at most 1 %, so padding
     barely changes. Sorted by key descending, every later sample is no longer than the key of a
     group's first sample, so ceil(key) * size <= L keeps the budget without looking inside the
@@ -109,9 +108,7 @@ def _jittered_cuts(
     longer = exact_lengths[np.maximum(np.arange(n) - SORT_JITTER_RANKS, 0)]
     jitter = np.minimum(SORT_JITTER * exact_lengths, longer - exact_lengths)
     key = exact_lengths + jitter * rng.random(n)
-    # Equal keys (samples of one length: no gap to jitter into) trade places at random too;
-    # a stable sort would keep them in buffer order, the same every epoch.
-    by_key = np.lexsort((rng.random(n), -key))
+    by_key = np.argsort(-key, kind="stable")
     order = exact[by_key]
     sorted_lengths = lengths[order]
     bound = np.ceil(key[by_key]).astype(np.int64)
