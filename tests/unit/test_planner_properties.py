@@ -177,7 +177,7 @@ def test_same_inputs_same_plan(scenario, join):
     st.lists(st.integers(100, 1000), min_size=200, max_size=400, unique=True),
     st.integers(0, 3),
 )
-def test_two_epochs_over_a_whole_dataset_buffer_form_mostly_new_groups(
+def test_two_epochs_over_a_whole_dataset_buffer_form_different_groups(
     per_node, nodes, budget, lengths, seed
 ):
     """Issue 10: a buffer holding the whole dataset cut the same groups every epoch.
