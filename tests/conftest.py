@@ -97,9 +97,31 @@ def snapshot() -> Snapshot:
     )
 
 
+# Helpers a library starts once and keeps for the process's life: not a test's leak (and
+# killing multiprocessing's resource tracker breaks every later spawn with a warning).
+PROCESS_LIFETIME_THREADS = ("tqdm_monitor",)  # tqdm's monitor (HF datasets' progress bars)
+PROCESS_LIFETIME_TARGETS = ("PollerCompletionQueue._poll_wrapper",)  # grpc.aio's poller
+
+
+def _process_lifetime_thread(thread: threading.Thread) -> bool:
+    target = getattr(getattr(thread, "_target", None), "__qualname__", "")
+    return thread.name in PROCESS_LIFETIME_THREADS or target in PROCESS_LIFETIME_TARGETS
+
+
+def _process_lifetime_children() -> set[int]:
+    from multiprocessing import resource_tracker
+
+    pid = getattr(resource_tracker._resource_tracker, "_pid", None)
+    return {pid} if pid else set()
+
+
 def leaks_since(before: Snapshot) -> Leaks:
-    threads = [t for t in threading.enumerate() if t not in before.threads and t.is_alive()]
-    children = sorted(child_pids() - before.children)
+    threads = [
+        t
+        for t in threading.enumerate()
+        if t not in before.threads and t.is_alive() and not _process_lifetime_thread(t)
+    ]
+    children = sorted(child_pids() - before.children - _process_lifetime_children())
     segments = sorted(s for s in odbd_segments() - before.segments if _ours(s))
     return Leaks(threads, children, segments)
 
