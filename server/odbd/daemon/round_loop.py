@@ -641,7 +641,7 @@ class RoundLoop:
         bounded, until each local rank connected once, so it raises JobFailedError with the
         reason rather than finding no daemon. Ranks still attached are drained by the daemon."""
         deadline = time.monotonic() + _TELL_FAILURE_S
-        while missing := [r for r, q in self.queues.items() if q.attaches == 0]:
+        while missing := [r for r, q in self.queues.items() if not q.ever_attached]:
             if time.monotonic() > deadline:
                 log.warning("ranks %s never attached to learn that the job failed", missing)
                 return

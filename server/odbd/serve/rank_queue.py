@@ -54,7 +54,6 @@ class RankQueue:
         self.delivered_steps = 0
         self._attached = False
         self.ever_attached = False
-        self.attaches = 0  # trainer connections so far: a failed job waits until each was told
         self.detached_at_s: float | None = None  # clock() when the last stream ended
         self._job_end_sent: trainer_pb2.JobEnd | None = None  # on the current connection
         self.took_job_end = False  # sticky: see the module docstring
@@ -66,7 +65,6 @@ class RankQueue:
 
     @attached.setter
     def attached(self, value: bool) -> None:
-        self.attaches += value and not self._attached
         if value:
             self.ever_attached = True
         elif self._attached:
