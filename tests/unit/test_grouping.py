@@ -90,3 +90,25 @@ def test_batch_size_rule():
     assert batch_size_for(500, 1000) == 2
     assert batch_size_for(5000, 1000) == 1
     assert batch_size_for(1, 1000) == 1000
+
+
+def test_a_sparse_buffer_is_cut_into_different_groups_under_different_seeds():
+    # Lengths 11 apart: the jittered sort finds no two samples within 1 % to trade, so only the
+    # swaps across cuts vary the groups (CI found two epochs repeating every group of one).
+    table = make_table(list(range(100, 1000, 11)))
+    budget = 2976
+    exact = group_buffer(table, budget, Grouping.MIN_TIME)
+    cuts = [
+        group_buffer(table, budget, Grouping.MIN_TIME, np.random.default_rng(s)) for s in (1, 2)
+    ]
+    memberships = [
+        {frozenset(g.members(i).tolist()) for i in range(len(g))} for g in [exact, *cuts]
+    ]
+    assert memberships[1] != memberships[0] and memberships[2] != memberships[1]
+    for groups in cuts:
+        assert len(groups) == len(exact)
+        assert sorted(groups.order.tolist()) == list(range(len(table)))
+        for i in range(len(groups)):
+            members = table.lengths[groups.members(i)]
+            assert list(members) == sorted(members, reverse=True)  # longest first
+            assert members[0] * len(members) <= budget

@@ -7,7 +7,8 @@ except one sample longer than L, which is a group of one.
 Fresh groups every epoch: sorted exactly, a buffer holding the same samples again (a large buffer,
 a later epoch) is cut into the same groups. Given a seeded generator, min-time sorts by a key
 jittered by up to SORT_JITTER of each length instead, so samples within ~1 % of each other trade
-places, then orders each group longest first again (`_jittered_cuts`).
+places, then orders each group longest first again (`_jittered_cuts`); where that finds nothing to
+trade (a sparse buffer), swaps across random cuts vary the groups (`_swap_across_cuts`).
 """
 
 from __future__ import annotations
@@ -51,17 +52,18 @@ def group_buffer(
     if len(table) and int(table.lengths.min()) < 1:
         raise InvariantError("0-length samples must be rejected at ingest, before grouping")
     order = sort_longest_first(table)
-    if rng is not None and strategy is Grouping.MIN_TIME:
-        varied = _jittered_cuts(table.lengths, order, budget, rng)
-        exact_count = len(_fill_cuts(table.lengths[order], budget)[0])
-        if len(varied) <= exact_count:  # never more groups (steps) than the exact sort
-            return varied
     lengths = table.lengths[order]
     if strategy is Grouping.PAPER:
         starts, ends = _paper_cuts(lengths.tolist(), budget)
-    else:
-        starts, ends = _fill_cuts(lengths, budget)
-    return Groups(order, np.asarray(starts, dtype=np.int64), np.asarray(ends, dtype=np.int64))
+        return Groups(order, np.asarray(starts, dtype=np.int64), np.asarray(ends, dtype=np.int64))
+    starts, ends = _fill_cuts(lengths, budget)
+    exact = Groups(order, np.asarray(starts, dtype=np.int64), np.asarray(ends, dtype=np.int64))
+    if rng is None:
+        return exact
+    varied = _jittered_cuts(table.lengths, order, budget, rng)
+    if len(varied) > len(exact):  # never more groups (steps) than the exact sort
+        varied = exact
+    return _swap_across_cuts(varied, table.lengths, budget, rng)
 
 
 def batch_size_for(length: int, budget: int) -> int:
@@ -130,6 +132,37 @@ def _jittered_cuts(
     group_of_row = np.repeat(np.arange(len(starts)), end_arr - start_arr)
     order = order[np.lexsort((-sorted_lengths, group_of_row))]  # longest first in each group
     return Groups(order, start_arr, end_arr)
+
+
+def _swap_across_cuts(
+    groups: Groups, lengths: np.ndarray, budget: int, rng: np.random.Generator
+) -> Groups:
+    """Swaps the shortest sample of a group with the longest of the next where both stay within
+    the budget, at a random half of every other cut (so no group takes part in two swaps).
+
+    The jittered sort only moves samples within ~1 % of each other's length; in a sparse buffer
+    (few samples that close) it cuts the same groups every epoch, and so does the exact sort it
+    falls back to. These swaps vary membership there too, at no cost in groups.
+    """
+    k = np.arange(int(rng.integers(2)), len(groups) - 1, 2)  # the group left of each cut
+    k = k[rng.random(len(k)) < 0.5]
+    if len(k) == 0:
+        return groups
+    size_a = groups.ends[k] - groups.starts[k]
+    size_b = groups.ends[k + 1] - groups.starts[k + 1]
+    order = groups.order.copy()
+    last_a, first_b = groups.ends[k] - 1, groups.starts[k + 1]
+    longest_a = lengths[order[groups.starts[k]]]
+    second_b = lengths[order[np.minimum(first_b + 1, groups.ends[k + 1] - 1)]]
+    moved_in, moved_out = lengths[order[first_b]], lengths[order[last_a]]
+    fits_a = (size_a == 1) | (np.maximum(longest_a, moved_in) * size_a <= budget)
+    fits_b = (size_b == 1) | (np.maximum(second_b, moved_out) * size_b <= budget)
+    swap = fits_a & fits_b
+    a, b = last_a[swap], first_b[swap]
+    order[a], order[b] = groups.order[b], groups.order[a]
+    group_of_row = np.repeat(np.arange(len(groups)), groups.ends - groups.starts)
+    order = order[np.lexsort((-lengths[order], group_of_row))]  # longest first in each group
+    return Groups(order, groups.starts, groups.ends)
 
 
 def _grow(sorted_lengths: list[int], start: int, end: int, budget: int) -> int:
