@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
+import sys
+
 import pytest
 
 from odbclient.wire.odbd.v1 import ingest_pb2
@@ -14,7 +17,12 @@ from odbd.ingest.rejections import (
     samples_made,
 )
 from odbd.ingest.service import size_refusal
-from odbd.ingest.supervisor import deaths_without_progress
+from odbd.ingest.supervisor import (
+    ProducerSupervisor,
+    SupervisorConfig,
+    deaths_without_progress,
+    restart_delay_s,
+)
 from odbd.ingest.validate import MalformedMessage, check_rejections
 from odbd.metrics.collector import KNOWN_REJECT_REASONS
 
@@ -91,3 +99,49 @@ def test_producer_crash_is_the_daemons_reason_a_producer_cannot_send_it() -> Non
     with pytest.raises(MalformedMessage, match="unknown rejection reason 'producer_crash'"):
         check_rejections(batch)
     assert PRODUCER_CRASH in KNOWN_REJECT_REASONS  # exported at 0 from the start
+
+
+def test_restart_delays_double_from_half_a_second_up_to_half_a_minute() -> None:
+    assert [restart_delay_s(n) for n in (1, 2, 3, 4, 7, 8, 100)] == [
+        0.5,
+        1.0,
+        2.0,
+        4.0,
+        30.0,
+        30.0,
+        30.0,
+    ]
+
+
+@pytest.mark.timeout(60)
+def test_a_worker_that_dies_at_start_while_others_make_samples_backs_off() -> None:
+    """Its deaths never add up to giving up (the node makes samples), so without the backoff it
+    was restarted twice a second for the whole job."""
+
+    class CrashingAtStart(ProducerSupervisor):
+        def command(self, name: str) -> list[str]:  # producer_main refuses the unknown flag
+            return [sys.executable, "-m", "odbclient.producer_main", "--no-such-flag"]
+
+    waits: list[float] = []
+    made = iter(range(1_000_000))
+
+    async def run() -> int:
+        done = asyncio.Event()
+
+        async def sleep(seconds: float) -> None:
+            waits.append(seconds)
+            if len(waits) >= 12:
+                done.set()
+
+        config = SupervisorConfig(socket="", dataset="", dataset_args=(), workers=1, job_id="t")
+        supervisor = CrashingAtStart(config, lambda: None, progress=lambda: next(made), sleep=sleep)
+        await supervisor.start()
+        await done.wait()
+        await supervisor.stop()
+        return supervisor.num_restarts
+
+    num_restarts = asyncio.run(run())
+    assert num_restarts >= 5
+    # Each restart: the fixed 0.5 s for the daemon's accounting, then the rest of the backoff.
+    backoff = [a + b for a, b in zip(waits[::2], waits[1::2], strict=False)]
+    assert backoff[:5] == [0.5, 1.0, 2.0, 4.0, 8.0]

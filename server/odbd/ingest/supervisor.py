@@ -4,7 +4,10 @@ Each worker is `python -m odbclient.producer_main`, a plain odbclient Producer: 
 treats it exactly like an external producer. A worker that dies is restarted (its leases went
 back to the pool when its stream broke, and a sample that kept killing producers was
 quarantined). One that dies _MAX_DEATHS times within _RESTART_WINDOW_S with no sample made on
-the node in between cannot be kept alive: it is given up, and the job fails (on_give_up).
+the node in between cannot be kept alive: it is given up, and the job fails (on_give_up). A worker
+that keeps dying while the others make samples (say it fails at start-up) is restarted after a
+delay that doubles with each death in a row, up to _MAX_RESTART_DELAY_S, so it costs one start
+every half minute, not two a second.
 
 Stopping: workers run in their own session, so a terminal's Ctrl-C (SIGINT to the foreground
 process group) reaches only the daemon, which stops them itself: Shutdown on their stream,
@@ -22,7 +25,7 @@ import shlex
 import signal
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 log = logging.getLogger("odbd.producers")
@@ -30,6 +33,9 @@ log = logging.getLogger("odbd.producers")
 _MAX_DEATHS = 5  # in a row within _RESTART_WINDOW_S, no sample made between: give up
 _RESTART_WINDOW_S = 60.0
 _RESTART_DELAY_S = 0.5
+_MAX_RESTART_DELAY_S = 30.0
+# A worker that ran this long before it died was healthy: its next death starts a new series.
+_HEALTHY_RUN_S = 60.0
 # After Shutdown, a worker still running is inside the user's preprocessing (or still
 # starting): its work is lost either way, so it is killed soon (Ctrl-C must end the daemon
 # within 2 s).
@@ -50,6 +56,7 @@ class _Worker:
     name: str
     process: asyncio.subprocess.Process | None = None
     deaths: list[float] = field(default_factory=list)  # since the node last made a sample
+    deaths_in_a_row: int = 0  # each within _HEALTHY_RUN_S of its start
 
 
 def deaths_without_progress(
@@ -63,6 +70,12 @@ def deaths_without_progress(
     return [t for t in deaths if now_s - t < window_s] + [now_s]
 
 
+def restart_delay_s(deaths_in_a_row: int) -> float:
+    """How long a worker that died this many times in a row waits before its restart."""
+    doublings = min(max(deaths_in_a_row - 1, 0), 16)
+    return min(_RESTART_DELAY_S * 2.0**doublings, _MAX_RESTART_DELAY_S)
+
+
 class ProducerSupervisor:
     def __init__(
         self,
@@ -70,11 +83,13 @@ class ProducerSupervisor:
         on_restart: Callable[[], None],
         progress: Callable[[], int] = lambda: 0,
         on_give_up: Callable[[str], None] = lambda message: None,
+        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
     ) -> None:
         self.config = config
         self._on_restart = on_restart
         self._progress = progress  # samples the node made so far (committed + rejected)
         self._on_give_up = on_give_up
+        self._sleep = sleep  # a test's clock
         self._workers = [_Worker(f"worker-{i}") for i in range(config.workers)]
         self._tasks: list[asyncio.Task[None]] = []
         self._stopping = False
@@ -99,6 +114,7 @@ class ProducerSupervisor:
     async def _keep_running(self, worker: _Worker) -> None:
         while not self._stopping:
             made = self._progress()
+            started = time.monotonic()
             worker.process = await asyncio.create_subprocess_exec(
                 *_guarded(self.command(worker.name)),
                 start_new_session=True,  # a terminal's SIGINT is the daemon's to handle
@@ -107,9 +123,11 @@ class ProducerSupervisor:
             code = await worker.process.wait()
             if self._stopping or code == 0:
                 return
-            # The daemon accounts for the sample in flight when it sees the stream end; give
-            # it a moment so that a quarantine by this very death counts as progress.
-            await asyncio.sleep(_RESTART_DELAY_S)
+            healthy = time.monotonic() - started >= _HEALTHY_RUN_S
+            worker.deaths_in_a_row = 1 if healthy else worker.deaths_in_a_row + 1
+            # The daemon accounts for the sample in flight when it sees the stream end; the
+            # first delay gives it that moment, so a quarantine by this very death counts.
+            await self._sleep(_RESTART_DELAY_S)
             if self._stopping:
                 return
             now = time.monotonic()
@@ -117,9 +135,19 @@ class ProducerSupervisor:
             if len(worker.deaths) >= _MAX_DEATHS:
                 self._give_up(worker, code)
                 return
+            delay_s = restart_delay_s(worker.deaths_in_a_row)
+            log.warning(
+                "producer %s exited with status %s (%d times in a row); restarting it%s",
+                worker.name,
+                code,
+                worker.deaths_in_a_row,
+                f" in {delay_s:g} s" if delay_s > _RESTART_DELAY_S else "",
+            )
+            await self._sleep(delay_s - _RESTART_DELAY_S)
+            if self._stopping:
+                return
             self.num_restarts += 1
             self._on_restart()
-            log.warning("producer %s exited with status %s; restarting it", worker.name, code)
 
     def _give_up(self, worker: _Worker, code: int) -> None:
         message = (
