@@ -136,12 +136,12 @@ class ProducerSupervisor:
                 self._give_up(worker, code)
                 return
             delay_s = restart_delay_s(worker.deaths_in_a_row)
+            in_a_row = worker.deaths_in_a_row
             log.warning(
-                "producer %s exited with status %s (%d times in a row); restarting it%s",
+                "producer %s exited with status %s; restarting it%s",
                 worker.name,
                 code,
-                worker.deaths_in_a_row,
-                f" in {delay_s:g} s" if delay_s > _RESTART_DELAY_S else "",
+                f" in {delay_s:g} s ({in_a_row} deaths in a row)" if in_a_row > 1 else "",
             )
             await self._sleep(delay_s - _RESTART_DELAY_S)
             if self._stopping:
