@@ -78,8 +78,9 @@ def test_paper_split_takes_the_longest_sample_and_inserts_it_after_its_group():
     # [50, 100, 150], [200] and must split to rank 1's 4 singletons; the reference extracts the
     # *longest* member (150, then 100) and inserts it right after its group, so groups stay short
     # to long and step k pairs rank 0's k-th shortest with rank 1's k-th shortest.
-    config = make_config(world=2, per_node=1, budget=1000, buffer=4, grouping=Grouping.PAPER,
-                         balance=Balance.RANK)
+    config = make_config(
+        world=2, per_node=1, budget=1000, buffer=4, grouping=Grouping.PAPER, balance=Balance.RANK
+    )
     offers = make_offers(config, [[50, 100, 150, 200], [900, 800, 700, 600]])
     plan = plan_round(offers, config, 0)
     assert plan.stats.global_num_tokens.tolist() == [650, 800, 950, 1100]
@@ -90,6 +91,8 @@ def test_paper_split_keeps_singletons_right_after_their_group():
     table = make_table([100, 200, 500, 800])
     groups = group_buffer(table, 1000, Grouping.PAPER)  # [200,100], [500], [800]
     fitted = alignment.fit_groups_paper(groups, 4)
-    lengths = [table.lengths[fitted.order[s:e]].tolist()
-               for s, e in zip(fitted.starts, fitted.ends, strict=True)]
+    lengths = [
+        table.lengths[fitted.order[s:e]].tolist()
+        for s, e in zip(fitted.starts, fitted.ends, strict=True)
+    ]
     assert lengths == [[100], [200], [500], [800]]
