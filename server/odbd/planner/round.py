@@ -1,7 +1,8 @@
 """plan_round: the pure function every daemon runs on the same offers to get the same plan.
 
 1. group each unit's buffer (grouping.py)
-2. choose the round's step count T and fit every unit to T steps (alignment.py)
+2. choose the round's step count T and fit every unit to T steps (alignment.py); in rounds with
+   over-budget groups, a unit's surplus costly groups may wait a round for company (company.py)
 3. place groups on (rank, step) (assignment.py)
 4. compute per (step, rank) stats and loss scales (loss_scaling.py)
 """
