@@ -12,7 +12,7 @@ from odbd.planner.epoch import simulate
 from odbd.planner.grouping import group_buffer
 from odbd.planner.sampler import sampler_identities
 from odbd.simulate.distributions import sample_lengths
-from odbd.simulate.oracle import oracle_stats
+from odbd.simulate.oracle import node_oracle_stats, oracle_stats
 from odbd.simulate.report import summarize
 from odbd.world import World
 from tests.unit.planner_factories import make_table
@@ -98,3 +98,21 @@ def test_oracle_is_at_least_as_good_as_odbd_in_a_small_run(world: int, per_node:
     )
     assert oracle.efficiency >= ours.efficiency
     assert oracle.imbalance <= 1.05
+
+
+def test_node_oracle_deals_each_nodes_runs_by_cost_and_covers_every_view() -> None:
+    lengths = sample_lengths("sharegpt4o", 3_000, 1)
+    stats = node_oracle_stats(lengths, world_size=8, ranks_per_node=4, budget=12288, cost=LINEAR)
+    assert stats.work.shape[1] == 8
+    assert int(stats.num_samples.sum()) == 3_000  # 3000 views on 8 ranks: no tail padding
+    for node in (slice(0, 4), slice(4, 8)):
+        work = stats.work[:, node]
+        real = np.where(stats.num_samples[:, node] > 0, work, np.inf)
+        assert (real.min(axis=1)[:-1] >= work.max(axis=1)[1:]).all()
+    # Keeping data on its node can only cost time against the global oracle.
+    glob = oracle_stats(lengths, world_size=8, budget=12288, cost=LINEAR)
+    assert (
+        summarize(stats, LINEAR, 12288, 8).simulated_time
+        >= summarize(glob, LINEAR, 12288, 8).simulated_time
+    )
+    assert np.allclose(stats.loss_scale.sum(axis=1), 8.0)

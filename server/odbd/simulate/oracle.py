@@ -13,6 +13,11 @@ included; 0-length samples are rejected as at ingest), with no buffers, shards o
 Time = sum over steps of (c + the step's costliest group), as for every run. It is not a bound
 (a step-count or cost-aware cut could beat it), but a planner that matches it has lost nothing to
 being online. The result is StepStats, so `summarize` serves it like every baseline.
+
+`node_oracle_stats` is the same oracle kept to node-local data (each node sees only its own
+ranks' views, as odbd's node balance does, and step k takes every node's k-th costliest run of G
+groups): the gap between the two oracles is what keeping data on its node costs, and the gap
+between odbd and the node-local one is what planning round by round costs.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ import numpy as np
 from odbd.planner.config import CostModel, Grouping, LossScaling
 from odbd.planner.grouping import group_buffer
 from odbd.planner.loss_scaling import loss_scales
-from odbd.planner.sampler import sampler_identities
+from odbd.planner.sampler import sampler_identities, views_of_ranks
 from odbd.planner.types import SampleTable, StepStats
 from odbd.simulate.baselines import concat_stats
 
@@ -113,3 +118,46 @@ def _range_sums(values: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> np.
 def _longest(sorted_longest_first: np.ndarray, starts: np.ndarray) -> np.ndarray:
     """A group's first member is its longest (Groups' contract)."""
     return sorted_longest_first[starts] if len(starts) else np.zeros(0, dtype=np.int64)
+
+
+def node_oracle_stats(
+    lengths: np.ndarray,
+    *,
+    world_size: int,
+    ranks_per_node: int,
+    budget: int,
+    cost: CostModel,
+    seed: int = 0,
+    shuffle: bool = True,
+) -> StepStats:
+    """One epoch, (steps, W): each node's views planned at once by `epoch_oracle_stats` with
+    W = its G ranks; nodes with fewer steps idle at the end. Exact loss scales over all W."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    identities = sampler_identities(len(lengths), world_size, seed=seed, epoch=0, shuffle=shuffle)
+    per_node = []
+    for first in range(0, world_size, ranks_per_node):
+        views = views_of_ranks(len(lengths), world_size, range(first, first + ranks_per_node))
+        node_lengths = lengths[identities[views]]
+        node_lengths = node_lengths[node_lengths > 0]
+        per_node.append(
+            epoch_oracle_stats(
+                node_lengths, node_lengths, world_size=ranks_per_node, budget=budget, cost=cost
+            )
+        )
+    num_steps = max(p.work.shape[0] for p in per_node)
+
+    def stacked(name: str) -> np.ndarray:
+        parts = [getattr(p, name) for p in per_node]
+        return np.concatenate(
+            [np.pad(x, ((0, num_steps - x.shape[0]), (0, 0))) for x in parts], axis=1
+        )
+
+    num_samples, num_tokens = stacked("num_samples"), stacked("num_tokens")
+    return StepStats(
+        num_samples=num_samples,
+        num_tokens=num_tokens,
+        real_tokens=stacked("real_tokens"),
+        padded_tokens=stacked("padded_tokens"),
+        work=stacked("work"),
+        loss_scale=loss_scales(LossScaling.EXACT, num_samples, num_tokens, np.zeros(world_size)),
+    )
