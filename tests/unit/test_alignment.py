@@ -1,9 +1,10 @@
 import numpy as np
 
 from odbd.planner import alignment
-from odbd.planner.config import Grouping
+from odbd.planner.config import Balance, Grouping
 from odbd.planner.grouping import group_buffer
-from tests.unit.planner_factories import make_table
+from odbd.planner.round import plan_round
+from tests.unit.planner_factories import make_config, make_offers, make_table
 
 
 def test_paper_target_is_max_groups_capped_by_capacity_and_samples():
@@ -70,3 +71,28 @@ def test_concat_ranges_matches_python():
     ends = np.array([7, 0, 5, 10])
     expected = [5, 6, 3, 4, 9]
     assert alignment.concat_ranges(starts, ends).tolist() == expected
+
+
+def test_paper_split_takes_the_longest_sample_and_inserts_it_after_its_group():
+    # Issue 14's example, checked against the reference implementation: rank 0 groups as
+    # [50, 100, 150], [200] and must split to rank 1's 4 singletons; the reference extracts the
+    # *longest* member (150, then 100) and inserts it right after its group, so groups stay short
+    # to long and step k pairs rank 0's k-th shortest with rank 1's k-th shortest.
+    config = make_config(
+        world=2, per_node=1, budget=1000, buffer=4, grouping=Grouping.PAPER, balance=Balance.RANK
+    )
+    offers = make_offers(config, [[50, 100, 150, 200], [900, 800, 700, 600]])
+    plan = plan_round(offers, config, 0)
+    assert plan.stats.global_num_tokens.tolist() == [650, 800, 950, 1100]
+    assert plan.units[0].num_splits == 2
+
+
+def test_paper_split_keeps_singletons_right_after_their_group():
+    table = make_table([100, 200, 500, 800])
+    groups = group_buffer(table, 1000, Grouping.PAPER)  # [200,100], [500], [800]
+    fitted = alignment.fit_groups_paper(groups, 4)
+    lengths = [
+        table.lengths[fitted.order[s:e]].tolist()
+        for s, e in zip(fitted.starts, fitted.ends, strict=True)
+    ]
+    assert lengths == [[100], [200], [500], [800]]

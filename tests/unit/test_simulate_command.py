@@ -24,7 +24,8 @@ def test_json_without_compare_has_empty_baselines(capsys: pytest.CaptureFixture[
 def test_compare_batch_sizes_name_the_baselines(capsys: pytest.CaptureFixture[str]) -> None:
     argv = ["--dist", "bimodal", *SMALL, "--json", "--compare", "--compare-batch-sizes", "2,8,2"]
     assert main(argv) == 0
-    assert list(json.loads(capsys.readouterr().out)["baselines"]) == ["fixed-2", "fixed-8", "paper"]
+    names = list(json.loads(capsys.readouterr().out)["baselines"])
+    assert names == ["fixed-2", "fixed-8", "paper", "oracle"]
 
 
 def test_epochs_appear_in_the_plan(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

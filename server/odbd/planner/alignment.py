@@ -93,7 +93,10 @@ def fit_groups_paper(groups: Groups, num_slots: int) -> FittedGroups:
     """Algorithm 1: overflow keeps the largest groups (by size); split extracts singletons.
 
     Split: scanning from the last group backward, the first group with >= 2 samples gives up its
-    last (shortest) sample as a new singleton group appended at the end; repeat.
+    last sample as a new singleton group inserted right after it; repeat. The reference stores a
+    group as a slice of the ascending sort, so its "last" sample is its *longest*; here a group is
+    a range of the longest-first order, so that is the range's first row. Paper groups come short
+    to long, and the singleton is no shorter than what stays, so the order stays short to long.
     """
     count = len(groups)
     if count >= num_slots:
@@ -107,9 +110,10 @@ def fit_groups_paper(groups: Groups, num_slots: int) -> FittedGroups:
         victim = next((g for g in range(len(starts) - 1, -1, -1) if ends[g] - starts[g] >= 2), None)
         if victim is None:
             break
-        ends[victim] -= 1
-        starts.append(ends[victim])
-        ends.append(ends[victim] + 1)
+        longest = starts[victim]
+        starts[victim] += 1
+        starts.insert(victim + 1, longest)
+        ends.insert(victim + 1, longest + 1)
         num_splits += 1
     starts, ends = _pad_idle(starts, ends, num_slots)
     return FittedGroups(

@@ -121,7 +121,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     model.add_argument("--cost-c", type=flags.number, metavar="C", default=cost.c, help="per step")
     output = parser.add_argument_group("baselines and output")
     output.add_argument(
-        "--compare", action="store_true", help="add fixed-batch and paper baselines (same data)"
+        "--compare",
+        action="store_true",
+        help="add fixed-batch, paper and offline-oracle baselines (same data)",
     )
     output.add_argument(
         "--compare-batch-sizes",

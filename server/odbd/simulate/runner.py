@@ -14,6 +14,7 @@ from odbd.errors import ConfigError
 from odbd.planner.config import Balance, Grouping, PlannerConfig
 from odbd.planner.epoch import SimulationResult, simulate
 from odbd.simulate.baselines import fixed_batch_stats
+from odbd.simulate.oracle import oracle_stats
 from odbd.simulate.report import Summary, summarize
 
 if TYPE_CHECKING:
@@ -37,7 +38,7 @@ class Outcome:
 
 
 def execute(setup: Setup) -> Outcome:
-    """Runs the planner, then (with --compare) fixed-batch and paper baselines."""
+    """Runs the planner, then (with --compare) fixed-batch, paper and oracle baselines."""
     result = simulate(setup.lengths, setup.config, epochs=setup.epochs, join=setup.join)
     ours = summarize_config(result, setup.config)
     baselines: list[tuple[str, Summary]] = []
@@ -47,6 +48,7 @@ def execute(setup: Setup) -> Outcome:
         paper = paper_config(setup.config)
         paper_result = simulate(setup.lengths, paper, epochs=setup.epochs, join=setup.join)
         baselines.append(("paper", summarize_config(paper_result, paper)))
+        baselines.append(("oracle", oracle_summary(setup)))
     return Outcome(result, ours, tuple(baselines))
 
 
@@ -68,6 +70,21 @@ def fixed_batch_summary(setup: Setup, batch_size: int) -> Summary:
         cost=config.cost,
         seed=config.seed,
         epochs=setup.epochs,
+    )
+    return summarize(stats, config.cost, config.token_budget, config.world.world_size)
+
+
+def oracle_summary(setup: Setup) -> Summary:
+    """The offline oracle (oracle.py) on the same lengths, epochs and sampler seed."""
+    config = setup.config
+    stats = oracle_stats(
+        setup.lengths,
+        world_size=config.world.world_size,
+        budget=config.token_budget,
+        cost=config.cost,
+        seed=config.seed,
+        epochs=setup.epochs,
+        loss_scaling=config.loss_scaling,
     )
     return summarize(stats, config.cost, config.token_budget, config.world.world_size)
 

@@ -1,0 +1,163 @@
+"""The offline oracle baseline: what min-time could do if it saw the whole epoch at once.
+
+Per epoch it takes every sampler view (the same views odbd's join mode emits, tail padding
+included; 0-length samples are rejected as at ingest), with no buffers, shards or rounds:
+
+1. sort all lengths longest first and cut min-time groups greedily (the planner's own
+   `group_buffer`, exact sort), so every group keeps the budget rule of DESIGN.md section 3.5;
+2. price each group with the planner's cost model (a * padded + b * sum l^2);
+3. sort the groups by cost and deal them W per step: step k holds the groups ranked
+   k*W .. k*W + W - 1, so each step's groups cost about the same; the last step may be short
+   (idle ranks).
+
+Time = sum over steps of (c + the step's costliest group), as for every run. It is not a bound
+(a step-count or cost-aware cut could beat it), but a planner that matches it has lost nothing to
+being online. The result is StepStats, so `summarize` serves it like every baseline.
+
+`node_oracle_stats` is the same oracle kept to node-local data (each node sees only its own
+ranks' views, as odbd's node balance does, and step k takes every node's k-th costliest run of G
+groups): the gap between the two oracles is what keeping data on its node costs, and the gap
+between odbd and the node-local one is what planning round by round costs.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from odbd.planner.config import CostModel, Grouping, LossScaling
+from odbd.planner.grouping import group_buffer
+from odbd.planner.loss_scaling import loss_scales
+from odbd.planner.sampler import sampler_identities, views_of_ranks
+from odbd.planner.types import SampleTable, StepStats
+from odbd.simulate.baselines import concat_stats
+
+
+def oracle_stats(
+    lengths: np.ndarray,
+    *,
+    world_size: int,
+    budget: int,
+    cost: CostModel,
+    seed: int = 0,
+    epochs: int = 1,
+    shuffle: bool = True,
+    tokens: np.ndarray | None = None,
+    loss_scaling: LossScaling = LossScaling.EXACT,
+) -> StepStats:
+    """StepStats of shape (steps, W): `epochs` epochs, each planned from all its views at once."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    tokens = lengths if tokens is None else np.asarray(tokens, dtype=np.int64)
+    parts = []
+    for epoch in range(max(epochs, 1)):
+        views = sampler_identities(
+            len(lengths), world_size, seed=seed, epoch=epoch, shuffle=shuffle
+        )
+        views = views[lengths[views] > 0]  # rejected at ingest, as odbd does
+        parts.append(
+            epoch_oracle_stats(
+                lengths[views],
+                tokens[views],
+                world_size=world_size,
+                budget=budget,
+                cost=cost,
+                loss_scaling=loss_scaling,
+            )
+        )
+    return concat_stats(parts)
+
+
+def epoch_oracle_stats(
+    lengths: np.ndarray,
+    tokens: np.ndarray,
+    *,
+    world_size: int,
+    budget: int,
+    cost: CostModel,
+    loss_scaling: LossScaling = LossScaling.EXACT,
+) -> StepStats:
+    """One epoch's samples (all lengths >= 1) planned at once: groups dealt W per step by cost."""
+    table = SampleTable.of(np.arange(len(lengths)), lengths, tokens)
+    groups = group_buffer(table, budget, Grouping.MIN_TIME)  # no rng: the exact sort
+    sorted_len = lengths[groups.order]
+    per_group = {
+        "num_samples": groups.sizes(),
+        "num_tokens": _range_sums(tokens[groups.order], groups.starts, groups.ends),
+        "real_tokens": _range_sums(sorted_len, groups.starts, groups.ends),
+        "padded_tokens": _longest(sorted_len, groups.starts) * groups.sizes(),
+        "sum_sq": _range_sums(sorted_len.astype(np.float64) ** 2, groups.starts, groups.ends),
+    }
+    work = cost.work(per_group["padded_tokens"], per_group["sum_sq"])
+    by_cost = np.argsort(-work, kind="stable")
+    num_steps = -(-len(by_cost) // world_size)
+
+    def dealt(values: np.ndarray) -> np.ndarray:
+        """(num_steps, W): the k-th costliest group at step k // W, rank k % W; idle = 0."""
+        grid = np.zeros(num_steps * world_size, dtype=values.dtype)
+        grid[: len(by_cost)] = values[by_cost]
+        return grid.reshape(num_steps, world_size)
+
+    num_samples, num_tokens = dealt(per_group["num_samples"]), dealt(per_group["num_tokens"])
+    padded = dealt(per_group["padded_tokens"])
+    no_estimate = np.zeros(world_size)  # only `approx` reads it; the oracle knows exact counts
+    mode = LossScaling.EXACT if loss_scaling is LossScaling.APPROX else loss_scaling
+    return StepStats(
+        num_samples=num_samples,
+        num_tokens=num_tokens,
+        real_tokens=dealt(per_group["real_tokens"]),
+        padded_tokens=padded,
+        work=cost.work(padded, dealt(per_group["sum_sq"])),
+        loss_scale=loss_scales(mode, num_samples, num_tokens, no_estimate),
+    )
+
+
+def _range_sums(values: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
+    csum = np.concatenate([np.zeros(1, dtype=values.dtype), np.cumsum(values)])
+    return csum[ends] - csum[starts]
+
+
+def _longest(sorted_longest_first: np.ndarray, starts: np.ndarray) -> np.ndarray:
+    """A group's first member is its longest (Groups' contract)."""
+    return sorted_longest_first[starts] if len(starts) else np.zeros(0, dtype=np.int64)
+
+
+def node_oracle_stats(
+    lengths: np.ndarray,
+    *,
+    world_size: int,
+    ranks_per_node: int,
+    budget: int,
+    cost: CostModel,
+    seed: int = 0,
+    shuffle: bool = True,
+) -> StepStats:
+    """One epoch, (steps, W): each node's views planned at once by `epoch_oracle_stats` with
+    W = its G ranks; nodes with fewer steps idle at the end. Exact loss scales over all W."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    identities = sampler_identities(len(lengths), world_size, seed=seed, epoch=0, shuffle=shuffle)
+    per_node = []
+    for first in range(0, world_size, ranks_per_node):
+        views = views_of_ranks(len(lengths), world_size, range(first, first + ranks_per_node))
+        node_lengths = lengths[identities[views]]
+        node_lengths = node_lengths[node_lengths > 0]
+        per_node.append(
+            epoch_oracle_stats(
+                node_lengths, node_lengths, world_size=ranks_per_node, budget=budget, cost=cost
+            )
+        )
+    num_steps = max(p.work.shape[0] for p in per_node)
+
+    def stacked(name: str) -> np.ndarray:
+        parts = [getattr(p, name) for p in per_node]
+        return np.concatenate(
+            [np.pad(x, ((0, num_steps - x.shape[0]), (0, 0))) for x in parts], axis=1
+        )
+
+    num_samples, num_tokens = stacked("num_samples"), stacked("num_tokens")
+    return StepStats(
+        num_samples=num_samples,
+        num_tokens=num_tokens,
+        real_tokens=stacked("real_tokens"),
+        padded_tokens=stacked("padded_tokens"),
+        work=stacked("work"),
+        loss_scale=loss_scales(LossScaling.EXACT, num_samples, num_tokens, np.zeros(world_size)),
+    )

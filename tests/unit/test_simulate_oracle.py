@@ -1,0 +1,118 @@
+"""The offline oracle baseline: global sort, min-time groups, groups dealt W per step by cost."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from odbd.planner.config import CostModel, Grouping, PlannerConfig
+from odbd.planner.epoch import simulate
+from odbd.planner.grouping import group_buffer
+from odbd.planner.sampler import sampler_identities
+from odbd.simulate.distributions import sample_lengths
+from odbd.simulate.oracle import node_oracle_stats, oracle_stats
+from odbd.simulate.report import summarize
+from odbd.world import World
+from tests.unit.planner_factories import make_table
+
+LINEAR = CostModel(a=1.0, b=0.0, c=10.0)
+
+
+def test_hand_example_deals_the_costliest_groups_together() -> None:
+    # Sorted: 900, 600, 500, 400, 300, 200, 100, 100. Min-time cut (L=1000): [900] [600]
+    # [500, 400] [300, 200, 100] [100], padded 900, 600, 1000, 900, 100. By cost: 1000, 900,
+    # 900, 600, 100, dealt two per step.
+    lengths = np.array([100, 900, 300, 600, 100, 500, 200, 400])
+    stats = oracle_stats(lengths, world_size=2, budget=1000, cost=LINEAR, shuffle=False)
+    assert stats.padded_tokens.tolist() == [[1000, 900], [900, 600], [100, 0]]
+    assert stats.num_samples.tolist() == [[2, 1], [3, 1], [1, 0]]
+    assert stats.real_tokens.tolist() == [[900, 900], [600, 600], [100, 0]]
+    assert stats.loss_scale[2].tolist() == [2.0, 0.0]  # exact scaling; the idle rank gets 0
+    summary = summarize(stats, LINEAR, 1000, 2)
+    assert summary.simulated_time == 3 * 10 + 1000 + 900 + 100
+
+
+def test_work_uses_the_cost_models_quadratic_term() -> None:
+    cost = CostModel(a=1.0, b=0.5, c=0.0)
+    stats = oracle_stats(np.array([30, 20]), world_size=1, budget=100, cost=cost, shuffle=False)
+    assert stats.work.tolist() == [[60 + 0.5 * (900 + 400)]]
+
+
+def test_zero_length_samples_are_rejected_and_n_zero_is_empty() -> None:
+    stats = oracle_stats(np.array([0, 5, 0, 7]), world_size=2, budget=100, cost=LINEAR)
+    assert int(stats.num_samples.sum()) == 2
+    empty = oracle_stats(np.zeros(0, np.int64), world_size=4, budget=100, cost=LINEAR)
+    assert empty.work.shape == (0, 4)
+
+
+def test_epochs_concatenate_and_each_covers_every_view() -> None:
+    lengths = np.arange(1, 31) * 37
+    stats = oracle_stats(lengths, world_size=4, budget=500, cost=LINEAR, epochs=3, seed=2)
+    # 30 samples on 4 ranks: 32 views per epoch (DistributedSampler tail padding).
+    assert int(stats.num_samples.sum()) == 3 * 32
+    assert int(stats.real_tokens.sum()) == sum(
+        int(lengths[sampler_identities(30, 4, seed=2, epoch=e)].sum()) for e in range(3)
+    )
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    lengths=st.lists(st.integers(1, 3000), min_size=0, max_size=300),
+    world_size=st.integers(1, 9),
+    budget=st.integers(100, 4000),
+)
+def test_oracle_keeps_the_budget_covers_every_view_and_sorts_steps_by_cost(
+    lengths: list[int], world_size: int, budget: int
+) -> None:
+    cost = CostModel()
+    arr = np.asarray(lengths, dtype=np.int64)
+    stats = oracle_stats(arr, world_size=world_size, budget=budget, cost=cost, shuffle=False)
+    views = sampler_identities(len(arr), world_size, seed=0, epoch=0, shuffle=False)
+    assert int(stats.num_samples.sum()) == len(views)
+    assert int(stats.real_tokens.sum()) == int(arr[views].sum())
+    # Budget (DESIGN.md 3.5): padded <= L unless the group is one over-long sample.
+    n = stats.num_samples
+    assert ((stats.padded_tokens <= budget) | (n == 1) | (n == 0)).all()
+    # As many groups as the planner's own greedy cut of the whole epoch, in ceil(G / W) steps.
+    groups = group_buffer(make_table(arr[views].tolist()), budget, Grouping.MIN_TIME)
+    assert int((n > 0).sum()) == len(groups)
+    assert stats.work.shape[0] == -(-len(groups) // world_size)
+    # Dealt by cost: every group of a step costs at least as much as any of a later step.
+    if stats.work.shape[0] > 1:
+        real = np.where(n > 0, stats.work, np.inf)
+        assert (real.min(axis=1)[:-1] >= stats.work.max(axis=1)[1:]).all()
+
+
+@pytest.mark.parametrize(("world", "per_node"), [(16, 4), (64, 8)])
+def test_oracle_is_at_least_as_good_as_odbd_in_a_small_run(world: int, per_node: int) -> None:
+    lengths = sample_lengths("sharegpt4o", 20_000, 0)
+    config = PlannerConfig(world=World(world, per_node), token_budget=12288, buffer_size=128)
+    ours = summarize(simulate(lengths, config).stats(), config.cost, 12288, world)
+    oracle = summarize(
+        oracle_stats(lengths, world_size=world, budget=12288, cost=config.cost),
+        config.cost,
+        12288,
+        world,
+    )
+    assert oracle.efficiency >= ours.efficiency
+    assert oracle.imbalance <= 1.05
+
+
+def test_node_oracle_deals_each_nodes_runs_by_cost_and_covers_every_view() -> None:
+    lengths = sample_lengths("sharegpt4o", 3_000, 1)
+    stats = node_oracle_stats(lengths, world_size=8, ranks_per_node=4, budget=12288, cost=LINEAR)
+    assert stats.work.shape[1] == 8
+    assert int(stats.num_samples.sum()) == 3_000  # 3000 views on 8 ranks: no tail padding
+    for node in (slice(0, 4), slice(4, 8)):
+        work = stats.work[:, node]
+        real = np.where(stats.num_samples[:, node] > 0, work, np.inf)
+        assert (real.min(axis=1)[:-1] >= work.max(axis=1)[1:]).all()
+    # Keeping data on its node can only cost time against the global oracle.
+    glob = oracle_stats(lengths, world_size=8, budget=12288, cost=LINEAR)
+    assert (
+        summarize(stats, LINEAR, 12288, 8).simulated_time
+        >= summarize(glob, LINEAR, 12288, 8).simulated_time
+    )
+    assert np.allclose(stats.loss_scale.sum(axis=1), 8.0)
