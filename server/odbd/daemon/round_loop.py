@@ -128,6 +128,7 @@ class RoundLoop:
         # Per epoch, over every node: samples and loss tokens planned (StepBatch.progress).
         self.epoch_emitted: Counter[int] = Counter()
         self.epoch_tokens: Counter[int] = Counter()
+        self.updates_in_epoch: Counter[int] = Counter()  # optimizer updates numbered so far
 
     def _new_tally(self) -> EpochTally:
         return EpochTally(0, 0, np.zeros(self.state.dataset_size, dtype=bool), Counter())
@@ -314,6 +315,7 @@ class RoundLoop:
         kept = len(step_epochs)
         step_numbers = self._number_steps(step_epochs)
         progress = self._plan_progress(plan, quota_before, step_epochs, step_numbers)
+        updates = self._number_updates(plan, step_epochs)
         if self.journal is not None:
             rejected: Counter[str] = Counter()
             for o in offers:
@@ -323,7 +325,7 @@ class RoundLoop:
         for unit in plan.units:
             self._tally_identities(unit, kept)
             if unit.unit in local:
-                self._queue_unit(plan, unit, step_epochs, step_numbers, progress)
+                self._queue_unit(plan, unit, step_epochs, step_numbers, progress, updates)
         self._record_steps(plan, kept)
         self._advance_epochs(plan, step_epochs)
 
@@ -390,8 +392,10 @@ class RoundLoop:
             rejected,
         )
 
-    def restore(self, resume: ResumeState) -> None:
-        """Continues a restarted job at the trainers' resume point (journal.replay's result)."""
+    def restore(self, resume: ResumeState, update: int = 0) -> None:
+        """Continues a restarted job at the trainers' resume point (journal.replay's result);
+        `update` is the index of the first update not trained (the trainers' state_dict)."""
+        self.updates_in_epoch[resume.epoch] = update
         local = set(self.queues)
         trained = [k for s in resume.trained_steps for r, keys in enumerate(s.keys_by_rank)
                    if r in local for k in keys.tolist()]  # fmt: skip
@@ -416,6 +420,43 @@ class RoundLoop:
         self.stats.epochs_done = resume.epoch if self.config.join else 0
         self.resume = (resume.epoch, resume.step)
         self.round_seed_base = resume.incarnation * 1_000_000_000
+
+    def _number_updates(
+        self, plan: RoundPlan, step_epochs: list[int]
+    ) -> list[trainer_pb2.Update | None]:
+        """Each kept step's StepBatch.update (None without windows: the wire stays as before).
+
+        Windows need join mode (DaemonConfig), so a round's steps are all kept and belong to
+        one epoch; its updates are numbered on from the epoch's previous rounds."""
+        if not self.state.planner.windows or not step_epochs:
+            return [None] * len(step_epochs)
+        assert len(step_epochs) == plan.num_steps, "windows run in join mode only"
+        windows, epoch = plan.windows, step_epochs[0]
+        first = self.updates_in_epoch[epoch]
+        self.updates_in_epoch[epoch] += len(windows)
+        self._record_updates(plan)
+        out: list[trainer_pb2.Update | None] = []
+        for w in range(len(windows)):
+            start, end = int(windows.starts[w]), int(windows.ends[w])
+            for step in range(start, end):
+                out.append(
+                    trainer_pb2.Update(
+                        index=first + w,
+                        end=step == end - 1,
+                        num_steps=end - start,
+                        step_in_update=step - start,
+                        num_tokens=int(windows.num_tokens[w]),
+                        num_samples=int(windows.num_samples[w]),
+                        short=not bool(windows.closed[w]),
+                    )
+                )
+        return out
+
+    def _record_updates(self, plan: RoundPlan) -> None:
+        windows = plan.windows
+        self.stats.record_updates(
+            (windows.ends - windows.starts).tolist(), windows.num_tokens.tolist()
+        )
 
     def _number_steps(self, step_epochs: list[int]) -> list[int]:
         """Step index within its epoch, identical on every rank and daemon."""
@@ -488,6 +529,7 @@ class RoundLoop:
         step_epochs: list[int],
         step_numbers: list[int],
         progress: list[Progress],
+        updates: list[trainer_pb2.Update | None],
     ) -> None:
         g = self.state.planner.ranks_per_unit
         ranks = self.state.planner.unit_ranks(unit.unit)
@@ -501,7 +543,7 @@ class RoundLoop:
             items = [
                 self._step_item(
                     plan, unit, step, rank, unit.slot(step, local_rank, g),
-                    step_epochs[step], step_numbers[step], progress[step],
+                    step_epochs[step], step_numbers[step], progress[step], updates[step],
                 )
                 for step in range(kept)
             ]  # fmt: skip
@@ -538,6 +580,7 @@ class RoundLoop:
         epoch: int,
         number: int,
         progress: Progress,
+        update: trainer_pb2.Update | None,
     ) -> QueuedItem:
         keys = unit.emitted.views[rows]
         locations = [self.state.locations.pop(int(k)) for k in keys.tolist()]
@@ -562,6 +605,8 @@ class RoundLoop:
             filler_schema=self.filler_schema if idle else "",
             progress=trainer_pb2.Progress(**dataclasses.asdict(progress)),
         )
+        if update is not None:
+            batch.update.CopyFrom(update)
         return QueuedItem(epoch, number, trainer_pb2.TrainerEvent(step=batch), locations)
 
     def _learn_schema(self, where: tuple[int, int], nbytes: int) -> None:
@@ -622,6 +667,7 @@ class RoundLoop:
         self.stats.epoch_samples, self.stats.epoch_identities = tally.samples, end.num_identities
         self.tally = self._new_tally()
         self.stats.epochs_done += 1
+        self.stats.epoch_updates = 0
 
     def _end_job(self, reason: str, failed: bool = False) -> None:
         if self.done:
