@@ -154,12 +154,15 @@ def train_accelerate(args: argparse.Namespace, client: ODBClient, log: StepLog) 
     steps = 0
     while not client.job_ended:
         for step in odb:
-            loss = model(**step.inputs).loss
-            odb.backward(loss, step)
-            log.step(step.batch, accelerator.unwrap_model(model))
-            optimizer.step()
-            optimizer.zero_grad()
-            steps += 1
+            with odb.sync(model, step):  # no_sync() before an odbd update's last micro-step
+                loss = model(**step.inputs).loss
+                odb.backward(loss, step)
+            end = step.batch.update_end
+            log.step(step.batch, accelerator.unwrap_model(model), micro=not end)
+            if end:
+                optimizer.step()
+                optimizer.zero_grad()
+                steps += 1
     return {"global_step": steps, "world": accelerator.num_processes}
 
 

@@ -155,6 +155,41 @@ def test_hf_trainer_follows_odbd_progress_without_max_steps(tmp_path: Path) -> N
     assert lrs[-1] <= 0.01 * lr, lrs
 
 
+def micro_steps_and_updates(reports: Reports) -> tuple[list[list[dict]], dict]:
+    """Per rank, every micro-step's record; rank 0's records by (epoch, update index)."""
+    micro = [[r for r in reports.steps(rank) if r.get("micro") or r["update"]["end"]]
+             for rank in range(WORLD)]  # fmt: skip
+    updates: dict[tuple[int, int], list[dict]] = {}
+    for record in micro[0]:
+        updates.setdefault((record["epoch"], record["update"]["index"]), []).append(record)
+    return micro, updates
+
+
+def first_update_samples(micro: list[list[dict]], data: dict) -> list[dict]:
+    dataset = LongTailTokens(**data)
+    return [
+        dataset[i]
+        for rank in range(WORLD)
+        for r in micro[rank]
+        if (r["epoch"], r["update"]["index"]) == (0, 0)
+        for i in r["ids"]
+    ]
+
+
+def test_accelerate_adapter_accumulates_an_odbd_update_under_no_sync(tmp_path: Path) -> None:
+    """odbd --accumulate 3 with the Accelerate loop (`odb.sync`, step on update_end): one
+    optimizer step per update, and the first update's gradient is the per-token mean's."""
+    reports = train("accelerate", tmp_path, daemon_args=("--accumulate", "3"))
+    micro, updates = micro_steps_and_updates(reports)
+    assert len({len(m) for m in micro}) == 1, "ranks took different micro-step counts"
+    assert sorted(i for m in micro for r in m for i in r["ids"]) == list(range(DATA["size"]))
+    assert all(len(r) == 3 or r[0]["update"]["short"] for r in updates.values()), updates
+    assert reports.done(0)["global_step"] == len(updates)
+    ddp = torch.load(tmp_path / "grad-first.pt")
+    error = relative_error(ddp, hf_gradient(first_update_samples(micro, DATA)))
+    assert error < 1e-5, f"first update's DDP gradient is off by {error:.2e} (relative)"
+
+
 def test_hf_trainer_with_gradient_accumulation_4_steps_once_per_odbd_update(
     tmp_path: Path,
 ) -> None:
