@@ -170,6 +170,10 @@ class DaemonConfig:
             "loss_scaling": self.loss_scaling.value,
             "dataset_size": str(dataset_size),
             "length_key": self.length_key,
-            "accumulate": str(self.accumulate),
-            "tokens_per_update": str(self.tokens_per_update),
+            # Only when set: daemons (and journals) of a release without updates still match
+            # a job that does not use them, and refuse one that does.
+            **({"accumulate": str(self.accumulate)} if self.accumulate != 1 else {}),
+            **(
+                {"tokens_per_update": str(self.tokens_per_update)} if self.tokens_per_update else {}
+            ),
         }

@@ -27,6 +27,7 @@ from odbd.config import DaemonConfig
 from odbd.daemon import offer_codec
 from odbd.daemon.journal import Journal, ResumeState
 from odbd.daemon.node_state import NodeState
+from odbd.daemon.updates import UpdateNumbering
 from odbd.errors import InvariantError, OdbdError
 from odbd.ingest.lanes import Lanes
 from odbd.ingest.rejections import empty_epoch_failure
@@ -128,7 +129,7 @@ class RoundLoop:
         # Per epoch, over every node: samples and loss tokens planned (StepBatch.progress).
         self.epoch_emitted: Counter[int] = Counter()
         self.epoch_tokens: Counter[int] = Counter()
-        self.updates_in_epoch: Counter[int] = Counter()  # optimizer updates numbered so far
+        self.updates = UpdateNumbering(self.state.planner, stats)
 
     def _new_tally(self) -> EpochTally:
         return EpochTally(0, 0, np.zeros(self.state.dataset_size, dtype=bool), Counter())
@@ -315,7 +316,7 @@ class RoundLoop:
         kept = len(step_epochs)
         step_numbers = self._number_steps(step_epochs)
         progress = self._plan_progress(plan, quota_before, step_epochs, step_numbers)
-        updates = self._number_updates(plan, step_epochs)
+        updates = self.updates.of_round(plan, step_epochs, self.round_index)
         if self.journal is not None:
             rejected: Counter[str] = Counter()
             for o in offers:
@@ -395,7 +396,7 @@ class RoundLoop:
     def restore(self, resume: ResumeState, update: int = 0) -> None:
         """Continues a restarted job at the trainers' resume point (journal.replay's result);
         `update` is the index of the first update not trained (the trainers' state_dict)."""
-        self.updates_in_epoch[resume.epoch] = update
+        self.updates.restore(resume.epoch, update)
         local = set(self.queues)
         trained = [k for s in resume.trained_steps for r, keys in enumerate(s.keys_by_rank)
                    if r in local for k in keys.tolist()]  # fmt: skip
@@ -420,43 +421,6 @@ class RoundLoop:
         self.stats.epochs_done = resume.epoch if self.config.join else 0
         self.resume = (resume.epoch, resume.step)
         self.round_seed_base = resume.incarnation * 1_000_000_000
-
-    def _number_updates(
-        self, plan: RoundPlan, step_epochs: list[int]
-    ) -> list[trainer_pb2.Update | None]:
-        """Each kept step's StepBatch.update (None without windows: the wire stays as before).
-
-        Windows need join mode (DaemonConfig), so a round's steps are all kept and belong to
-        one epoch; its updates are numbered on from the epoch's previous rounds."""
-        if not self.state.planner.windows or not step_epochs:
-            return [None] * len(step_epochs)
-        assert len(step_epochs) == plan.num_steps, "windows run in join mode only"
-        windows, epoch = plan.windows, step_epochs[0]
-        first = self.updates_in_epoch[epoch]
-        self.updates_in_epoch[epoch] += len(windows)
-        self._record_updates(plan)
-        out: list[trainer_pb2.Update | None] = []
-        for w in range(len(windows)):
-            start, end = int(windows.starts[w]), int(windows.ends[w])
-            for step in range(start, end):
-                out.append(
-                    trainer_pb2.Update(
-                        index=first + w,
-                        end=step == end - 1,
-                        num_steps=end - start,
-                        step_in_update=step - start,
-                        num_tokens=int(windows.num_tokens[w]),
-                        num_samples=int(windows.num_samples[w]),
-                        short=not bool(windows.closed[w]),
-                    )
-                )
-        return out
-
-    def _record_updates(self, plan: RoundPlan) -> None:
-        windows = plan.windows
-        self.stats.record_updates(
-            (windows.ends - windows.starts).tolist(), windows.num_tokens.tolist()
-        )
 
     def _number_steps(self, step_epochs: list[int]) -> list[int]:
         """Step index within its epoch, identical on every rank and daemon."""
