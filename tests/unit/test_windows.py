@@ -16,7 +16,7 @@ from odbd.planner.epoch import simulate
 from odbd.planner.ledger import ViewState
 from odbd.planner.round import plan_round
 from odbd.planner.sampler import num_views
-from odbd.planner.windows import cut_windows, round_step_count
+from odbd.planner.windows import cut_windows, pack_order, round_step_count
 from tests.unit.planner_factories import make_config, make_offers
 from tests.unit.test_planner_properties import (
     PROPERTY_SETTINGS,
@@ -39,6 +39,27 @@ def test_tokens_per_update_closes_at_the_first_step_reaching_t():
     w = cut_windows(np.array([4, 3, 9, 1, 1, 1]), np.ones(6, dtype=np.int64), 1, 7)
     assert w.ends.tolist() == [2, 3, 6] and w.closed.tolist() == [True, True, False]
     assert w.num_tokens.tolist() == [7, 9, 3]
+
+
+def test_pack_order_closes_each_update_with_the_best_fitting_step():
+    tokens = np.array([5, 5, 9, 3, 5, 1], dtype=np.int64)
+    order = pack_order(tokens, 8)
+    # 5 first (the shuffled order); the next 5 would close at 10: the 3 closes at 8 instead.
+    assert order.tolist()[:2] == [0, 3]
+    assert sorted(order.tolist()) == list(range(6))
+    w = cut_windows(tokens[order], np.ones(6, dtype=np.int64), 1, 8)
+    assert w.num_tokens[w.closed].tolist()[0] == 8
+
+
+@given(st.lists(st.integers(0, 50), max_size=60), st.integers(1, 200))
+def test_pack_order_is_a_permutation_that_never_overshoots_more(tokens, target):
+    tokens = np.asarray(tokens, dtype=np.int64)
+    order = pack_order(tokens, target)
+    assert sorted(order.tolist()) == list(range(len(tokens)))
+    packed = cut_windows(tokens[order], np.ones(len(tokens), dtype=np.int64), 1, target)
+    plain = cut_windows(tokens, np.ones(len(tokens), dtype=np.int64), 1, target)
+    if packed.closed.any() and plain.closed.any():
+        assert packed.num_tokens[0] <= plain.num_tokens[0]
 
 
 def test_round_step_count_is_a_multiple_of_k_unless_flushing():

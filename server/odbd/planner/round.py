@@ -116,6 +116,11 @@ def _plan_windows(
 ) -> RoundPlan:
     """Closes the round's updates; steps after the last closed one recirculate unless the
     round is the epoch's last (windows.py says why a window never waits for the next round)."""
+    g = config.ranks_per_unit
+    if config.tokens_per_update > 0:
+        order = windows.pack_order(stats.global_num_tokens, config.tokens_per_update)
+        units = [_reorder_steps(u, order, g) for u in units]
+        stats = _take_steps(stats, order)
     cut = windows.cut_windows(
         stats.global_num_tokens, stats.global_num_samples, config.accumulate,
         config.tokens_per_update,
@@ -123,9 +128,8 @@ def _plan_windows(
     num_steps = stats.num_samples.shape[0]
     keep = windows.closed_prefix(cut)
     if not final and 0 < keep < num_steps:
-        g = config.ranks_per_unit
         units = [_truncate(u, keep * g) for u in units]
-        stats = _take_steps(stats, keep)
+        stats = _take_steps(stats, np.arange(keep))
         cut = windows.cut_windows(
             stats.global_num_tokens, stats.global_num_samples, config.accumulate,
             config.tokens_per_update,
@@ -153,8 +157,18 @@ def _truncate(unit: UnitPlan, num_slots: int) -> UnitPlan:
     )
 
 
-def _take_steps(stats: StepStats, num_steps: int) -> StepStats:
-    return StepStats(*(getattr(stats, f.name)[:num_steps] for f in dataclasses.fields(StepStats)))
+def _reorder_steps(unit: UnitPlan, order: IntArray, ranks_per_unit: int) -> UnitPlan:
+    """The unit's steps in `order` (new step k is old step order[k]); slots move with them."""
+    slots = (order[:, None] * ranks_per_unit + np.arange(ranks_per_unit)).reshape(-1)
+    starts, ends = unit.slot_offsets[slots], unit.slot_offsets[slots + 1]
+    rows = alignment.concat_ranges(starts, ends)
+    offsets = np.concatenate([[0], np.cumsum(ends - starts)]).astype(np.int64)
+    return UnitPlan(unit.unit, unit.emitted.take(rows), offsets, unit.leftover, unit.num_splits)
+
+
+def _take_steps(stats: StepStats, steps: IntArray) -> StepStats:
+    """The stats of `steps` (indices into the round's steps), in that order."""
+    return StepStats(*(getattr(stats, f.name)[steps] for f in dataclasses.fields(StepStats)))
 
 
 def _cut_rng(

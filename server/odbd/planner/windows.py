@@ -19,6 +19,7 @@ Without either flag every step is its own window: today's per-step loss scales, 
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 
 import numpy as np
@@ -100,6 +101,44 @@ def cut_windows(
         num_samples=_range_sums(step_samples, start_arr, end_arr),
         closed=np.asarray(closed, dtype=bool),
     )
+
+
+def pack_order(step_tokens: IntArray, tokens_per_update: int) -> IntArray:
+    """A step order whose updates overshoot T as little as possible (--tokens-per-update).
+
+    The round's step order is free (assignment.step_order shuffles it anyway), so updates take
+    steps in the shuffled order, except that when the next step would close the update (reach
+    T), the pending step that reaches T by the least (best fit) closes it instead: an update
+    never overshoots T by more than it would have in the shuffled order, usually by far less.
+    """
+    n = int(step_tokens.shape[0])
+    tokens = [int(t) for t in step_tokens]
+    by_size = sorted(range(n), key=lambda i: (tokens[i], i))  # pending steps, smallest first
+    sizes = [tokens[i] for i in by_size]
+    taken = [False] * n
+    order: list[int] = []
+    cursor, need = 0, tokens_per_update
+    while len(order) < n:
+        while taken[cursor]:
+            cursor += 1
+        step = cursor
+        if tokens[step] >= need:  # it would close the update: the best-fitting step does
+            step = by_size[bisect.bisect_left(sizes, need)]
+        k = _index_of(by_size, sizes, tokens[step], step)
+        del by_size[k], sizes[k]
+        taken[step] = True
+        order.append(step)
+        need -= tokens[step]
+        if need <= 0:
+            need = tokens_per_update
+    return np.asarray(order, dtype=np.int64)
+
+
+def _index_of(by_size: list[int], sizes: list[int], size: int, step: int) -> int:
+    k = bisect.bisect_left(sizes, size)
+    while by_size[k] != step:  # equal sizes are ordered by step index
+        k += 1
+    return k
 
 
 def closed_prefix(windows: Windows) -> int:
