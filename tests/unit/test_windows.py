@@ -7,7 +7,7 @@ import dataclasses
 
 import numpy as np
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from odbd.errors import ConfigError
@@ -184,3 +184,19 @@ def check_budget_and_scaling_of_updates(result, config, tokens):
         return
     exact_per_step = dataclasses.replace(config, loss_scaling=LossScaling.NONE)
     check_budget_and_scaling(result, exact_per_step, tokens)
+
+
+@settings(max_examples=25, deadline=None)
+@given(windowed())
+def test_windowed_plans_are_the_same_for_the_same_inputs(scenario):
+    # DESIGN 3.6 with windows: every daemon computes the same updates and scales.
+    config, lengths, tokens, arrivals = scenario
+    a = simulate(lengths, config, tokens=tokens, arrivals_per_round=arrivals)
+    b = simulate(lengths, config, tokens=tokens, arrivals_per_round=arrivals)
+    assert a.steps_kept == b.steps_kept
+    for pa, pb in zip(a.rounds, b.rounds, strict=True):
+        assert np.array_equal(pa.windows.ends, pb.windows.ends)
+        assert np.array_equal(pa.stats.loss_scale, pb.stats.loss_scale)
+        for ua, ub in zip(pa.units, pb.units, strict=True):
+            assert np.array_equal(ua.emitted.views, ub.emitted.views)
+            assert np.array_equal(ua.slot_offsets, ub.slot_offsets)
