@@ -122,6 +122,7 @@ def test_health_is_serving_only_when_running_with_peers_and_producers():
 def test_optimizer_updates_render_counts_and_histograms():
     stats = DaemonStats.for_config(config(), 100)
     stats.record_updates([3, 3, 1], [5000, 6000, 300])
+    stats.epoch_updates = 3
     f = families(render(stats))
     value = {
         (s.name, tuple(sorted(s.labels.items()))): s.value for x in f.values() for s in x.samples

@@ -631,7 +631,6 @@ class RoundLoop:
         self.stats.epoch_samples, self.stats.epoch_identities = tally.samples, end.num_identities
         self.tally = self._new_tally()
         self.stats.epochs_done += 1
-        self.stats.epoch_updates = 0
 
     def _end_job(self, reason: str, failed: bool = False) -> None:
         if self.done:

@@ -40,6 +40,7 @@ class UpdateNumbering:
         windows, epoch = plan.windows, step_epochs[0]
         first = self.in_epoch[epoch]
         self.in_epoch[epoch] += len(windows)
+        self.stats.epoch_updates = self.in_epoch[epoch]
         self.stats.record_updates(
             (windows.ends - windows.starts).tolist(), windows.num_tokens.tolist()
         )

@@ -107,7 +107,9 @@ class DaemonCollector(Collector):
         )
         yield from _counters(*counters)
         yield GaugeMetricFamily(
-            "odbd_epoch_updates", "optimizer updates planned this epoch", value=s.epoch_updates
+            "odbd_epoch_updates",
+            "optimizer updates planned in the epoch planned last (all of it once it ended)",
+            value=s.epoch_updates,
         )
         for name, help_text, h in (
             ("odbd_update_tokens", "loss-bearing tokens per optimizer update", s.update_tokens),

@@ -84,7 +84,7 @@ class DaemonStats:
     recirculated: int = 0
     # Optimizer updates, every rank (global, from the plans); empty without windows.
     updates: int = 0
-    epoch_updates: int = 0  # updates planned in the epoch being planned
+    epoch_updates: int = 0  # updates of the epoch planned last (so far, or in all once it ended)
     update_tokens: Histogram = field(default_factory=lambda: Histogram(UPDATE_TOKEN_BUCKETS))
     update_steps: Histogram = field(default_factory=lambda: Histogram(UPDATE_STEP_BUCKETS))
     # This node's ingest.
@@ -103,7 +103,6 @@ class DaemonStats:
     def record_updates(self, steps: list[int], tokens: list[int]) -> None:
         """One round's updates: micro-steps and loss tokens of each."""
         self.updates += len(steps)
-        self.epoch_updates += len(steps)
         for n, t in zip(steps, tokens, strict=True):
             self.update_steps.observe(n)
             self.update_tokens.observe(t)
