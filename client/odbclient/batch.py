@@ -48,6 +48,19 @@ class Batch:
     is_idle: bool
     loss_scale: float  # multiply the rank's mean loss by this (--loss-scaling)
     progress: Progress = field(default_factory=Progress)  # for LR schedules and progress bars
+    # The optimizer update this micro-step belongs to (odbd --accumulate / --tokens-per-update;
+    # without them every step is its own update). Step the optimizer after a batch with
+    # update_end, and run the micro-steps before it under DDP's no_sync(): loss_scale is exact
+    # over the whole update, so sum(loss_scale * mean loss) over its micro-steps, averaged by
+    # DDP, is the per-token mean over every loss-bearing token of the update on every rank.
+    update_end: bool = True
+    update_index: int = 0  # within the epoch, identical on every rank
+    update_num_steps: int = 1  # micro-steps of this update, the same on every rank
+    update_step: int = 0  # this micro-step's position in the update, from 0
+    update_tokens: int = 0  # loss-bearing tokens of the update over every rank
+    update_samples: int = 0  # samples of the update over every rank
+    update_short: bool = False  # the epoch's last update, closed before K steps / T tokens
+    windowed: bool = False  # the daemon runs optimizer updates of several micro-steps or tokens
 
     def __getitem__(self, key: str) -> torch.Tensor:
         return self.tensors[key]

@@ -111,6 +111,11 @@ class ODBClient:
         self._stream: TrainerStream | None = None
         self._resume: tuple[int, int] | None = None  # (epoch, step) from load_state_dict
         self._epoch, self._next_step = 0, 0  # the first step not yet delivered
+        # Optimizer updates (Batch.update_*): the first update not finished, and the batch of
+        # the update under way (None at an update boundary), so state_dict never splits one.
+        self._next_update: int | None = None  # None: the daemon sent no update facts yet
+        self._open_update: Batch | None = None
+        self._resume_update = 0
         self._last_return_s: float | None = None  # perf_counter when next() last returned
         self._unreported_wait_s = 0.0  # time spent reporting the last Delivered
         self._num_batches, self._num_idle = 0, 0  # delivered this epoch
@@ -196,6 +201,9 @@ class ODBClient:
         if unsent >= self._report_every:
             stream.reports.flush()
         self._epoch, self._next_step = batch.epoch, batch.step + 1
+        if batch.windowed:
+            self._next_update = batch.update_index + int(batch.update_end)
+            self._open_update = None if batch.update_end else batch
         self._num_batches += 1
         self._num_idle += batch.is_idle
         self._last_return_s = time.perf_counter()
@@ -214,6 +222,8 @@ class ODBClient:
             "num_idle_batches": self._num_idle,
         }
         self._epoch, self._next_step = event.epoch + 1, 0
+        self._next_update = 0 if self._next_update is not None else None
+        self._open_update = None
         self._num_batches, self._num_idle = 0, 0
 
     def _fail(self, error: Exception) -> None:
@@ -228,6 +238,7 @@ class ODBClient:
                 job_id=self._job_id,
                 prefetch=self._prefetch,
                 resume=self._resume,
+                resume_update=self._resume_update,
                 connect_timeout_s=self._connect_timeout_s,
                 world=self._world or launcher_world(),
             )
@@ -256,8 +267,24 @@ class ODBClient:
         return self._job_end is not None
 
     def state_dict(self) -> dict[str, int]:
-        """Where to resume: the first step of `epoch` not yet handed to the trainer."""
-        return {"version": STATE_VERSION, "epoch": self._epoch, "step": self._next_step}
+        """Where to resume: the first step of `epoch` not yet handed to the trainer.
+
+        With optimizer updates (odbd --accumulate / --tokens-per-update) it also holds the
+        first update not trained, and it is refused in the middle of an update: a checkpoint
+        taken then would hold weights without the update's first micro-steps, and the resumed
+        run would never train them."""
+        if (open_ := self._open_update) is not None:
+            raise StateDictError(
+                f"state_dict() in the middle of optimizer update {open_.update_index} of epoch "
+                f"{open_.epoch} (micro-step {open_.update_step + 1} of "
+                f"{open_.update_num_steps}): its gradient is not in the weights yet, so a "
+                "resume would lose it; save checkpoints after optimizer.step(), when the last "
+                "batch had update_end"
+            )
+        state = {"version": STATE_VERSION, "epoch": self._epoch, "step": self._next_step}
+        if self._next_update is not None:
+            state["update"] = self._next_update
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume at `state` (from state_dict()); call before the first iteration."""
@@ -273,8 +300,13 @@ class ODBClient:
                 f"not an ODBClient state dict of version {STATE_VERSION}: {state!r}; pass what "
                 "ODBClient.state_dict() returned"
             )
+        update = state.get("update", 0)
+        if not isinstance(update, int) or update < 0:
+            raise StateDictError(f"state dict update must be an int >= 0, got {update!r}")
         self._resume = (state["epoch"], state["step"])
         self._epoch, self._next_step = self._resume
+        self._resume_update = update
+        self._next_update = update if "update" in state else None
 
     def close(self) -> None:
         """Ends the stream; the daemon re-sends undelivered steps to the rank's next client."""

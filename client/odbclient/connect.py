@@ -28,7 +28,9 @@ from odbclient.errors import (
 # as StepBatches and a Delivered may cover several steps (a version 1 client would drop them).
 # 3: a TrainerHello carries the trainer's own world, which the daemon checks against --world,
 # and StepBatch.progress; a version 2 client, which never says its world, is refused.
-PROTOCOL_VERSION = 3
+# 4: StepBatch.update (optimizer updates, --accumulate / --tokens-per-update); a version 3
+# client would step its optimizer after every micro-step with update-wide loss scales.
+PROTOCOL_VERSION = 4
 # Batches the daemon pushes ahead of the trainer (TrainerHello.prefetch; the daemon's default
 # when a hello says 0): 8 lets the daemon send and the client report 4 steps per message
 # (8 KiB samples: 19-21k -> 23k samples/s over 4). The cost: when a peer node dies, a rank may

@@ -110,6 +110,27 @@ class JobEnd:
     failed: bool
 
 
+def _update(step: trainer_pb2.StepBatch) -> dict[str, Any]:
+    """Batch's update fields; a daemon without windows sends none: each step is an update."""
+    if not step.HasField("update"):
+        return {
+            "update_index": step.step,
+            "update_tokens": step.global_num_tokens,
+            "update_samples": step.global_num_samples,
+        }
+    u = step.update
+    return {
+        "update_end": u.end,
+        "update_index": u.index,
+        "update_num_steps": u.num_steps,
+        "update_step": u.step_in_update,
+        "update_tokens": u.num_tokens,
+        "update_samples": u.num_samples,
+        "update_short": u.short,
+        "windowed": True,
+    }
+
+
 def _progress(p: trainer_pb2.Progress) -> Progress:
     return Progress(
         epoch_steps_estimate=p.epoch_steps_estimate,
@@ -149,6 +170,7 @@ class TrainerStream:
         job_id: str,
         prefetch: int,
         resume: tuple[int, int] | None,
+        resume_update: int = 0,
         connect_timeout_s: float,
         world: TrainerWorld,
     ) -> TrainerStream:
@@ -164,6 +186,7 @@ class TrainerStream:
         )
         if resume is not None:
             hello.resume, (hello.resume_epoch, hello.resume_step) = True, resume
+            hello.resume_update = resume_update
         if world.world_size is not None:
             hello.world_size = world.world_size
         if world.rank is not None:
@@ -320,6 +343,7 @@ class TrainerStream:
             is_idle=step.is_idle,
             loss_scale=step.loss_scale,
             progress=_progress(step.progress),
+            **_update(step),
         )
 
     def _filler_schema(self, step: trainer_pb2.StepBatch) -> tuple[KeySchema, ...]:

@@ -264,6 +264,22 @@ def planning(b: Board) -> None:
         "short",
         "Steps a rank ran with no samples so every rank runs the same number of steps.",
     )
+    b.series(
+        "Optimizer updates: tokens and micro-steps per update",
+        [
+            (
+                f"{rate('odbd_update_tokens_sum')} / {rate('odbd_update_tokens_count')}",
+                "loss tokens / update",
+            ),
+            (
+                f"{rate('odbd_update_micro_steps_sum')} / {rate('odbd_update_micro_steps_count')}",
+                "micro-steps / update",
+            ),
+        ],
+        "short",
+        "With --accumulate K or --tokens-per-update T (empty otherwise): every rank's loss "
+        "tokens and the micro-steps of each optimizer update.",
+    )
 
 
 def rounds(b: Board) -> None:

@@ -165,6 +165,21 @@ def daemon_parser() -> flags.OneLineParser:
         metavar="K",
         help="plan the next round once a rank has at most K steps queued",
     )
+    plan.add_argument(
+        "--accumulate",
+        type=count(1),
+        default=1,
+        metavar="K",
+        help="K micro-steps per optimizer update on every rank (batch.update_end marks the last)",
+    )
+    plan.add_argument(
+        "--tokens-per-update",
+        type=count(0),
+        default=0,
+        metavar="T",
+        help="close an update once its micro-steps hold >= T loss-bearing tokens over all ranks "
+        "(0 = off; excludes --accumulate)",
+    )
     net = p.add_argument_group("sockets and network")
     net.add_argument(
         "--socket",
@@ -408,6 +423,8 @@ def config_from_args(
         round_timeout_s=args.round_timeout,
         join_timeout_s=args.join_timeout,
         steps_ahead=args.steps_ahead,
+        accumulate=args.accumulate,
+        tokens_per_update=args.tokens_per_update,
     )
 
 

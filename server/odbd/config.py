@@ -88,6 +88,8 @@ class DaemonConfig:
     join_timeout_s: float = 120.0
     stall_s: float = 1.0  # no ingest progress this long with trainers nearly starved: plan anyway
     steps_ahead: int = 64  # plan the next round once a local rank has at most this many queued
+    accumulate: int = 1  # micro-steps per optimizer update (planner/windows.py)
+    tokens_per_update: int = 0  # or: close updates at >= this many loss tokens (0 = off)
 
     def __post_init__(self) -> None:
         nodes = self.world.num_nodes
@@ -127,6 +129,11 @@ class DaemonConfig:
             )
         if self.shm_size < (1 << 20):
             raise ConfigError(f"--shm-size must be at least 1 MiB, got {self.shm_size} bytes")
+        if not self.join and (self.accumulate > 1 or self.tokens_per_update > 0):
+            raise ConfigError(
+                "--accumulate and --tokens-per-update need join mode: a --no-join epoch ends "
+                "mid-round, which would cut an optimizer update in two; drop --no-join"
+            )
         self.planner(0)  # validates budget and buffer with the planner's own messages
 
     def planner(self, dataset_size: int) -> PlannerConfig:
@@ -139,6 +146,8 @@ class DaemonConfig:
             balance=self.balance,
             loss_scaling=self.loss_scaling,
             seed=self.seed,
+            accumulate=self.accumulate,
+            tokens_per_update=self.tokens_per_update,
         )
 
     @property
@@ -161,4 +170,10 @@ class DaemonConfig:
             "loss_scaling": self.loss_scaling.value,
             "dataset_size": str(dataset_size),
             "length_key": self.length_key,
+            # Only when set: daemons (and journals) of a release without updates still match
+            # a job that does not use them, and refuse one that does.
+            **({"accumulate": str(self.accumulate)} if self.accumulate != 1 else {}),
+            **(
+                {"tokens_per_update": str(self.tokens_per_update)} if self.tokens_per_update else {}
+            ),
         }

@@ -58,12 +58,21 @@ class StepLog:
         self.report = open(out_dir / f"rank{rank}.jsonl", "a")  # noqa: SIM115
         self.saved_grad = False
 
-    def step(self, batch: Batch, model: torch.nn.Module, **extra: Any) -> None:
+    def step(
+        self, batch: Batch, model: torch.nn.Module, *, micro: bool = False, **extra: Any
+    ) -> None:
+        """One step's record; `micro`: a micro-step inside an update (no gradient saved)."""
         record = {"epoch": batch.epoch, "step": batch.step, "ids": list(batch.sample_ids),
                   "idle": batch.is_idle, "loss_scale": batch.loss_scale,
-                  "progress": dataclasses.asdict(batch.progress), **extra}  # fmt: skip
+                  "progress": dataclasses.asdict(batch.progress),
+                  "update": {"index": batch.update_index, "end": batch.update_end,
+                             "num_steps": batch.update_num_steps,
+                             "tokens": batch.update_tokens, "short": batch.update_short},
+                  **extra, **({"micro": True} if micro else {})}  # fmt: skip
         self.report.write(json.dumps(record) + "\n")
         self.report.flush()
+        if micro:
+            return  # (the record says "micro": True)
         if self.rank == 0 and not self.saved_grad:
             torch.save(flat_grad(model).detach().clone(), self.out_dir / "grad-first.pt")
         self.saved_grad = True
@@ -84,6 +93,15 @@ def train_hf(args: argparse.Namespace, client: ODBClient, log: StepLog) -> dict[
             lr = kwargs["optimizer"].param_groups[0]["lr"]  # the LR of the step being taken
             log.step(trainer.odb_batches.last, kwargs["model"], lr=lr, max_steps=state.max_steps)
 
+    class RecordedTrainer(ODBTrainer):
+        """Records every micro-step as the Trainer takes it from the loader: with
+        gradient_accumulation_steps it prefetches an update's batches before running them, so
+        the callbacks only ever see the update's last one."""
+
+        def get_train_dataloader(self) -> Any:
+            batches = super().get_train_dataloader()
+            return _Recorded(batches, lambda batch: log.step(batch, self.model, micro=True))
+
     training_args = TrainingArguments(
         output_dir=str(args.out_dir / "hf"),
         max_steps=args.max_steps,  # 0: no cap, training ends with odbd's job
@@ -91,6 +109,7 @@ def train_hf(args: argparse.Namespace, client: ODBClient, log: StepLog) -> dict[
         lr_scheduler_type=args.lr_schedule,
         warmup_steps=args.warmup_steps,
         per_device_train_batch_size=1,  # unused: odbd sizes the batches
+        gradient_accumulation_steps=args.grad_accum,  # odbd --accumulate must match
         max_grad_norm=0.0,  # no clipping, so the first step's gradient is DDP's own
         use_cpu=True,
         report_to=[],
@@ -100,10 +119,26 @@ def train_hf(args: argparse.Namespace, client: ODBClient, log: StepLog) -> dict[
         dataloader_num_workers=0,
         ddp_find_unused_parameters=False,
     )
-    trainer = ODBTrainer(model=tiny_llama(), args=training_args, odb_client=client,
+    trainer_class = RecordedTrainer if args.grad_accum > 1 else ODBTrainer
+    trainer = trainer_class(model=tiny_llama(), args=training_args, odb_client=client,
                          callbacks=[RecordSteps()])  # fmt: skip
     result = trainer.train()
     return {"global_step": result.global_step, "train_loss": result.training_loss}
+
+
+class _Recorded:
+    """Iterates an ODBBatches, calling `record` with each new odbd batch (fillers skipped)."""
+
+    def __init__(self, batches: Any, record: Any) -> None:
+        self.batches, self.record = batches, record
+
+    def __iter__(self) -> Any:
+        seen = None
+        for item in self.batches:
+            if self.batches.last is not seen:
+                seen = self.batches.last
+                self.record(seen)
+            yield item
 
 
 def train_accelerate(args: argparse.Namespace, client: ODBClient, log: StepLog) -> dict:
@@ -119,12 +154,15 @@ def train_accelerate(args: argparse.Namespace, client: ODBClient, log: StepLog) 
     steps = 0
     while not client.job_ended:
         for step in odb:
-            loss = model(**step.inputs).loss
-            odb.backward(loss, step)
-            log.step(step.batch, accelerator.unwrap_model(model))
-            optimizer.step()
-            optimizer.zero_grad()
-            steps += 1
+            with odb.sync(model, step):  # no_sync() before an odbd update's last micro-step
+                loss = model(**step.inputs).loss
+                odb.backward(loss, step)
+            end = step.batch.update_end
+            log.step(step.batch, accelerator.unwrap_model(model), micro=not end)
+            if end:
+                optimizer.step()
+                optimizer.zero_grad()
+                steps += 1
     return {"global_step": steps, "world": accelerator.num_processes}
 
 
@@ -136,6 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lr-schedule", default="constant")
     p.add_argument("--warmup-steps", type=int, default=0)
     p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--grad-accum", type=int, default=1, help="HF gradient_accumulation_steps")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     rank = int(os.environ.get("RANK", "0"))  # unset: one process (accelerate launch --cpu)

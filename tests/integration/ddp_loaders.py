@@ -33,10 +33,22 @@ class Step:
     loss_scale: float
     num_tokens: int  # loss-bearing tokens of this rank's batch
     global_num_tokens: int | None = None  # over every rank of the step (odbd only)
+    # odbd's optimizer update of this micro-step (Batch.update_*), when it runs windows.
+    update: dict[str, Any] | None = None
+
+    @property
+    def update_start(self) -> bool:
+        return self.update is None or self.update["step"] == 0
+
+    @property
+    def update_end(self) -> bool:
+        return self.update is None or bool(self.update["end"])
 
     def record(self) -> dict[str, Any]:
         ids = self.tensors["input_ids"]
+        extra = {} if self.update is None else {"update": self.update}
         return {
+            **extra,
             "epoch": self.epoch,
             "step": self.step,
             "ids": self.ids,
@@ -62,7 +74,20 @@ def odbd_epoch(client: Any) -> Iterator[Step]:
             loss_scale=batch.loss_scale,
             num_tokens=batch.num_tokens,
             global_num_tokens=batch.global_num_tokens,
+            update=_update(batch) if batch.windowed else None,
         )
+
+
+def _update(batch: Any) -> dict[str, Any]:
+    return {
+        "index": batch.update_index,
+        "end": batch.update_end,
+        "step": batch.update_step,
+        "num_steps": batch.update_num_steps,
+        "tokens": batch.update_tokens,
+        "samples": batch.update_samples,
+        "short": batch.update_short,
+    }
 
 
 # --- plain DataLoader + DistributedSampler -----------------------------------------------------

@@ -16,6 +16,7 @@ DIR/ckpt-rank{r}.pt after step S of epoch E and exits; `--resume` loads it and c
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import time
@@ -120,15 +121,23 @@ class Run:
             yield ddp_loaders.paper_epoch(paper, epoch, self.world)
 
     def train_step(self, step: ddp_loaders.Step) -> None:
-        self.optimizer.zero_grad(set_to_none=True)
-        loss = mean_loss(self.model, step.tensors)
-        # An idle filler still runs forward and backward (loss_scale 0) so DDP's all-reduce
-        # sees every rank; DDP then averages, so the step's gradient is
-        # (1/W) * sum_r loss_scale_r * grad(mean_r).
-        (loss * step.loss_scale).backward()
-        if self.args.grads:
+        if step.update_start:
+            self.optimizer.zero_grad(set_to_none=True)
+        # odbd's optimizer updates: gradients accumulate locally over the update's micro-steps
+        # (no_sync) and DDP all-reduces once, at its last; every rank has the same micro-steps.
+        sync = contextlib.nullcontext() if step.update_end else self.model.no_sync()
+        with sync:
+            loss = mean_loss(self.model, step.tensors)
+            # An idle filler still runs forward and backward (loss_scale 0) so DDP's all-reduce
+            # sees every rank; DDP then averages, so the update's gradient is
+            # (1/W) * sum over micro-steps and ranks of loss_scale * grad(mean).
+            (loss * step.loss_scale).backward()
+        if not step.update_end:
+            pass
+        elif self.args.grads:
             if self.rank == 0:
-                path = self.args.out_dir / f"grad-e{step.epoch}-s{step.step}.pt"
+                name = f"s{step.step}" if step.update is None else f"u{step.update['index']}"
+                path = self.args.out_dir / f"grad-e{step.epoch}-{name}.pt"
                 torch.save(flat_grad(self.module).detach().clone(), path)
         else:
             self.optimizer.step()

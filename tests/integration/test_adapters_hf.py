@@ -153,3 +153,81 @@ def test_hf_trainer_follows_odbd_progress_without_max_steps(tmp_path: Path) -> N
     near_floor = [i for i, v in enumerate(lrs) if i >= 2 and v <= 0.01 * lr]
     assert near_floor and near_floor[0] >= 0.95 * (n - 1), (n, lrs)
     assert lrs[-1] <= 0.01 * lr, lrs
+
+
+def micro_steps_and_updates(reports: Reports) -> tuple[list[list[dict]], dict]:
+    """Per rank, every micro-step's record; rank 0's records by (epoch, update index)."""
+    micro = [[r for r in reports.steps(rank) if r.get("micro") or r["update"]["end"]]
+             for rank in range(WORLD)]  # fmt: skip
+    updates: dict[tuple[int, int], list[dict]] = {}
+    for record in micro[0]:
+        updates.setdefault((record["epoch"], record["update"]["index"]), []).append(record)
+    return micro, updates
+
+
+def first_update_samples(micro: list[list[dict]], data: dict) -> list[dict]:
+    dataset = LongTailTokens(**data)
+    return [
+        dataset[i]
+        for rank in range(WORLD)
+        for r in micro[rank]
+        if (r["epoch"], r["update"]["index"]) == (0, 0)
+        for i in r["ids"]
+    ]
+
+
+def test_accelerate_adapter_accumulates_an_odbd_update_under_no_sync(tmp_path: Path) -> None:
+    """odbd --accumulate 3 with the Accelerate loop (`odb.sync`, step on update_end): one
+    optimizer step per update, and the first update's gradient is the per-token mean's."""
+    reports = train("accelerate", tmp_path, daemon_args=("--accumulate", "3"))
+    micro, updates = micro_steps_and_updates(reports)
+    assert len({len(m) for m in micro}) == 1, "ranks took different micro-step counts"
+    assert sorted(i for m in micro for r in m for i in r["ids"]) == list(range(DATA["size"]))
+    assert all(len(r) == 3 or r[0]["update"]["short"] for r in updates.values()), updates
+    assert reports.done(0)["global_step"] == len(updates)
+    ddp = torch.load(tmp_path / "grad-first.pt")
+    error = relative_error(ddp, hf_gradient(first_update_samples(micro, DATA)))
+    assert error < 1e-5, f"first update's DDP gradient is off by {error:.2e} (relative)"
+
+
+def test_hf_trainer_with_gradient_accumulation_4_steps_once_per_odbd_update(
+    tmp_path: Path,
+) -> None:
+    """gradient_accumulation_steps=4 with odbd --accumulate 4: every Trainer optimizer step is
+    one odbd update of 4 micro-steps (the epoch's last may be shorter and is padded with
+    zero-scaled fillers); the first update's DDP gradient is one process's per-token mean over
+    all of its samples, and the logs carry tokens per update."""
+    data = {**DATA, "size": 64}
+    reports = train(
+        "hf", tmp_path, data=data, daemon_args=("--accumulate", "4", "--epochs", "2"),
+        trainer_args=("--max-steps", "0", "--grad-accum", "4"),
+    )  # fmt: skip
+    micro = [[r for r in reports.steps(rank) if r.get("micro")] for rank in range(WORLD)]
+    assert len({len(m) for m in micro}) == 1, "ranks took different micro-step counts"
+    for epoch in range(2):
+        ids = sorted(i for m in micro for r in m if r["epoch"] == epoch for i in r["ids"])
+        assert ids == list(range(data["size"])), f"epoch {epoch}: identities lost or repeated"
+    updates: dict[tuple[int, int], list[dict]] = {}
+    for record in micro[0]:
+        updates.setdefault((record["epoch"], record["update"]["index"]), []).append(record)
+    for (epoch, index), records in updates.items():
+        short = records[0]["update"]["short"]
+        assert len(records) == 4 or short, (epoch, index, len(records))
+        assert [r["update"]["end"] for r in records][-1]
+    shorts = [key for key, records in updates.items() if records[0]["update"]["short"]]
+    assert shorts, "no epoch ended with a short update (the fillers' path); change the data"
+    optimizer_steps = [r for r in reports.steps(0) if not r.get("micro")]
+    assert [(r["epoch"], r["update"]["index"]) for r in optimizer_steps] == list(updates)
+    assert reports.done(0)["global_step"] == len(updates), "one optimizer step per odbd update"
+    first = [
+        LongTailTokens(**data)[i]
+        for rank in range(WORLD)
+        for r in micro[rank]
+        if (r["epoch"], r["update"]["index"]) == (0, 0)
+        for i in r["ids"]
+    ]
+    ddp = torch.load(tmp_path / "grad-first.pt")
+    error = relative_error(ddp, hf_gradient(first))
+    assert error < 1e-5, f"first update's DDP gradient is off by {error:.2e} (relative)"
+    logs = "".join(p.read_text() for p in tmp_path.glob("trainer*.log"))
+    assert "'tokens_per_update'" in logs, logs[-2000:]

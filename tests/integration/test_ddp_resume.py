@@ -23,7 +23,9 @@ DATA = {"size": 96, "seed": 5}
 WORLD, EPOCHS, STOP = 4, 2, 1  # stop after step 1 of epoch 1
 
 
-def run_phase(tmp_path: Path, job_id: str, trainer_args: list[str]) -> tuple[Reports, str]:
+def run_phase(
+    tmp_path: Path, job_id: str, trainer_args: list[str], daemon_args: tuple[str, ...] = ()
+) -> tuple[Reports, str]:
     cluster = odbd_cluster(
         nodes=2,
         ranks_per_node=2,
@@ -31,7 +33,7 @@ def run_phase(tmp_path: Path, job_id: str, trainer_args: list[str]) -> tuple[Rep
         job_id=job_id,
         daemon_args=["--token-budget", "256", "--buffer", "8", "--epochs", str(EPOCHS)]
         + ["--drain-timeout", "2"]  # the trainers left after checkpointing: nothing to drain
-        + ["--state-dir", str(tmp_path / "state")],
+        + ["--state-dir", str(tmp_path / "state"), *daemon_args],
     )
     try:
         cluster.start()
@@ -62,3 +64,27 @@ def test_restart_in_the_middle_continues_the_epoch_without_duplicates_or_gaps(tm
         assert [r["step"] for r in epoch1] == list(range(len(epoch1)))
     counts = Counter(second.ids(1))
     assert counts == Counter(range(DATA["size"])), "epoch 1 emitted an identity twice or never"
+
+
+def test_restart_with_accumulate_resumes_at_an_update_boundary(tmp_path: Path):
+    """--accumulate 2: the checkpoint after step 3 of epoch 1 closes update 1, and the restarted
+    daemons number the updates on from 2 (the trainers' state_dict carries it), so epoch 1's
+    updates stay contiguous and no update is split between the two runs."""
+    job_id = f"resumeacc{tmp_path.name[-9:]}"
+    accumulate = ("--accumulate", "2")
+    first, _ = run_phase(tmp_path, job_id, ["--stop-at", "1:3"], accumulate)
+    before = {rank: len(first.steps(rank)) for rank in range(WORLD)}
+    assert all(first.steps(rank)[-1]["update"]["end"] for rank in range(WORLD))
+    second, logs = run_phase(tmp_path, job_id, ["--resume"], accumulate)
+    for rank in range(WORLD):
+        resumed = second.steps(rank)[before[rank] :]
+        assert resumed, f"rank {rank} trained nothing after the restart\n{logs}"
+        head = resumed[0]
+        assert (head["epoch"], head["step"]) == (1, 4), logs
+        assert (head["update"]["index"], head["update"]["step"]) == (2, 0), head
+        epoch1 = second.steps(rank, 1)
+        indices = [r["update"]["index"] for r in epoch1]
+        assert indices == sorted(indices) and set(indices) == set(range(indices[-1] + 1))
+        sizes = Counter(indices)
+        assert all(n == 2 for i, n in sizes.items() if i != indices[-1]), sizes
+    assert Counter(second.ids(1)) == Counter(range(DATA["size"])), "epoch 1 twice or never"

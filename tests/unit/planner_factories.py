@@ -20,6 +20,8 @@ def make_config(
     balance: Balance = Balance.NODE,
     loss_scaling: LossScaling = LossScaling.EXACT,
     seed: int = 0,
+    accumulate: int = 1,
+    tokens_per_update: int = 0,
 ) -> PlannerConfig:
     return PlannerConfig(
         world=World(world, per_node),
@@ -29,6 +31,8 @@ def make_config(
         balance=balance,
         loss_scaling=loss_scaling,
         seed=seed,
+        accumulate=accumulate,
+        tokens_per_update=tokens_per_update,
     )
 
 

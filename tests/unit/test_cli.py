@@ -166,6 +166,10 @@ BAD_INPUTS = [
     (["--loss-scaling", "exakt"], {}, "--loss-scaling"),
     (["--tls-cert", "{tmp}/file"], {}, "--tls-key"),
     (["--length-key", " "], {}, "--length-key"),
+    (["--accumulate", "0"], {}, "--accumulate"),
+    (["--tokens-per-update", "-5"], {}, "--tokens-per-update"),
+    (["--accumulate", "2", "--tokens-per-update", "9"], {}, "pass one of them"),
+    (["--accumulate", "2", "--no-join"], {}, "need join mode"),
 ]
 
 
@@ -366,3 +370,14 @@ def test_bad_simulate_input_exits_2_with_one_line(argv, names, capsys):
         code = stop.code
     err = capsys.readouterr().err
     assert code == 2 and names in err and err.count("\n") == 1, err
+
+
+def test_update_flags_reach_the_planner_and_the_fingerprint_only_when_set(tmp_path):
+    base = ["--world", "1", "--nproc-per-node", "1", "--dataset-size", "5"]
+    base += ["--socket", str(tmp_path / "s.sock")]
+    plain = parse(base, {})
+    assert not plain.planner(5).windows
+    assert not {"accumulate", "tokens_per_update"} & set(plain.fingerprint(5))
+    windowed = parse([*base, "--tokens-per-update", "4096"], {"ODBD_ACCUMULATE": "1"})
+    assert windowed.planner(5).tokens_per_update == 4096
+    assert windowed.fingerprint(5)["tokens_per_update"] == "4096"

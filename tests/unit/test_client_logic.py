@@ -212,6 +212,70 @@ def test_each_iteration_is_one_epoch_and_every_batch_is_delivered(daemon: FakeDa
     assert not daemon.hellos[0].resume
 
 
+def with_update(event: Event, index: int, step_in_update: int, num_steps: int) -> Event:
+    event.step.update.CopyFrom(
+        trainer_pb2.Update(
+            index=index, end=step_in_update == num_steps - 1, num_steps=num_steps,
+            step_in_update=step_in_update, num_tokens=40, num_samples=6,
+        )
+    )  # fmt: skip
+    return event
+
+
+@pytest.mark.timeout(60)
+def test_batches_without_update_facts_are_one_step_updates(daemon: FakeDaemon) -> None:
+    def script(hello: Any, context: Any) -> Iterator[Event]:
+        yield daemon.welcome()
+        yield daemon.step(0, 4, [2, 3])
+        wait_until_cancelled(context)
+
+    daemon.script = script
+    with client_for(daemon) as client:
+        batch = next(iter(client))
+        assert batch.update_end and not batch.windowed and batch.update_num_steps == 1
+        assert (batch.update_index, batch.update_tokens, batch.update_samples) == (4, 10, 4)
+        assert client.state_dict() == {"version": 1, "epoch": 0, "step": 5}
+
+
+@pytest.mark.timeout(60)
+def test_state_dict_is_refused_inside_an_update_and_names_the_next_one(
+    daemon: FakeDaemon,
+) -> None:
+    def script(hello: Any, context: Any) -> Iterator[Event]:
+        yield daemon.welcome()
+        for step in range(4):
+            yield with_update(daemon.step(0, step, [2]), step // 2, step % 2, 2)
+        wait_until_cancelled(context)
+
+    daemon.script = script
+    with client_for(daemon) as client:
+        batches = iter(client)
+        first = next(batches)
+        assert first.windowed and not first.update_end and first.update_tokens == 40
+        with pytest.raises(StateDictError, match="middle of optimizer update 0"):
+            client.state_dict()
+        assert next(batches).update_end
+        assert client.state_dict() == {"version": 1, "epoch": 0, "step": 2, "update": 1}
+        next(batches)
+        with pytest.raises(StateDictError, match="update 1 of epoch 0"):
+            client.state_dict()
+
+
+@pytest.mark.timeout(60)
+def test_a_resume_sends_the_update_to_continue_from(daemon: FakeDaemon) -> None:
+    def script(hello: Any, context: Any) -> Iterator[Event]:
+        yield daemon.welcome()
+        yield with_update(daemon.step(0, 6, [2]), 3, 0, 2)
+        wait_until_cancelled(context)
+
+    daemon.script = script
+    with client_for(daemon) as client:
+        client.load_state_dict({"version": 1, "epoch": 0, "step": 6, "update": 3})
+        assert next(iter(client)).update_index == 3
+    hello = daemon.hellos[0]
+    assert hello.resume and (hello.resume_step, hello.resume_update) == (6, 3)
+
+
 @pytest.mark.timeout(60)
 def test_state_dict_tracks_the_next_undelivered_step(daemon: FakeDaemon) -> None:
     def script(hello: Any, context: Any) -> Iterator[Event]:

@@ -117,3 +117,19 @@ def test_health_is_serving_only_when_running_with_peers_and_producers():
     assert not is_serving(**(ok | {"peers_joined": False}))
     for phase in ("starting", "draining", "done", "failed"):
         assert not is_serving(**(ok | {"phase": phase}))
+
+
+def test_optimizer_updates_render_counts_and_histograms():
+    stats = DaemonStats.for_config(config(), 100)
+    stats.record_updates([3, 3, 1], [5000, 6000, 300])
+    stats.epoch_updates = 3
+    f = families(render(stats))
+    value = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value for x in f.values() for s in x.samples
+    }
+    assert value[("odbd_updates_total", ())] == 3
+    assert value[("odbd_epoch_updates", ())] == 3
+    assert value[("odbd_update_micro_steps_count", ())] == 3
+    assert value[("odbd_update_micro_steps_bucket", (("le", "1.0"),))] == 1
+    assert value[("odbd_update_tokens_sum", ())] == 11300
+    assert value[("odbd_update_tokens_bucket", (("le", "4096.0"),))] == 1

@@ -75,3 +75,27 @@ def test_add_arguments_works_on_a_foreign_parser(capsys: pytest.CaptureFixture[s
     assert (Grouping(args.grouping), Balance(args.balance)) == (Grouping.PAPER, Balance.RANK)
     assert run(args) == 0
     assert json.loads(capsys.readouterr().out)["padding_ratio"] >= 0
+
+
+def test_accumulate_reports_k_micro_steps_per_update(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--dist", "llava", *SMALL, "--json", "--accumulate", "3", "--epochs", "2"]) == 0
+    updates = json.loads(capsys.readouterr().out)["updates"]
+    assert len(updates["updates_per_epoch"]) == 2
+    assert updates["micro_steps_per_update"]["max"] == 3
+    assert updates["updates"] == sum(updates["updates_per_epoch"])
+
+
+def test_tokens_per_update_reports_an_even_token_count(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["--dist", "ultrachat", "--world", "16", "--nproc-per-node", "8"]
+    assert main([*argv, "--num-samples", "30000", "--tokens-per-update", "1000000"]) == 0
+    out = capsys.readouterr().out
+    assert "optimizer updates:" in out and "each epoch's last update excluded" in out
+    assert main([*argv, "--num-samples", "30000", "--tokens-per-update", "1000000", "--json"]) == 0
+    tokens = json.loads(capsys.readouterr().out)["updates"]["tokens_per_update"]
+    assert tokens["min"] >= 0 and tokens["mean"] >= 1_000_000
+    assert tokens["cv_except_last"] < 0.05, tokens
+
+
+def test_windows_refuse_no_join(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--dist", "llava", *SMALL, "--accumulate", "2", "--no-join"]) == 2
+    assert "need join mode" in capsys.readouterr().err

@@ -11,10 +11,24 @@
 
 odbd already decided which samples each rank trains in each step, so the batches must not go
 through `accelerator.prepare` (which would shard them a second time).
+
+With optimizer updates of several micro-steps (odbd `--accumulate K` or `--tokens-per-update
+T`), accumulate locally and all-reduce once, at the update's last micro-step:
+
+    for step in odb:
+        with odb.sync(model, step):                           # no_sync() before update_end
+            loss = model(**step.inputs).loss
+            odb.backward(loss, step)                          # loss_scale: exact per update
+        if step.batch.update_end:
+            optimizer.step(); optimizer.zero_grad()
+
+Do not also use Accelerate's own `gradient_accumulation_steps` (it divides the loss by its
+count, on top of odbd's update-wide scale).
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -52,6 +66,14 @@ class ODBAccelerate:
         device = self.accelerator.device
         for batch in self.client:
             yield StepInputs(inputs=batch.to(device), batch=batch)
+
+    def sync(self, model: torch.nn.Module, step: StepInputs) -> contextlib.AbstractContextManager:
+        """`accelerator.no_sync(model)` on an update's micro-steps before its last, so DDP
+        all-reduces the accumulated gradient once; a no-op on the last (and without updates,
+        where every step is one)."""
+        if step.batch.update_end:
+            return contextlib.nullcontext()
+        return self.accelerator.no_sync(model)
 
     def backward(self, loss: torch.Tensor, step: StepInputs) -> None:
         """`accelerator.backward(loss * loss_scale)`; idle fillers backpropagate a zero."""

@@ -23,6 +23,12 @@ class ODBBatches:
     it), so loops must run until it is exhausted, or call `finish_epoch()` after the step that
     `progress` marks as the epoch's last. `on_epoch_end` runs whenever an epoch's iteration
     ends (a framework loop that planned more steps can stop waiting for them).
+
+    `micro_steps_per_update` K > 1 is for loops that step the optimizer every K batches (the
+    HF Trainer's gradient_accumulation_steps): every odbd update must then have K micro-steps
+    (odbd --accumulate K), and the epoch's last, short update is followed by K - n fillers (the
+    update's last batch again with loss scale 0, an exact zero gradient on every rank alike), so
+    the loop's K-batch chunks stay aligned with odbd's updates.
     """
 
     def __init__(
@@ -31,8 +37,10 @@ class ODBBatches:
         *,
         loss_scale_key: str = LOSS_SCALE_KEY,
         on_epoch_end: Callable[[], None] = lambda: None,
+        micro_steps_per_update: int = 1,
     ) -> None:
         self.client = client
+        self.micro_steps_per_update = micro_steps_per_update
         self.loss_scale_key = loss_scale_key
         self.on_epoch_end = on_epoch_end
         self.last: Batch | None = None
@@ -40,12 +48,31 @@ class ODBBatches:
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         self._epoch = iter(self.client)
+        k = self.micro_steps_per_update
         for batch in self._epoch:
+            self._check_update(batch)
             self.last = batch
             scale = torch.tensor(batch.loss_scale, dtype=torch.float64)
             yield {**batch.tensors, self.loss_scale_key: scale}
+            if batch.update_end and batch.update_num_steps < k:
+                zero = torch.tensor(0.0, dtype=torch.float64)
+                for _ in range(k - batch.update_num_steps):
+                    yield {**batch.tensors, self.loss_scale_key: zero}
         self._epoch = None
         self.on_epoch_end()
+
+    def _check_update(self, batch: Batch) -> None:
+        k = self.micro_steps_per_update
+        n = batch.update_num_steps
+        if n == k or (n < k and batch.update_short):
+            return
+        flag = f"--accumulate {k}" if k > 1 else "no --accumulate / --tokens-per-update"
+        raise ProtocolError(
+            f"odbd's update {batch.update_index} of epoch {batch.epoch} has {n} micro-steps, but "
+            f"this training loop steps the optimizer every {k} batches, so its updates would "
+            f"straddle odbd's and their loss scales would be wrong; start odbd with {flag} "
+            "(gradient_accumulation_steps must equal odbd's --accumulate)"
+        )
 
     def finish_epoch(self) -> bool:
         """After the epoch's last batch (`last.progress.epoch_steps_exact` and its step is the

@@ -20,6 +20,14 @@
   steps, ends each epoch on its last step, and ends training on the job's last step, so no
   empty epoch is ever started.
 
+`gradient_accumulation_steps=K` needs the daemons started with `--accumulate K`: each odbd
+update is then K micro-steps whose loss scales are exact over the whole update, so the Trainer's
+own division by K is turned off (`loss_is_scaled_for_ga`); the epoch's last update, which may be
+shorter, is padded with zero-scaled fillers (`ODBBatches`). `--tokens-per-update` sizes updates
+in micro-steps that vary, which the Trainer's fixed K-batch chunks cannot follow: use it with
+the plain torch or Accelerate loop (docs/training.md). Logs carry `tokens_per_update`, the loss
+tokens of the last update over every rank.
+
 `max_steps` is optional: when set (> 0) it caps the run (and the schedule then follows
 whichever of the cap and the job ends first); training otherwise ends with odbd's job.
 """
@@ -47,14 +55,13 @@ _NO_CAP = 1 << 40
 class ODBTrainer(Trainer):
     """A `transformers.Trainer` whose batches, loss weights and LR schedule come from odbd."""
 
+    # odbd's loss_scale is already exact over the whole update (and 1 micro-step without
+    # accumulation): the Trainer must not divide the loss by gradient_accumulation_steps again.
+    loss_is_scaled_for_ga = True
+
     def __init__(self, *args: Any, odb_client: ODBClient, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        if self.args.gradient_accumulation_steps != 1:
-            raise ValueError(
-                "ODBTrainer needs gradient_accumulation_steps=1: each odbd step's loss_scale "
-                "weighs that step's tokens only, so accumulated micro-steps would be averaged "
-                "per step rather than per token; raise odbd's --token-budget for bigger steps"
-            )
+        self.odb_accumulate = int(self.args.gradient_accumulation_steps)
         self.odb_schedule = Schedule(
             kind=str(getattr(self.args.lr_scheduler_type, "value", self.args.lr_scheduler_type)),
             warmup_steps=int(self.args.warmup_steps) if self.args.warmup_steps >= 1 else 0,
@@ -68,7 +75,11 @@ class ODBTrainer(Trainer):
         odb_client.set_world(
             self.args.world_size, self.args.process_index, source="transformers TrainingArguments"
         )
-        self.odb_batches = ODBBatches(odb_client, on_epoch_end=self._odb_epoch_ended)
+        self.odb_batches = ODBBatches(
+            odb_client,
+            on_epoch_end=self._odb_epoch_ended,
+            micro_steps_per_update=self.odb_accumulate,
+        )
         # First, so the progress bar's total is updated before ProgressCallback draws the step.
         self.callback_handler.callbacks.insert(0, ODBProgress(self))
 
@@ -112,6 +123,12 @@ class ODBTrainer(Trainer):
         loss = loss * scale.to(device=loss.device, dtype=loss.dtype)
         return (loss, outputs) if return_outputs else loss
 
+    def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
+        last = self.odb_batches.last
+        if last is not None and "loss" in logs:
+            logs = {**logs, "tokens_per_update": float(last.update_tokens)}
+        super().log(logs, *args, **kwargs)
+
     def _odb_epoch_ended(self) -> None:
         # The epoch ran out without a step marked last (e.g. a flush round with no step): the
         # loop must not wait for the rest of the max_steps it planned for this epoch.
@@ -138,7 +155,9 @@ class ODBProgress(TrainerCallback):
         if batch is None:
             return
         progress = batch.progress
-        estimate = progress.job_steps_estimate or _NO_CAP  # 0: endless job, no total
+        # odbd counts micro-steps; the Trainer counts optimizer steps (updates of K).
+        k = self.trainer.odb_accumulate
+        estimate = -(-progress.job_steps_estimate // k) or _NO_CAP  # 0: endless job, no total
         if self.trainer.odb_max_steps is not None:
             estimate = min(estimate, self.trainer.odb_max_steps)
         epoch_ends = progress.epoch_steps_exact and batch.step + 1 == progress.epoch_steps_estimate

@@ -110,6 +110,7 @@ class Daemon:
         self.journal: Journal | None = None
         self.journal_records: list | None = None  # set when resuming from --state-dir
         self.resume_points: dict[int, tuple[int, int]] = {}
+        self.resume_updates: dict[int, int] = {}  # rank -> first update not trained
         self.resume_known = asyncio.Event()
         self.resumed = False
         self.last_error = ""
@@ -295,6 +296,7 @@ class Daemon:
                 "iterating (or start the job afresh with an empty --state-dir)"
             )
         self.resume_points[hello.rank] = (hello.resume_epoch, hello.resume_step)
+        self.resume_updates[hello.rank] = hello.resume_update
         if len(self.resume_points) == len(self.queues):
             self.resume_known.set()
         return None
@@ -319,7 +321,7 @@ class Daemon:
         epoch, step = points.pop()
         resume = replay(self.journal_records, self.config.world.world_size, epoch, step)
         self.journal.append_resume(epoch, step)
-        self.loop.restore(resume)
+        self.loop.restore(resume, update=max(self.resume_updates.values(), default=0))
         self.resumed = True
         self.state.paused = False
         if self.ingest is not None:

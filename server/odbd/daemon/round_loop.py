@@ -27,6 +27,7 @@ from odbd.config import DaemonConfig
 from odbd.daemon import offer_codec
 from odbd.daemon.journal import Journal, ResumeState
 from odbd.daemon.node_state import NodeState
+from odbd.daemon.updates import UpdateNumbering
 from odbd.errors import InvariantError, OdbdError
 from odbd.ingest.lanes import Lanes
 from odbd.ingest.rejections import empty_epoch_failure
@@ -128,6 +129,7 @@ class RoundLoop:
         # Per epoch, over every node: samples and loss tokens planned (StepBatch.progress).
         self.epoch_emitted: Counter[int] = Counter()
         self.epoch_tokens: Counter[int] = Counter()
+        self.updates = UpdateNumbering(self.state.planner, stats)
 
     def _new_tally(self) -> EpochTally:
         return EpochTally(0, 0, np.zeros(self.state.dataset_size, dtype=bool), Counter())
@@ -314,6 +316,7 @@ class RoundLoop:
         kept = len(step_epochs)
         step_numbers = self._number_steps(step_epochs)
         progress = self._plan_progress(plan, quota_before, step_epochs, step_numbers)
+        updates = self.updates.of_round(plan, step_epochs, self.round_index)
         if self.journal is not None:
             rejected: Counter[str] = Counter()
             for o in offers:
@@ -323,7 +326,7 @@ class RoundLoop:
         for unit in plan.units:
             self._tally_identities(unit, kept)
             if unit.unit in local:
-                self._queue_unit(plan, unit, step_epochs, step_numbers, progress)
+                self._queue_unit(plan, unit, step_epochs, step_numbers, progress, updates)
         self._record_steps(plan, kept)
         self._advance_epochs(plan, step_epochs)
 
@@ -390,8 +393,10 @@ class RoundLoop:
             rejected,
         )
 
-    def restore(self, resume: ResumeState) -> None:
-        """Continues a restarted job at the trainers' resume point (journal.replay's result)."""
+    def restore(self, resume: ResumeState, update: int = 0) -> None:
+        """Continues a restarted job at the trainers' resume point (journal.replay's result);
+        `update` is the index of the first update not trained (the trainers' state_dict)."""
+        self.updates.restore(resume.epoch, update)
         local = set(self.queues)
         trained = [k for s in resume.trained_steps for r, keys in enumerate(s.keys_by_rank)
                    if r in local for k in keys.tolist()]  # fmt: skip
@@ -488,6 +493,7 @@ class RoundLoop:
         step_epochs: list[int],
         step_numbers: list[int],
         progress: list[Progress],
+        updates: list[trainer_pb2.Update | None],
     ) -> None:
         g = self.state.planner.ranks_per_unit
         ranks = self.state.planner.unit_ranks(unit.unit)
@@ -501,7 +507,7 @@ class RoundLoop:
             items = [
                 self._step_item(
                     plan, unit, step, rank, unit.slot(step, local_rank, g),
-                    step_epochs[step], step_numbers[step], progress[step],
+                    step_epochs[step], step_numbers[step], progress[step], updates[step],
                 )
                 for step in range(kept)
             ]  # fmt: skip
@@ -538,6 +544,7 @@ class RoundLoop:
         epoch: int,
         number: int,
         progress: Progress,
+        update: trainer_pb2.Update | None,
     ) -> QueuedItem:
         keys = unit.emitted.views[rows]
         locations = [self.state.locations.pop(int(k)) for k in keys.tolist()]
@@ -562,6 +569,8 @@ class RoundLoop:
             filler_schema=self.filler_schema if idle else "",
             progress=trainer_pb2.Progress(**dataclasses.asdict(progress)),
         )
+        if update is not None:
+            batch.update.CopyFrom(update)
         return QueuedItem(epoch, number, trainer_pb2.TrainerEvent(step=batch), locations)
 
     def _learn_schema(self, where: tuple[int, int], nbytes: int) -> None:

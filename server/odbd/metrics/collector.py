@@ -99,8 +99,25 @@ class DaemonCollector(Collector):
             ("alignment_splits", "groups split to reach a round's step count", s.splits),
             ("recirculated_samples", "samples returned to the buffer by alignment", s.recirculated),
             ("epochs", "epochs completed", s.epochs_done),
+            (
+                "updates",
+                "optimizer updates planned (--accumulate / --tokens-per-update)",
+                s.updates,
+            ),
         )
         yield from _counters(*counters)
+        yield GaugeMetricFamily(
+            "odbd_epoch_updates",
+            "optimizer updates planned in the epoch planned last (all of it once it ended)",
+            value=s.epoch_updates,
+        )
+        for name, help_text, h in (
+            ("odbd_update_tokens", "loss-bearing tokens per optimizer update", s.update_tokens),
+            ("odbd_update_micro_steps", "micro-steps per optimizer update", s.update_steps),
+        ):
+            family = HistogramMetricFamily(name, help_text)
+            family.add_metric([], h.cumulative(), sum_value=h.total)
+            yield family
         yield GaugeMetricFamily("odbd_epoch", "epoch being served", value=s.epoch)
         yield GaugeMetricFamily(
             "odbd_job_quota_samples",

@@ -15,6 +15,9 @@ if TYPE_CHECKING:
     from odbd.config import DaemonConfig
 
 # Round latencies on loopback are ~1 ms; a slow peer can take seconds.
+# Optimizer updates (--accumulate / --tokens-per-update): loss tokens and micro-steps per update.
+UPDATE_TOKEN_BUCKETS = tuple(float(2**k) for k in range(8, 25))
+UPDATE_STEP_BUCKETS = (1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0, 24.0, 32.0, 64.0, 128.0)
 LATENCY_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 
 
@@ -79,6 +82,11 @@ class DaemonStats:
     last_peer: Counter[int] = field(default_factory=Counter)  # node whose offer came last
     splits: int = 0
     recirculated: int = 0
+    # Optimizer updates, every rank (global, from the plans); empty without windows.
+    updates: int = 0
+    epoch_updates: int = 0  # updates of the epoch planned last (so far, or in all once it ended)
+    update_tokens: Histogram = field(default_factory=lambda: Histogram(UPDATE_TOKEN_BUCKETS))
+    update_steps: Histogram = field(default_factory=lambda: Histogram(UPDATE_STEP_BUCKETS))
     # This node's ingest.
     ingest_samples: int = 0
     ingest_bytes: int = 0
@@ -91,6 +99,13 @@ class DaemonStats:
     # The metrics' own cost: CPU the metrics thread spent rendering scrapes (thread time).
     scrapes: int = 0
     scrape_cpu_s: float = 0.0
+
+    def record_updates(self, steps: list[int], tokens: list[int]) -> None:
+        """One round's updates: micro-steps and loss tokens of each."""
+        self.updates += len(steps)
+        for n, t in zip(steps, tokens, strict=True):
+            self.update_steps.observe(n)
+            self.update_tokens.observe(t)
 
     @classmethod
     def for_config(cls, config: DaemonConfig, dataset_size: int) -> DaemonStats:

@@ -66,8 +66,21 @@ class PlannerConfig:
     # min-time: vary group membership with (seed, round) so epochs over the same samples do not
     # repeat groups (grouping.SORT_JITTER); off = the exact sort, for comparisons in simulate.
     fresh_groups: bool = True
+    # Optimizer updates (planner/windows.py): K micro-steps per update, or updates closed at
+    # >= T loss-bearing tokens over every rank; 1 and 0 = every step is an update (today).
+    accumulate: int = 1
+    tokens_per_update: int = 0
 
     def __post_init__(self) -> None:
+        if self.accumulate < 1:
+            raise ConfigError(f"--accumulate must be >= 1 micro-steps, got {self.accumulate}")
+        if self.tokens_per_update < 0:
+            raise ConfigError(f"--tokens-per-update must be >= 0, got {self.tokens_per_update}")
+        if self.accumulate > 1 and self.tokens_per_update > 0:
+            raise ConfigError(
+                f"--accumulate {self.accumulate} and --tokens-per-update "
+                f"{self.tokens_per_update} both size the updates; pass one of them"
+            )
         if self.token_budget <= 0:
             raise ConfigError(
                 f"token budget must be > 0, got {self.token_budget}; pass --token-budget L "
@@ -77,6 +90,11 @@ class PlannerConfig:
             raise ConfigError(f"buffer size must be > 0, got {self.buffer_size}; pass --buffer B")
         if self.max_steps_per_round < 0:
             raise ConfigError(f"max steps per round must be >= 0, got {self.max_steps_per_round}")
+
+    @property
+    def windows(self) -> bool:
+        """Updates span several steps (or are sized by tokens): batches carry update facts."""
+        return self.accumulate > 1 or self.tokens_per_update > 0
 
     @property
     def num_units(self) -> int:

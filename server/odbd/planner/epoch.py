@@ -113,7 +113,7 @@ def simulate(
     """Plans `epochs` trainer epochs of a dataset whose sample i has length lengths[i]."""
     lengths = np.asarray(lengths, dtype=np.int64)
     loss_tokens = lengths if tokens is None else np.asarray(tokens, dtype=np.int64)
-    _check_inputs(lengths, loss_tokens, epochs, arrivals_per_round, config)
+    _check_inputs(lengths, loss_tokens, epochs, arrivals_per_round, config, join)
     return _Simulation(lengths, loss_tokens, config, shuffle, arrivals_per_round).run(epochs, join)
 
 
@@ -123,6 +123,7 @@ def _check_inputs(
     epochs: int,
     arrivals: Sequence[int] | None,
     config: PlannerConfig,
+    join: bool,
 ) -> None:
     if lengths.ndim != 1 or (lengths.size and int(lengths.min()) < 0):
         raise ConfigError("lengths must be a 1-D list of non-negative integers")
@@ -130,6 +131,11 @@ def _check_inputs(
         raise ConfigError("loss tokens must have one entry per sample and never exceed its length")
     if epochs < 1:
         raise ConfigError(f"epochs must be >= 1 for a simulation, got {epochs}")
+    if config.windows and not join:
+        raise ConfigError(
+            "optimizer updates (--accumulate, --tokens-per-update) need join mode: a no-join "
+            "epoch ends mid-round, which would cut an update in two; drop --no-join"
+        )
     if arrivals is not None and (len(arrivals) != config.num_units or min(arrivals, default=1) < 1):
         raise ConfigError(f"arrivals_per_round needs {config.num_units} positive counts")
 

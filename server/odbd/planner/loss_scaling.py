@@ -18,11 +18,16 @@ def loss_scales(
     num_samples: IntArray,
     num_tokens: IntArray,
     tokens_per_sample_estimate: FloatArray,
+    window_of_step: IntArray | None = None,
 ) -> FloatArray:
     """(steps, W) loss scales; idle fillers (no samples) always get 0.
 
     `tokens_per_sample_estimate` is (W,): each rank's unit's pre-alignment mean loss tokens per
     sample, used only by `approx` (the paper's estimate without a second exchange).
+    `window_of_step` (steps,) groups steps into optimizer updates (planner/windows.py): the
+    weights are then normalised over the whole update, so the sum over its micro-steps of
+    loss_scale * mean loss, averaged by DDP, is the per-token mean over the update. None: every
+    step is its own update.
     """
     world = num_samples.shape[1] if num_samples.ndim == 2 else 0
     if mode is LossScaling.EXACT:
@@ -33,10 +38,13 @@ def loss_scales(
         weights = num_samples.astype(np.float64)
     else:
         return (num_samples > 0).astype(np.float64)
-    return _normalize(weights, world)
+    return _normalize(weights, world, window_of_step)
 
 
-def _normalize(weights: FloatArray, world: int) -> FloatArray:
+def _normalize(weights: FloatArray, world: int, window_of_step: IntArray | None) -> FloatArray:
     totals = weights.sum(axis=1, keepdims=True)
+    if window_of_step is not None and totals.size:
+        per_window = np.bincount(window_of_step, weights=totals[:, 0])
+        totals = per_window[window_of_step][:, None]
     safe = np.where(totals > 0, totals, 1.0)
     return np.where(totals > 0, world * weights / safe, 0.0)

@@ -4,18 +4,21 @@
 2. choose the round's step count T and fit every unit to T steps (alignment.py); in rounds with
    over-budget groups, a unit's surplus costly groups may wait a round for company (company.py)
 3. place groups on (rank, step) (assignment.py)
-4. compute per (step, rank) stats and loss scales (loss_scaling.py)
+4. close the round's optimizer updates, dropping an unclosed tail back to the buffers
+   (windows.py; one update per step unless --accumulate or --tokens-per-update)
+5. compute per (step, rank) stats and loss scales over each update (loss_scaling.py)
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from odbd.errors import InvariantError
-from odbd.planner import alignment, assignment, company
+from odbd.planner import alignment, assignment, company, windows
 from odbd.planner.config import Grouping, PlannerConfig
 from odbd.planner.grouping import group_buffer
 from odbd.planner.loss_scaling import loss_scales
@@ -77,7 +80,10 @@ def plan_round(offers: Sequence[UnitOffer], config: PlannerConfig, round_index: 
         for o in offers
     ]
     sorted_ = [_Sorted.of(o.samples, gr.order) for o, gr in zip(offers, grouped, strict=True)]
-    num_steps = _target_steps(offers, grouped, config)
+    all_dry = all(o.dry for o in offers)
+    num_steps = windows.round_step_count(
+        _target_steps(offers, grouped, config), config.accumulate, all_dry
+    )
     perm = assignment.step_order(num_steps, config.seed, round_index)
     waits = _waiting(grouped, sorted_, config, num_steps * g)
     units: list[UnitPlan] = []
@@ -93,8 +99,78 @@ def plan_round(offers: Sequence[UnitOffer], config: PlannerConfig, round_index: 
         units.append(_unit_plan(offer, fitted, group_of_slot))
         columns.append({k: v[group_of_slot].reshape(num_steps, g) for k, v in slot_stats.items()})
     step_stats = _step_stats(columns, offers, config)
-    final = all(o.dry for o in offers) and all(len(u.leftover) == 0 for u in units)
-    return RoundPlan(round_index, num_steps, tuple(units), step_stats, final)
+    final = all_dry and all(len(u.leftover) == 0 for u in units)
+    if not config.windows:
+        per_step = windows.Windows.per_step(
+            step_stats.global_num_tokens, step_stats.global_num_samples
+        )
+        return RoundPlan(round_index, num_steps, tuple(units), step_stats, final, per_step)
+    return _plan_windows(round_index, units, step_stats, final, offers, config)
+
+
+def _plan_windows(
+    round_index: int,
+    units: list[UnitPlan],
+    stats: StepStats,
+    final: bool,
+    offers: Sequence[UnitOffer],
+    config: PlannerConfig,
+) -> RoundPlan:
+    """Closes the round's updates; steps after the last closed one recirculate unless the
+    round is the epoch's last (windows.py says why a window never waits for the next round)."""
+    g = config.ranks_per_unit
+    if config.tokens_per_update > 0:
+        order = windows.pack_order(stats.global_num_tokens, config.tokens_per_update)
+        units = [_reorder_steps(u, order, g) for u in units]
+        stats = _take_steps(stats, order)
+    cut = windows.cut_windows(
+        stats.global_num_tokens, stats.global_num_samples, config.accumulate,
+        config.tokens_per_update,
+    )  # fmt: skip
+    num_steps = stats.num_samples.shape[0]
+    keep = windows.closed_prefix(cut)
+    if not final and 0 < keep < num_steps:
+        units = [_truncate(u, keep * g) for u in units]
+        stats = _take_steps(stats, np.arange(keep))
+        cut = windows.cut_windows(
+            stats.global_num_tokens, stats.global_num_samples, config.accumulate,
+            config.tokens_per_update,
+        )  # fmt: skip
+        num_steps = keep
+    per_sample = _per_rank_mean_tokens(offers, config)
+    scale = loss_scales(
+        config.loss_scaling, stats.num_samples, stats.num_tokens, per_sample, cut.of_step()
+    )
+    stats = dataclasses.replace(stats, loss_scale=scale)
+    return RoundPlan(round_index, num_steps, tuple(units), stats, final, cut)
+
+
+def _truncate(unit: UnitPlan, num_slots: int) -> UnitPlan:
+    """The unit's first num_slots slots; the later slots' samples join the leftover (aged)."""
+    end = int(unit.slot_offsets[num_slots])
+    tail = unit.emitted.take(np.arange(end, len(unit.emitted)))
+    tail = SampleTable(tail.views, tail.lengths, tail.tokens, tail.ages + 1)
+    return UnitPlan(
+        unit.unit,
+        unit.emitted.take(np.arange(end)),
+        unit.slot_offsets[: num_slots + 1],
+        unit.leftover.concat(tail),
+        unit.num_splits,
+    )
+
+
+def _reorder_steps(unit: UnitPlan, order: IntArray, ranks_per_unit: int) -> UnitPlan:
+    """The unit's steps in `order` (new step k is old step order[k]); slots move with them."""
+    slots = (order[:, None] * ranks_per_unit + np.arange(ranks_per_unit)).reshape(-1)
+    starts, ends = unit.slot_offsets[slots], unit.slot_offsets[slots + 1]
+    rows = alignment.concat_ranges(starts, ends)
+    offsets = np.concatenate([[0], np.cumsum(ends - starts)]).astype(np.int64)
+    return UnitPlan(unit.unit, unit.emitted.take(rows), offsets, unit.leftover, unit.num_splits)
+
+
+def _take_steps(stats: StepStats, steps: IntArray) -> StepStats:
+    """The stats of `steps` (indices into the round's steps), in that order."""
+    return StepStats(*(getattr(stats, f.name)[steps] for f in dataclasses.fields(StepStats)))
 
 
 def _cut_rng(
@@ -224,9 +300,7 @@ def _step_stats(
 
     num_samples, num_tokens = stack("num_samples"), stack("num_tokens")
     padded = stack("padded_tokens")
-    per_sample = np.repeat([_mean_tokens(o.samples) for o in offers], config.ranks_per_unit).astype(
-        np.float64
-    )
+    per_sample = _per_rank_mean_tokens(offers, config)
     return StepStats(
         num_samples=num_samples,
         num_tokens=num_tokens,
@@ -235,6 +309,11 @@ def _step_stats(
         work=config.cost.work(padded, stack("sum_sq")),
         loss_scale=loss_scales(config.loss_scaling, num_samples, num_tokens, per_sample),
     )
+
+
+def _per_rank_mean_tokens(offers: Sequence[UnitOffer], config: PlannerConfig) -> FloatArray:
+    means = [_mean_tokens(o.samples) for o in offers]
+    return np.repeat(means, config.ranks_per_unit).astype(np.float64)
 
 
 def _mean_tokens(table: SampleTable) -> float:

@@ -8,10 +8,14 @@ Arrays are numpy int64 unless noted; shapes are documented on the fields.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from odbd.errors import InvariantError
+
+if TYPE_CHECKING:
+    from odbd.planner.windows import Windows
 
 IntArray = np.ndarray  # int64, 1-D unless noted
 FloatArray = np.ndarray  # float64
@@ -136,6 +140,7 @@ class RoundPlan:
     units: tuple[UnitPlan, ...]  # in unit order
     stats: StepStats
     final: bool  # every unit was dry and nothing is left: the epoch's last round
+    windows: Windows  # the round's optimizer updates (one per step without --accumulate etc.)
 
     def group_views(self, step: int, rank: int, ranks_per_unit: int) -> IntArray:
         """View ids of one rank's batch at one step of this round (empty = idle filler)."""

@@ -23,6 +23,7 @@ from odbd.planner.config import Balance, CostModel, Grouping, LossScaling, Plann
 from odbd.simulate.distributions import NAMES, sample_lengths
 from odbd.simulate.lengths import read_lengths
 from odbd.simulate.report import render_freshness, render_table, repeated_groups, report_json
+from odbd.simulate.updates import render_updates, summarize_updates
 from odbd.world import World
 
 if TYPE_CHECKING:
@@ -111,6 +112,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=True,
         help="vary min-time groups with seed and round, or sort exactly",
     )
+    world.add_argument(
+        "--accumulate",
+        type=flags.integer(1, 1 << 20),
+        default=1,
+        metavar="K",
+        help="K micro-steps per optimizer update (reports updates)",
+    )
+    world.add_argument(
+        "--tokens-per-update",
+        type=flags.integer(0, 1 << 62),
+        default=0,
+        metavar="T",
+        help="updates closed at >= T loss tokens over all ranks (reports tokens per update)",
+    )
     model = parser.add_argument_group("cost model (token-equivalents)")
     model.add_argument(
         "--cost-a", type=flags.number, metavar="A", default=cost.a, help="per padded token"
@@ -177,7 +192,14 @@ def build_setup(args: argparse.Namespace) -> Setup:
         cost=CostModel(a=args.cost_a, b=args.cost_b, c=args.cost_c),
         seed=args.seed,
         fresh_groups=args.fresh_groups,
+        accumulate=args.accumulate,
+        tokens_per_update=args.tokens_per_update,
     )
+    if config.windows and not args.join:
+        raise ConfigError(
+            "--accumulate and --tokens-per-update need join mode (a --no-join epoch ends "
+            "mid-round and would cut an update in two); drop --no-join"
+        )
     lengths, source = _load_lengths(args)
     return Setup(
         lengths=lengths,
@@ -236,12 +258,16 @@ def _write_outputs(setup: Setup, outcome: Outcome) -> None:
         report = report_json(outcome.ours, dict(outcome.baselines))
         if setup.epochs > 1:  # only meaningful across epochs
             report["repeated_groups"] = freshness.as_json()
+        if setup.config.windows:
+            report["updates"] = summarize_updates(outcome.result).as_json()
         print(json.dumps(report))
         return
     print(_header(setup, outcome.num_rejected))
     print(render_table(("odbd", outcome.ours), outcome.baselines))
     if setup.epochs > 1:
         print(render_freshness(freshness))
+    if setup.config.windows:
+        print(render_updates(summarize_updates(outcome.result)))
 
 
 def _header(setup: Setup, num_rejected: int) -> str:

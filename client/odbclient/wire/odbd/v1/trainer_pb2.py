@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15odbd/v1/trainer.proto\x12\x07odbd.v1\"\xff\x01\n\x0cTrainerHello\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x0e\n\x06job_id\x18\x02 \x01(\t\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\x0e\n\x06resume\x18\x04 \x01(\x08\x12\x14\n\x0cresume_epoch\x18\x05 \x01(\r\x12\x13\n\x0bresume_step\x18\x06 \x01(\x04\x12\x10\n\x08prefetch\x18\x07 \x01(\r\x12\x17\n\nworld_size\x18\x08 \x01(\rH\x00\x88\x01\x01\x12\x1a\n\rlauncher_rank\x18\t \x01(\rH\x01\x88\x01\x01\x12\x14\n\x0cworld_source\x18\n \x01(\tB\r\n\x0b_world_sizeB\x10\n\x0e_launcher_rank\"Z\n\tDelivered\x12\r\n\x05\x65poch\x18\x01 \x01(\r\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12\x0e\n\x06wait_s\x18\x03 \x01(\x01\x12\x11\n\tcompute_s\x18\x04 \x01(\x01\x12\r\n\x05steps\x18\x05 \x01(\r\"i\n\x0eTrainerMessage\x12&\n\x05hello\x18\x01 \x01(\x0b\x32\x15.odbd.v1.TrainerHelloH\x00\x12\'\n\tdelivered\x18\x02 \x01(\x0b\x32\x12.odbd.v1.DeliveredH\x00\x42\x06\n\x04kind\"&\n\x08PadValue\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01\"\xa9\x01\n\x0eTrainerWelcome\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x10\n\x08segments\x18\x02 \x03(\t\x12\x16\n\x0elayout_version\x18\x03 \x01(\r\x12\x12\n\nworld_size\x18\x04 \x01(\r\x12\x12\n\nlength_key\x18\x05 \x01(\t\x12\x1f\n\x04pads\x18\x06 \x03(\x0b\x32\x11.odbd.v1.PadValue\x12\x14\n\x0closs_scaling\x18\x07 \x01(\t\"\xb0\x02\n\tStepBatch\x12\r\n\x05\x65poch\x18\x01 \x01(\r\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12\x0f\n\x07is_idle\x18\x03 \x01(\x08\x12\x12\n\nloss_scale\x18\x04 \x01(\x01\x12\x13\n\x0bnum_samples\x18\x05 \x01(\r\x12\x12\n\nnum_tokens\x18\x06 \x01(\x04\x12\x1a\n\x12global_num_samples\x18\x07 \x01(\x04\x12\x19\n\x11global_num_tokens\x18\x08 \x01(\x04\x12\x12\n\nsample_ids\x18\t \x01(\x0c\x12\x10\n\x08segments\x18\n \x01(\x0c\x12\x0f\n\x07offsets\x18\x0b \x01(\x0c\x12\x0e\n\x06nbytes\x18\x0c \x01(\x0c\x12\x15\n\rfiller_schema\x18\r \x01(\t\x12#\n\x08progress\x18\x0e \x01(\x0b\x32\x11.odbd.v1.Progress\"\xc8\x01\n\x08Progress\x12\x1c\n\x14\x65poch_steps_estimate\x18\x01 \x01(\x04\x12\x19\n\x11\x65poch_steps_exact\x18\x02 \x01(\x08\x12\x1d\n\x15\x65poch_sample_fraction\x18\x03 \x01(\x01\x12\x1c\n\x14\x65poch_token_fraction\x18\x04 \x01(\x01\x12\x14\n\x0c\x65poch_tokens\x18\x05 \x01(\x04\x12\x14\n\x0cjob_fraction\x18\x06 \x01(\x01\x12\x1a\n\x12job_steps_estimate\x18\x07 \x01(\x04\"\xde\x01\n\x08\x45pochEnd\x12\r\n\x05\x65poch\x18\x01 \x01(\r\x12\x11\n\tnum_steps\x18\x02 \x01(\x04\x12\x1a\n\x12global_num_samples\x18\x03 \x01(\x04\x12\x43\n\x12rejected_by_reason\x18\x04 \x03(\x0b\x32\'.odbd.v1.EpochEnd.RejectedByReasonEntry\x12\x16\n\x0enum_identities\x18\x05 \x01(\x04\x1a\x37\n\x15RejectedByReasonEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\"(\n\x06JobEnd\x12\x0e\n\x06reason\x18\x01 \x01(\t\x12\x0e\n\x06\x66\x61iled\x18\x02 \x01(\x08\"0\n\x0bStepBatches\x12!\n\x05steps\x18\x01 \x03(\x0b\x32\x12.odbd.v1.StepBatch\"\xd9\x01\n\x0cTrainerEvent\x12*\n\x07welcome\x18\x01 \x01(\x0b\x32\x17.odbd.v1.TrainerWelcomeH\x00\x12\"\n\x04step\x18\x02 \x01(\x0b\x32\x12.odbd.v1.StepBatchH\x00\x12&\n\tepoch_end\x18\x03 \x01(\x0b\x32\x11.odbd.v1.EpochEndH\x00\x12\"\n\x07job_end\x18\x04 \x01(\x0b\x32\x0f.odbd.v1.JobEndH\x00\x12%\n\x05steps\x18\x05 \x01(\x0b\x32\x14.odbd.v1.StepBatchesH\x00\x42\x06\n\x04kind2F\n\x07Trainer\x12;\n\x05Train\x12\x17.odbd.v1.TrainerMessage\x1a\x15.odbd.v1.TrainerEvent(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15odbd/v1/trainer.proto\x12\x07odbd.v1\"\x96\x02\n\x0cTrainerHello\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x0e\n\x06job_id\x18\x02 \x01(\t\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\x0e\n\x06resume\x18\x04 \x01(\x08\x12\x14\n\x0cresume_epoch\x18\x05 \x01(\r\x12\x13\n\x0bresume_step\x18\x06 \x01(\x04\x12\x10\n\x08prefetch\x18\x07 \x01(\r\x12\x17\n\nworld_size\x18\x08 \x01(\rH\x00\x88\x01\x01\x12\x1a\n\rlauncher_rank\x18\t \x01(\rH\x01\x88\x01\x01\x12\x14\n\x0cworld_source\x18\n \x01(\t\x12\x15\n\rresume_update\x18\x0b \x01(\x04\x42\r\n\x0b_world_sizeB\x10\n\x0e_launcher_rank\"Z\n\tDelivered\x12\r\n\x05\x65poch\x18\x01 \x01(\r\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12\x0e\n\x06wait_s\x18\x03 \x01(\x01\x12\x11\n\tcompute_s\x18\x04 \x01(\x01\x12\r\n\x05steps\x18\x05 \x01(\r\"i\n\x0eTrainerMessage\x12&\n\x05hello\x18\x01 \x01(\x0b\x32\x15.odbd.v1.TrainerHelloH\x00\x12\'\n\tdelivered\x18\x02 \x01(\x0b\x32\x12.odbd.v1.DeliveredH\x00\x42\x06\n\x04kind\"&\n\x08PadValue\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01\"\xa9\x01\n\x0eTrainerWelcome\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x10\n\x08segments\x18\x02 \x03(\t\x12\x16\n\x0elayout_version\x18\x03 \x01(\r\x12\x12\n\nworld_size\x18\x04 \x01(\r\x12\x12\n\nlength_key\x18\x05 \x01(\t\x12\x1f\n\x04pads\x18\x06 \x03(\x0b\x32\x11.odbd.v1.PadValue\x12\x14\n\x0closs_scaling\x18\x07 \x01(\t\"\xd1\x02\n\tStepBatch\x12\r\n\x05\x65poch\x18\x01 \x01(\r\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12\x0f\n\x07is_idle\x18\x03 \x01(\x08\x12\x12\n\nloss_scale\x18\x04 \x01(\x01\x12\x13\n\x0bnum_samples\x18\x05 \x01(\r\x12\x12\n\nnum_tokens\x18\x06 \x01(\x04\x12\x1a\n\x12global_num_samples\x18\x07 \x01(\x04\x12\x19\n\x11global_num_tokens\x18\x08 \x01(\x04\x12\x12\n\nsample_ids\x18\t \x01(\x0c\x12\x10\n\x08segments\x18\n \x01(\x0c\x12\x0f\n\x07offsets\x18\x0b \x01(\x0c\x12\x0e\n\x06nbytes\x18\x0c \x01(\x0c\x12\x15\n\rfiller_schema\x18\r \x01(\t\x12#\n\x08progress\x18\x0e \x01(\x0b\x32\x11.odbd.v1.Progress\x12\x1f\n\x06update\x18\x0f \x01(\x0b\x32\x0f.odbd.v1.Update\"\x87\x01\n\x06Update\x12\r\n\x05index\x18\x01 \x01(\x04\x12\x0b\n\x03\x65nd\x18\x02 \x01(\x08\x12\x11\n\tnum_steps\x18\x03 \x01(\r\x12\x16\n\x0estep_in_update\x18\x04 \x01(\r\x12\x12\n\nnum_tokens\x18\x05 \x01(\x04\x12\x13\n\x0bnum_samples\x18\x06 \x01(\x04\x12\r\n\x05short\x18\x07 \x01(\x08\"\xc8\x01\n\x08Progress\x12\x1c\n\x14\x65poch_steps_estimate\x18\x01 \x01(\x04\x12\x19\n\x11\x65poch_steps_exact\x18\x02 \x01(\x08\x12\x1d\n\x15\x65poch_sample_fraction\x18\x03 \x01(\x01\x12\x1c\n\x14\x65poch_token_fraction\x18\x04 \x01(\x01\x12\x14\n\x0c\x65poch_tokens\x18\x05 \x01(\x04\x12\x14\n\x0cjob_fraction\x18\x06 \x01(\x01\x12\x1a\n\x12job_steps_estimate\x18\x07 \x01(\x04\"\xde\x01\n\x08\x45pochEnd\x12\r\n\x05\x65poch\x18\x01 \x01(\r\x12\x11\n\tnum_steps\x18\x02 \x01(\x04\x12\x1a\n\x12global_num_samples\x18\x03 \x01(\x04\x12\x43\n\x12rejected_by_reason\x18\x04 \x03(\x0b\x32\'.odbd.v1.EpochEnd.RejectedByReasonEntry\x12\x16\n\x0enum_identities\x18\x05 \x01(\x04\x1a\x37\n\x15RejectedByReasonEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\"(\n\x06JobEnd\x12\x0e\n\x06reason\x18\x01 \x01(\t\x12\x0e\n\x06\x66\x61iled\x18\x02 \x01(\x08\"0\n\x0bStepBatches\x12!\n\x05steps\x18\x01 \x03(\x0b\x32\x12.odbd.v1.StepBatch\"\xd9\x01\n\x0cTrainerEvent\x12*\n\x07welcome\x18\x01 \x01(\x0b\x32\x17.odbd.v1.TrainerWelcomeH\x00\x12\"\n\x04step\x18\x02 \x01(\x0b\x32\x12.odbd.v1.StepBatchH\x00\x12&\n\tepoch_end\x18\x03 \x01(\x0b\x32\x11.odbd.v1.EpochEndH\x00\x12\"\n\x07job_end\x18\x04 \x01(\x0b\x32\x0f.odbd.v1.JobEndH\x00\x12%\n\x05steps\x18\x05 \x01(\x0b\x32\x14.odbd.v1.StepBatchesH\x00\x42\x06\n\x04kind2F\n\x07Trainer\x12;\n\x05Train\x12\x17.odbd.v1.TrainerMessage\x1a\x15.odbd.v1.TrainerEvent(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,29 +34,31 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_EPOCHEND_REJECTEDBYREASONENTRY']._loaded_options = None
   _globals['_EPOCHEND_REJECTEDBYREASONENTRY']._serialized_options = b'8\001'
   _globals['_TRAINERHELLO']._serialized_start=35
-  _globals['_TRAINERHELLO']._serialized_end=290
-  _globals['_DELIVERED']._serialized_start=292
-  _globals['_DELIVERED']._serialized_end=382
-  _globals['_TRAINERMESSAGE']._serialized_start=384
-  _globals['_TRAINERMESSAGE']._serialized_end=489
-  _globals['_PADVALUE']._serialized_start=491
-  _globals['_PADVALUE']._serialized_end=529
-  _globals['_TRAINERWELCOME']._serialized_start=532
-  _globals['_TRAINERWELCOME']._serialized_end=701
-  _globals['_STEPBATCH']._serialized_start=704
-  _globals['_STEPBATCH']._serialized_end=1008
-  _globals['_PROGRESS']._serialized_start=1011
-  _globals['_PROGRESS']._serialized_end=1211
-  _globals['_EPOCHEND']._serialized_start=1214
-  _globals['_EPOCHEND']._serialized_end=1436
-  _globals['_EPOCHEND_REJECTEDBYREASONENTRY']._serialized_start=1381
-  _globals['_EPOCHEND_REJECTEDBYREASONENTRY']._serialized_end=1436
-  _globals['_JOBEND']._serialized_start=1438
-  _globals['_JOBEND']._serialized_end=1478
-  _globals['_STEPBATCHES']._serialized_start=1480
-  _globals['_STEPBATCHES']._serialized_end=1528
-  _globals['_TRAINEREVENT']._serialized_start=1531
-  _globals['_TRAINEREVENT']._serialized_end=1748
-  _globals['_TRAINER']._serialized_start=1750
-  _globals['_TRAINER']._serialized_end=1820
+  _globals['_TRAINERHELLO']._serialized_end=313
+  _globals['_DELIVERED']._serialized_start=315
+  _globals['_DELIVERED']._serialized_end=405
+  _globals['_TRAINERMESSAGE']._serialized_start=407
+  _globals['_TRAINERMESSAGE']._serialized_end=512
+  _globals['_PADVALUE']._serialized_start=514
+  _globals['_PADVALUE']._serialized_end=552
+  _globals['_TRAINERWELCOME']._serialized_start=555
+  _globals['_TRAINERWELCOME']._serialized_end=724
+  _globals['_STEPBATCH']._serialized_start=727
+  _globals['_STEPBATCH']._serialized_end=1064
+  _globals['_UPDATE']._serialized_start=1067
+  _globals['_UPDATE']._serialized_end=1202
+  _globals['_PROGRESS']._serialized_start=1205
+  _globals['_PROGRESS']._serialized_end=1405
+  _globals['_EPOCHEND']._serialized_start=1408
+  _globals['_EPOCHEND']._serialized_end=1630
+  _globals['_EPOCHEND_REJECTEDBYREASONENTRY']._serialized_start=1575
+  _globals['_EPOCHEND_REJECTEDBYREASONENTRY']._serialized_end=1630
+  _globals['_JOBEND']._serialized_start=1632
+  _globals['_JOBEND']._serialized_end=1672
+  _globals['_STEPBATCHES']._serialized_start=1674
+  _globals['_STEPBATCHES']._serialized_end=1722
+  _globals['_TRAINEREVENT']._serialized_start=1725
+  _globals['_TRAINEREVENT']._serialized_end=1942
+  _globals['_TRAINER']._serialized_start=1944
+  _globals['_TRAINER']._serialized_end=2014
 # @@protoc_insertion_point(module_scope)

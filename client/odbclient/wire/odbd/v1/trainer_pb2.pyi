@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class TrainerHello(_message.Message):
-    __slots__ = ("protocol_version", "job_id", "rank", "resume", "resume_epoch", "resume_step", "prefetch", "world_size", "launcher_rank", "world_source")
+    __slots__ = ("protocol_version", "job_id", "rank", "resume", "resume_epoch", "resume_step", "prefetch", "world_size", "launcher_rank", "world_source", "resume_update")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
@@ -18,6 +18,7 @@ class TrainerHello(_message.Message):
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     LAUNCHER_RANK_FIELD_NUMBER: _ClassVar[int]
     WORLD_SOURCE_FIELD_NUMBER: _ClassVar[int]
+    RESUME_UPDATE_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     job_id: str
     rank: int
@@ -28,7 +29,8 @@ class TrainerHello(_message.Message):
     world_size: int
     launcher_rank: int
     world_source: str
-    def __init__(self, protocol_version: _Optional[int] = ..., job_id: _Optional[str] = ..., rank: _Optional[int] = ..., resume: _Optional[bool] = ..., resume_epoch: _Optional[int] = ..., resume_step: _Optional[int] = ..., prefetch: _Optional[int] = ..., world_size: _Optional[int] = ..., launcher_rank: _Optional[int] = ..., world_source: _Optional[str] = ...) -> None: ...
+    resume_update: int
+    def __init__(self, protocol_version: _Optional[int] = ..., job_id: _Optional[str] = ..., rank: _Optional[int] = ..., resume: _Optional[bool] = ..., resume_epoch: _Optional[int] = ..., resume_step: _Optional[int] = ..., prefetch: _Optional[int] = ..., world_size: _Optional[int] = ..., launcher_rank: _Optional[int] = ..., world_source: _Optional[str] = ..., resume_update: _Optional[int] = ...) -> None: ...
 
 class Delivered(_message.Message):
     __slots__ = ("epoch", "step", "wait_s", "compute_s", "steps")
@@ -79,7 +81,7 @@ class TrainerWelcome(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., segments: _Optional[_Iterable[str]] = ..., layout_version: _Optional[int] = ..., world_size: _Optional[int] = ..., length_key: _Optional[str] = ..., pads: _Optional[_Iterable[_Union[PadValue, _Mapping]]] = ..., loss_scaling: _Optional[str] = ...) -> None: ...
 
 class StepBatch(_message.Message):
-    __slots__ = ("epoch", "step", "is_idle", "loss_scale", "num_samples", "num_tokens", "global_num_samples", "global_num_tokens", "sample_ids", "segments", "offsets", "nbytes", "filler_schema", "progress")
+    __slots__ = ("epoch", "step", "is_idle", "loss_scale", "num_samples", "num_tokens", "global_num_samples", "global_num_tokens", "sample_ids", "segments", "offsets", "nbytes", "filler_schema", "progress", "update")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     IS_IDLE_FIELD_NUMBER: _ClassVar[int]
@@ -94,6 +96,7 @@ class StepBatch(_message.Message):
     NBYTES_FIELD_NUMBER: _ClassVar[int]
     FILLER_SCHEMA_FIELD_NUMBER: _ClassVar[int]
     PROGRESS_FIELD_NUMBER: _ClassVar[int]
+    UPDATE_FIELD_NUMBER: _ClassVar[int]
     epoch: int
     step: int
     is_idle: bool
@@ -108,7 +111,26 @@ class StepBatch(_message.Message):
     nbytes: bytes
     filler_schema: str
     progress: Progress
-    def __init__(self, epoch: _Optional[int] = ..., step: _Optional[int] = ..., is_idle: _Optional[bool] = ..., loss_scale: _Optional[float] = ..., num_samples: _Optional[int] = ..., num_tokens: _Optional[int] = ..., global_num_samples: _Optional[int] = ..., global_num_tokens: _Optional[int] = ..., sample_ids: _Optional[bytes] = ..., segments: _Optional[bytes] = ..., offsets: _Optional[bytes] = ..., nbytes: _Optional[bytes] = ..., filler_schema: _Optional[str] = ..., progress: _Optional[_Union[Progress, _Mapping]] = ...) -> None: ...
+    update: Update
+    def __init__(self, epoch: _Optional[int] = ..., step: _Optional[int] = ..., is_idle: _Optional[bool] = ..., loss_scale: _Optional[float] = ..., num_samples: _Optional[int] = ..., num_tokens: _Optional[int] = ..., global_num_samples: _Optional[int] = ..., global_num_tokens: _Optional[int] = ..., sample_ids: _Optional[bytes] = ..., segments: _Optional[bytes] = ..., offsets: _Optional[bytes] = ..., nbytes: _Optional[bytes] = ..., filler_schema: _Optional[str] = ..., progress: _Optional[_Union[Progress, _Mapping]] = ..., update: _Optional[_Union[Update, _Mapping]] = ...) -> None: ...
+
+class Update(_message.Message):
+    __slots__ = ("index", "end", "num_steps", "step_in_update", "num_tokens", "num_samples", "short")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
+    NUM_STEPS_FIELD_NUMBER: _ClassVar[int]
+    STEP_IN_UPDATE_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    SHORT_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    end: bool
+    num_steps: int
+    step_in_update: int
+    num_tokens: int
+    num_samples: int
+    short: bool
+    def __init__(self, index: _Optional[int] = ..., end: _Optional[bool] = ..., num_steps: _Optional[int] = ..., step_in_update: _Optional[int] = ..., num_tokens: _Optional[int] = ..., num_samples: _Optional[int] = ..., short: _Optional[bool] = ...) -> None: ...
 
 class Progress(_message.Message):
     __slots__ = ("epoch_steps_estimate", "epoch_steps_exact", "epoch_sample_fraction", "epoch_token_fraction", "epoch_tokens", "job_fraction", "job_steps_estimate")
