@@ -9,7 +9,7 @@ import threading
 import pytest
 
 from tests.conftest import describe_leaks, leaks_since, snapshot, wait_for_leaks
-from tests.integration.harness import SLOWDOWN_ENV, scaled, slowdown
+from tests.integration.harness import SLOWDOWN_ENV, poll_until, scaled, slowdown
 
 
 def test_slowdown_is_at_least_the_env_floor(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -34,13 +34,20 @@ def test_a_left_thread_and_child_are_found_and_named() -> None:
     thread = threading.Thread(target=release.wait, name="left-behind", daemon=True)
     thread.start()
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    expected_child = f"child process {child.pid}: {sys.executable} -c import time"
     try:
         leaks = leaks_since(before)
         assert leaks.threads == [thread] and leaks.children == [child.pid]
+        # Under load the child's /proc entry was once read before its command line was
+        # readable (the suite ran beside other test runs); poll instead of reading once.
+        poll_until(
+            lambda: expected_child in describe_leaks("t", leaks_since(before)),
+            "the child's command line is readable",
+        )
         message = describe_leaks("tests/x.py::test_y", leaks)
         assert message.startswith("tests/x.py::test_y left behind:")
         assert "thread 'left-behind' (daemon) running Event.wait" in message
-        assert f"child process {child.pid}: {sys.executable} -c import time" in message
+        assert expected_child in message
     finally:
         release.set()
         child.kill()
