@@ -27,7 +27,7 @@ import pytest
 import yaml
 
 from odbd.demo.cluster import ClusterSpec, LocalCluster, free_ports
-from tests.integration.harness import http_get
+from tests.integration.harness import http_get, scaled
 
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD = ROOT / "ops" / "grafana" / "odbd-dashboard.json"
@@ -81,6 +81,7 @@ def exported_names(exposition: str) -> set[str]:
 
 
 def wait_for(what: str, check: Callable[[], object], timeout_s: float, every_s: float = 0.1):
+    timeout_s = scaled(timeout_s)  # for an idle machine; follows this one's load
     deadline = time.monotonic() + timeout_s
     last_error: Exception | None = None
     while time.monotonic() < deadline:
@@ -91,7 +92,7 @@ def wait_for(what: str, check: Callable[[], object], timeout_s: float, every_s: 
         except (OSError, ValueError, KeyError) as error:
             last_error = error
         time.sleep(every_s)
-    raise TimeoutError(f"{what} within {timeout_s} s (last error: {last_error})")
+    raise TimeoutError(f"{what} within {timeout_s:.0f} s (last error: {last_error})")
 
 
 def scrape(port: int) -> str:
@@ -309,7 +310,7 @@ def test_prometheus_evaluates_the_dashboard_padding_overlap_and_quota(tmp_path: 
     try:
         with processes() as started:
             cluster.start()
-            cluster.wait_sockets(30)
+            cluster.wait_sockets(scaled(30))
             targets = [f"127.0.0.1:{p}" for p in cluster.metrics_ports]
             prometheus = Prometheus(binary, tmp_path, targets)
             prometheus.wait_ready()
@@ -326,7 +327,7 @@ def test_prometheus_evaluates_the_dashboard_padding_overlap_and_quota(tmp_path: 
             check_trainer_reports(expected, reports, cluster.world)
             check_dashboard(prometheus, expected, cluster.world)
             release.touch()
-            assert cluster.wait(30) == [0, 0], cluster.log(0) + cluster.log(1)
+            assert cluster.wait(scaled(30)) == [0, 0], cluster.log(0) + cluster.log(1)
     finally:
         release.touch()
         cluster.stop()
