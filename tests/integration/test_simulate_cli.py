@@ -54,7 +54,9 @@ def test_json_and_plan_out_describe_the_same_run(tmp_path: Path) -> None:
     keys = {"steps", "padding_ratio", "samples_per_step", "imbalance", "efficiency",
             "simulated_time", "ideal_time"}  # fmt: skip
     assert set(out) == keys | {"baselines"}
-    assert set(out["baselines"]) == {"fixed-1", "fixed-4", "paper"}
+    assert set(out["baselines"]) == {"fixed-1", "fixed-4", "paper", "oracle"}
+    # The offline oracle sees the whole epoch: it never needs more time than odbd online.
+    assert out["baselines"]["oracle"]["simulated_time"] <= out["simulated_time"]
     assert out["baselines"]["fixed-1"]["steps"] == 751  # ceil(3001 / 4)
     assert out["baselines"]["fixed-4"]["steps"] == 188
 
