@@ -35,7 +35,8 @@ def test_producer_killed_mid_sample_loses_nothing_and_its_lane_is_reclaimed():
         fc.wait_until(lambda: _stopped_holding_leases(fc, victim), "node 1's producer holds leases")
         killed_s = time.monotonic()
         os.kill(victim, signal.SIGKILL)
-        os.kill(victim, signal.SIGCONT)  # a SIGKILLed process dies stopped or not; be explicit
+        # SIGKILL ends a stopped process too; no SIGCONT (the supervisor may already have
+        # reaped the pid, and a recycled pid must never be signalled).
         restarted_s = fc.wait_until(
             lambda: fc.log(1).count(" attached (lane ") == 1 + WORKERS,
             "the supervisor restarted the killed producer and it attached",
