@@ -447,6 +447,9 @@ class Daemon:
         rank_stats.wait_s += delivered.wait_s
         rank_stats.compute_s += delivered.compute_s
         rank_stats.delivered_steps += max(delivered.steps, 1)
+        if self.loop is not None:
+            for timed in delivered.measured:
+                self.loop.cost.measured(rank, timed.epoch, timed.step, timed.compute_s)
         self._on_progress()
 
     def _on_progress(self) -> None:
