@@ -52,9 +52,7 @@ def test_recovers_known_coefficients_from_noisy_data_with_outliers() -> None:
 
 def test_outliers_move_the_huber_fit_less_than_least_squares() -> None:
     clean = fit_cost_model(make_observations(512, noise=0.02), FIXED, FitConfig())
-    dirty = fit_cost_model(
-        make_observations(512, noise=0.02, outliers=0.15), FIXED, FitConfig()
-    )
+    dirty = fit_cost_model(make_observations(512, noise=0.02, outliers=0.15), FIXED, FitConfig())
     ols = fit_cost_model(
         make_observations(512, noise=0.02, outliers=0.15), FIXED, FitConfig(iterations=1)
     )

@@ -33,10 +33,10 @@ from odbd.errors import InvariantError, OdbdError
 from odbd.ingest.lanes import Lanes
 from odbd.ingest.rejections import empty_epoch_failure
 from odbd.metrics.stats import DaemonStats
+from odbd.planner.config import PlannerConfig
 from odbd.planner.cost_fit import FitConfig
 from odbd.planner.progress import JobShape, Progress, StepFacts, step_progress
 from odbd.planner.round import plan_round
-from odbd.planner.config import PlannerConfig
 from odbd.planner.types import RoundPlan, UnitPlan
 from odbd.round import RoundBarrier
 from odbd.serve.rank_queue import QueuedItem, RankQueue

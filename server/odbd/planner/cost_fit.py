@@ -198,7 +198,9 @@ def _weighted_lstsq(x: np.ndarray, y: np.ndarray, w: np.ndarray, free: list[int]
     rhs = [math.fsum((w * x[:, j] * y).tolist()) for j in free]
     scale = [math.sqrt(g[i][i]) if g[i][i] > 0 else 1.0 for i in range(len(free))]
     k = len(free)
-    m = [[g[i][j] / (scale[i] * scale[j]) for j in range(k)] + [rhs[i] / scale[i]] for i in range(k)]
+    m = [
+        [g[i][j] / (scale[i] * scale[j]) for j in range(k)] + [rhs[i] / scale[i]] for i in range(k)
+    ]
     for col in range(k):
         pivot = max(range(col, k), key=lambda r: abs(m[r][col]))
         m[col], m[pivot] = m[pivot], m[col]
