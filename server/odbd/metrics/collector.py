@@ -2,9 +2,10 @@
 
 Names follow Prometheus conventions: prefix odbd_, base units, counters end in _total, labels
 limited to rank, peer and reason, plus the closed sets term and model of the cost model
-families. The three numbers an operator reads first, with their PromQL, are in ops/README.md (padding, pipeline overlap, sample quota); ops/grafana/ and ops/prometheus/
-use only the names below, which a test checks against a live scrape. Per-rank families carry
-`rank`; every daemon reports the job-wide numbers (global_*, epoch_*, job_*, round_*)
+families. The three numbers an operator reads first, with their PromQL, are in ops/README.md
+(padding, pipeline overlap, sample quota); ops/grafana/ and ops/prometheus/ use only the
+names below, which a test checks against a live scrape. Per-rank families carry `rank`; every
+daemon reports the job-wide numbers (global_*, epoch_*, job_*, round_*, cost_model_*)
 identically, so job views take max() over the daemons rather than sum().
 """
 
