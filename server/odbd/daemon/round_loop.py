@@ -34,7 +34,7 @@ from odbd.ingest.lanes import Lanes
 from odbd.ingest.rejections import empty_epoch_failure
 from odbd.metrics.stats import DaemonStats
 from odbd.planner.config import PlannerConfig
-from odbd.planner.cost_fit import FitConfig
+from odbd.planner.cost_fit import FitConfig, FitState
 from odbd.planner.progress import JobShape, Progress, StepFacts, step_progress
 from odbd.planner.round import plan_round
 from odbd.planner.types import RoundPlan, UnitPlan
@@ -317,7 +317,15 @@ class RoundLoop:
     def _planner(self, observations: list[np.ndarray]) -> PlannerConfig:
         """The planner config of this round: its cost model is learned from every node's
         timed steps (the same on every daemon, cost_learning.py) under --cost-model auto."""
-        self.stats.cost_fit = self.cost.absorb(observations)
+        fit = self.cost.absorb(observations)
+        if fit.state is FitState.FITTED and fit is not self.stats.cost_fit:
+            log.info(
+                "round %d: cost model fitted to %d rank-steps: %r s/padded token, %r s/l^2, "
+                "%r s/step, median error %.1f%% (fixed model %.1f%%)%s",
+                self.round_index, fit.num_observations, *fit.seconds, 100 * fit.error,
+                100 * fit.fixed_error, "" if self.cost.learned else "; not used (--cost-model fixed)",
+            )  # fmt: skip
+        self.stats.cost_fit = fit
         self.stats.cost_learned = self.cost.learned
         if not self.cost.learned:
             return self.state.planner
