@@ -323,7 +323,8 @@ class RoundLoop:
                 "round %d: cost model fitted to %d rank-steps: %r s/padded token, %r s/l^2, "
                 "%r s/step, median error %.1f%% (fixed model %.1f%%)%s",
                 self.round_index, fit.num_observations, *fit.seconds, 100 * fit.error,
-                100 * fit.fixed_error, "" if self.cost.learned else "; not used (--cost-model fixed)",
+                100 * fit.fixed_error,
+                "" if self.cost.learned else "; not used (--cost-model fixed)",
             )  # fmt: skip
         self.stats.cost_fit = fit
         self.stats.cost_learned = self.cost.learned
