@@ -23,8 +23,10 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
+import numpy as np
 import pytest
 
+from tests.integration.ddp_data import LongTailTokens
 from tests.integration.ddp_launch import Reports, run_odbd_training
 from tests.integration.ddp_model import ModelConfig
 
@@ -49,6 +51,8 @@ class Run:
     spread_all: float  # median over steps of max/mean rank compute time
     spread_late: float  # the same over the last epoch's steps
     mean_step_max_s: float  # mean over steps of the slowest rank's compute
+    total_compute_s: float  # every rank-step's compute: the same work in both modes
+    sq_imbalance: float  # sum over steps of max_r sum l^2 / of mean_r: the planned quadratic work
     loop_s: float
     last_fit: str
 
@@ -59,6 +63,12 @@ def spread(records: list[list[dict]]) -> list[float]:
         times = [r["compute_s"] for r in per_rank]
         out.append(max(times) / (sum(times) / len(times)))
     return out
+
+
+def sq_imbalance(steps: list[tuple[dict, ...]]) -> float:
+    lengths = LongTailTokens(**DATA).lengths.astype(np.float64)
+    sq = np.array([[float((lengths[r["ids"]] ** 2).sum()) for r in s] for s in steps])
+    return float(sq.max(axis=1).sum() / sq.mean(axis=1).sum())
 
 
 def measure(mode: str, out_dir: Path) -> Run:
@@ -84,6 +94,8 @@ def measure(mode: str, out_dir: Path) -> Run:
         spread_all=statistics.median(spread(steps)),
         spread_late=statistics.median(spread(late)),
         mean_step_max_s=statistics.mean(max(r["compute_s"] for r in s) for s in steps),
+        total_compute_s=sum(r["compute_s"] for s in steps for r in s),
+        sq_imbalance=sq_imbalance(steps),
         loop_s=float(Reports.done(reports, 0)["loop_s"]),
         last_fit=fits[-1] if fits else "(no fit)",
     )
@@ -92,13 +104,15 @@ def measure(mode: str, out_dir: Path) -> Run:
 def table(runs: list[Run]) -> list[str]:
     lines = [
         "| run | --cost-model | steps/rank | median spread, epoch 2 | median spread, all "
-        "| mean slowest-rank compute (ms) | loop (s) |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
+        "| mean slowest-rank compute (ms) | all ranks' compute (s) | sum l^2 max/mean "
+        "| loop (s) |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for i, r in enumerate(runs):
         lines.append(
             f"| {i} | {r.mode} | {r.steps} | {r.spread_late:.3f} | {r.spread_all:.3f} "
-            f"| {1e3 * r.mean_step_max_s:.1f} | {r.loop_s:.1f} |"
+            f"| {1e3 * r.mean_step_max_s:.1f} | {r.total_compute_s:.2f} | {r.sq_imbalance:.3f} "
+            f"| {r.loop_s:.1f} |"
         )
     return lines
 
@@ -112,6 +126,8 @@ def summary(runs: list[Run]) -> list[str]:
         ("spread_late", "median per-step spread (max/mean rank compute), epoch 2"),
         ("spread_all", "median per-step spread, all steps"),
         ("mean_step_max_s", "mean slowest-rank compute per step (s)"),
+        ("total_compute_s", "all ranks' compute, same samples (s)"),
+        ("sq_imbalance", "planned sum l^2: sum over steps of max/mean over ranks"),
         ("loop_s", "training loop wall time (s)"),
     ):
         fixed, auto = med("fixed", key), med("auto", key)
