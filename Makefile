@@ -5,7 +5,7 @@ STAMP := $(VENV)/.installed
 BENCH := $(PY) -m pytest -q -m bench -s
 
 .PHONY: venv demo test test-under-load test-fast bench bench-planner bench-round bench-shm bench-datapath \
-	bench-metrics bench-training soak lint format proto proto-check clean
+	bench-metrics bench-training bench-cost-model soak lint format proto proto-check clean
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -47,6 +47,9 @@ bench-metrics: $(STAMP)
 
 bench-training: $(STAMP)
 	$(BENCH) tests/bench/test_bench_training.py
+
+bench-cost-model: $(STAMP)  # --cost-model fixed vs auto on DDP with a quadratic step cost
+	$(BENCH) tests/bench/test_bench_cost_model.py
 
 soak: $(STAMP)  # long fault and load runs (marker `soak`)
 	$(PY) -m pytest -q -m soak -s tests

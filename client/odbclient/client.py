@@ -117,6 +117,7 @@ class ODBClient:
         self._open_update: Batch | None = None
         self._resume_update = 0
         self._last_return_s: float | None = None  # perf_counter when next() last returned
+        self._last_batch: tuple[int, int] | None = None  # (epoch, step) next() returned last
         self._unreported_wait_s = 0.0  # time spent reporting the last Delivered
         self._num_batches, self._num_idle = 0, 0  # delivered this epoch
         self._summary: dict[str, Any] = {}
@@ -201,6 +202,7 @@ class ODBClient:
         if unsent >= self._report_every:
             stream.reports.flush()
         self._epoch, self._next_step = batch.epoch, batch.step + 1
+        self._last_batch = (batch.epoch, batch.step)
         if batch.windowed:
             self._next_update = batch.update_index + int(batch.update_end)
             self._open_update = None if batch.update_end else batch
@@ -254,6 +256,23 @@ class ODBClient:
                 "call it before the first iter(client)"
             )
         self._world = TrainerWorld(world_size, rank, source)
+
+    def report_compute(self, seconds: float) -> None:
+        """Reports this rank's own compute time for the batch next() returned last.
+
+        Time only the rank's work (forward and backward), not waits in collectives: under DDP
+        the time between next() calls includes the gradient all-reduce, where every rank waits
+        for the slowest, so it says nothing about this rank's batch. E.g. run forward/backward
+        under `model.no_sync()` and all-reduce the gradients after timing, or time up to the
+        backward pass with CUDA events. With `--cost-model auto` the daemons fit the planner's
+        cost model to these reports; without reports it keeps the fixed model. Cheap: the time
+        rides along with the next Delivered report.
+        """
+        if self._last_batch is None or self._stream is None:
+            raise RuntimeError("report_compute() before next() returned a batch: nothing to time")
+        if not seconds >= 0.0:
+            raise ValueError(f"report_compute({seconds!r}): seconds must be >= 0")
+        self._stream.reports.add_measured(*self._last_batch, seconds)
 
     # --- state, summary, lifetime --------------------------------------------------------------
 

@@ -50,6 +50,7 @@ class DeliveryReports:
         self._outbox = outbox
         self._poll_s, self._park_after_s = poll_s, park_after_s
         self._unsent: deque[_Report] = deque()
+        self._measured: deque[tuple[int, int, float]] = deque()  # report_compute: ride along
         self._lock = threading.Lock()  # one flush at a time: reports leave in step order
         self._wake = threading.Event()
         self._parked = True
@@ -63,6 +64,11 @@ class DeliveryReports:
         if self._parked:
             self._wake.set()
         return len(self._unsent)
+
+    def add_measured(self, epoch: int, step: int, compute_s: float) -> None:
+        """Queues the trainer's own time of one step; it leaves with the next Delivered (a
+        Delivered always covers at least one new step, so none is sent for these alone)."""
+        self._measured.append((epoch, step, compute_s))
 
     def flush(self) -> None:
         """Hands every queued report to gRPC now, as one Delivered (any thread)."""
@@ -79,6 +85,9 @@ class DeliveryReports:
                 compute_s=sum(report.compute_s for report in taken),
                 steps=len(taken),
             )
+            while self._measured:
+                epoch, step, compute_s = self._measured.popleft()
+                delivered.measured.add(epoch=epoch, step=step, compute_s=compute_s)
             self._outbox.put(trainer_pb2.TrainerMessage(delivered=delivered))
 
     def close(self) -> None:

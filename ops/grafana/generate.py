@@ -280,6 +280,19 @@ def planning(b: Board) -> None:
         "With --accumulate K or --tokens-per-update T (empty otherwise): every rank's loss "
         "tokens and the micro-steps of each optimizer update.",
     )
+    b.series(
+        "Cost model: fit error and whether it is used",
+        [
+            ('max(odbd_cost_model_fit_error{job=~"$job",model="fitted"})', "fitted model error"),
+            ('max(odbd_cost_model_fit_error{job=~"$job",model="fixed"})', "fixed model error"),
+            (f"max(odbd_cost_model_learned{J})", "learned model in use"),
+        ],
+        "percentunit",
+        "Median relative error of predicted vs trainer-timed rank-step compute over the fit's "
+        "window (--cost-model auto; trainers report with ODBClient.report_compute), for the "
+        "fitted model and for the fixed one at its best scale; 1 = the planner uses the fit. "
+        "Coefficients: odbd_cost_model_fitted_seconds{term}.",
+    )
 
 
 def rounds(b: Board) -> None:

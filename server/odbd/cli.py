@@ -19,6 +19,7 @@ from odbd import flag_files, flags
 from odbd.config import DEFAULT_PADS, DaemonConfig, default_socket, node_rank_from_environment
 from odbd.errors import ConfigError
 from odbd.planner.config import Balance, Grouping, LossScaling
+from odbd.planner.cost_fit import CostModelMode
 from odbd.world import World
 
 EXIT_USAGE = flags.EXIT_USAGE
@@ -128,6 +129,14 @@ def daemon_parser() -> flags.OneLineParser:
         default="min-time",
         metavar=_choices(Grouping),
         help="how samples are grouped into steps",
+    )
+    plan.add_argument(
+        "--cost-model",
+        type=flags.choice_of([m.value for m in CostModelMode]),
+        default="auto",
+        metavar=_choices(CostModelMode),
+        help="auto: fit the planner's step cost to the step times trainers report "
+        "(ODBClient.report_compute) once warmed up, fixed until then; fixed: never",
     )
     plan.add_argument(
         "--balance",
@@ -410,6 +419,7 @@ def config_from_args(
         shuffle=args.shuffle,
         loss_scaling=LossScaling(args.loss_scaling),
         grouping=Grouping(args.grouping),
+        cost_model=CostModelMode(args.cost_model),
         balance=Balance(args.balance),
         length_key=args.length_key,
         labels_key=args.labels_key,

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 from odbd.errors import ConfigError
 from odbd.planner.config import Balance, Grouping, LossScaling, PlannerConfig
+from odbd.planner.cost_fit import CostModelMode
 from odbd.world import World
 
 if TYPE_CHECKING:  # odbd.round imports grpc; `odbd --help` and flag errors should not wait
@@ -74,6 +75,7 @@ class DaemonConfig:
     shuffle: bool = True
     loss_scaling: LossScaling = LossScaling.EXACT
     grouping: Grouping = Grouping.MIN_TIME
+    cost_model: CostModelMode = CostModelMode.AUTO  # planner/cost_fit.py, daemon/cost_learning.py
     balance: Balance = Balance.NODE
     length_key: str = "input_ids"
     labels_key: str = "labels"
@@ -168,6 +170,8 @@ class DaemonConfig:
             "grouping": self.grouping.value,
             "balance": self.balance.value,
             "loss_scaling": self.loss_scaling.value,
+            # Plans depend on the model; a release without the flag planned with the fixed one.
+            **({"cost_model": self.cost_model.value} if self.cost_model.value != "fixed" else {}),
             "dataset_size": str(dataset_size),
             "length_key": self.length_key,
             # Only when set: daemons (and journals) of a release without updates still match

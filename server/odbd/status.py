@@ -79,11 +79,29 @@ def render(reply: admin_pb2.StatusReply) -> str:
         lines.append(
             f"{r.rank:>4}  {attached:>7}  {r.queued_steps:>6}  {r.delivered_steps:>9}  {overlap:>7}"
         )
+    if reply.HasField("cost_model"):
+        lines.append(_cost_model(reply.cost_model))
     if reply.waiting_for:
         lines.append(f"next round waits because {reply.waiting_for}")
     if reply.last_error:
         lines.append(f"last error: {reply.last_error}")
     return "\n".join(lines)
+
+
+def _cost_model(m: admin_pb2.CostModelStatus) -> str:
+    """One line: what the planner uses, and the fit behind it."""
+    used = "learned" if m.learned else "fixed"
+    line = (
+        f"cost model {m.mode}: {used} a={m.a:.3g} b={m.b:.3g} c={m.c:.4g} (token-equivalents); "
+        f"fit {m.state} over {m.observations} rank-steps"
+    )
+    if m.state == "fitted":
+        line += (
+            f": {m.a_seconds:.3g} s/token, {m.b_seconds:.3g} s/token², "
+            f"{m.c_seconds * 1e3:.3g} ms/step, error {m.fit_error:.1%} "
+            f"(fixed model {m.fixed_error:.1%})"
+        )
+    return line
 
 
 def _waiting(lane_full: int) -> str:

@@ -11,6 +11,13 @@ loop's wall time and, on rank 0, the held-out loss before and after training.
 and rank 0 saves the gradient DDP produced for each step to DIR/grad-e{epoch}-s{step}.pt.
 `--stop-at E:S` saves a checkpoint (model, optimizer, ODBClient.state_dict()) to
 DIR/ckpt-rank{r}.pt after step S of epoch E and exits; `--resume` loads it and carries on.
+
+`--timed` (the cost model's runs, issue 14): each step's forward and backward run under
+`no_sync()` and are timed, the rank reports that time (`ODBClient.report_compute`) and records
+it as "compute_s", and only then are the gradients all-reduced, so the time is the rank's own
+work without the wait for the slowest rank. `--quadratic-dim D` adds explicit O(sum l^2) work,
+a D-wide self-attention score matrix per sample (2 * l^2 * D flops), as long-context
+attention kernels have: the run's true step cost then has a strong quadratic term.
 """
 
 from __future__ import annotations
@@ -56,6 +63,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--resume", action="store_true", help="continue from DIR/ckpt-rank{r}.pt")
     p.add_argument("--eval-size", type=int, default=0, help="held-out samples (rank 0)")
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--timed", action="store_true", help="time and report each step's compute")
+    p.add_argument("--quadratic-dim", type=int, default=0, help="O(l^2 * D) work per sample")
     return p.parse_args(argv)
 
 
@@ -87,6 +96,8 @@ class Run:
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=args.lr)
         self.data = data_kwargs(args.data_arg)
         self.client: Any = None
+        self.lengths: Any = None  # dataset lengths by id (--quadratic-dim)
+        self.scratch = torch.zeros(0)
         self.start_epoch, self.steps_done = 0, 0
         self.report = open(args.out_dir / f"rank{self.rank}.jsonl", "a")  # noqa: SIM115
 
@@ -120,7 +131,46 @@ class Run:
         for epoch in range(args.epochs):
             yield ddp_loaders.paper_epoch(paper, epoch, self.world)
 
+    def timed_step(self, step: ddp_loaders.Step) -> None:
+        """--timed: local forward/backward (+ quadratic work) timed, then the all-reduce."""
+        self.optimizer.zero_grad(set_to_none=False)
+        started = time.perf_counter()
+        with self.model.no_sync():
+            loss = mean_loss(self.model, step.tensors)
+            (loss * step.loss_scale).backward()
+        self.quadratic_work(step.ids)
+        compute_s = time.perf_counter() - started
+        self.client.report_compute(compute_s)
+        grads = [p.grad for p in self.module.parameters() if p.grad is not None]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat)  # what DDP would do in backward: the mean over ranks
+        flat /= self.world
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
+            offset += g.numel()
+        self.optimizer.step()
+        record = {**step.record(), "loss": float(loss.detach()), "compute_s": compute_s}
+        self.report.write(json.dumps(record) + "\n")
+        self.report.flush()
+        self.steps_done += 1
+
+    def quadratic_work(self, ids: list[int]) -> None:
+        """2 * l^2 * D flops per sample of length l: a score matrix like attention's."""
+        dim = self.args.quadratic_dim
+        if not dim:
+            return
+        if self.lengths is None:
+            self.lengths = LongTailTokens(**self.data).lengths
+            self.scratch = torch.ones((int(self.lengths.max()), dim))
+        for length in self.lengths[ids].tolist():
+            block = self.scratch[:length]
+            torch.mm(block, block.T)
+
     def train_step(self, step: ddp_loaders.Step) -> None:
+        if self.args.timed:
+            self.timed_step(step)
+            return
         if step.update_start:
             self.optimizer.zero_grad(set_to_none=True)
         # odbd's optimizer updates: gradients accumulate locally over the update's micro-steps

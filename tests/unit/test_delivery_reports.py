@@ -128,3 +128,31 @@ def test_close_sends_what_is_queued_and_ends_the_pump() -> None:
     assert outbox.sent == [(3, 7, 1, 0.0, 0.0)]
     assert not reports._pump.is_alive()
     reports.close()  # idempotent
+
+
+class MessageOutbox:
+    def __init__(self) -> None:
+        self.messages: list[Any] = []
+
+    def put(self, message: Any) -> None:
+        self.messages.append(message.delivered)
+
+
+@pytest.mark.timeout(30)
+def test_measured_step_times_ride_along_with_the_next_report_only() -> None:
+    outbox = MessageOutbox()
+    reports = DeliveryReports(outbox, name="test-reports", poll_s=3600.0)  # type: ignore[arg-type]
+    try:
+        reports.add(0, 0, wait_s=0.0, compute_s=0.0)
+        reports.flush()
+        reports.add_measured(0, 0, 0.125)
+        reports.flush()  # no new step: a Delivered would count one, so nothing is sent
+        assert len(outbox.messages) == 1
+        reports.add(0, 1, wait_s=0.0, compute_s=0.125)
+        reports.flush()
+    finally:
+        reports.close()
+    assert [list(d.measured) for d in outbox.messages][0] == []
+    last = outbox.messages[1]
+    assert (last.step, last.steps) == (1, 1)
+    assert [(m.epoch, m.step, m.compute_s) for m in last.measured] == [(0, 0, 0.125)]

@@ -14,7 +14,7 @@ from odbd.metrics.collector import KNOWN_REJECT_REASONS, DaemonCollector
 from odbd.metrics.stats import DaemonStats, Histogram
 from odbd.world import World
 
-ALLOWED_LABELS = {"rank", "peer", "reason", "le", "version", "node"}
+ALLOWED_LABELS = {"rank", "peer", "reason", "le", "version", "node", "term", "model"}
 
 
 def render(stats: DaemonStats, live: dict[str, float] | None = None) -> str:
@@ -133,3 +133,31 @@ def test_optimizer_updates_render_counts_and_histograms():
     assert value[("odbd_update_micro_steps_bucket", (("le", "1.0"),))] == 1
     assert value[("odbd_update_tokens_sum", ())] == 11300
     assert value[("odbd_update_tokens_bucket", (("le", "4096.0"),))] == 1
+
+
+def test_cost_model_families_show_the_fixed_model_until_a_fit_is_used():
+    import math
+
+    from odbd.planner.config import CostModel
+    from odbd.planner.cost_fit import CostFit, FitState
+
+    stats = DaemonStats.for_config(config(), 100)
+    f = families(render(stats))
+    used = {s.labels["term"]: s.value for s in f["odbd_cost_model_coefficient"].samples}
+    assert used == {"tokens": 1.0, "sq": 1.2e-5, "const": 1800.0}
+    assert all(math.isnan(s.value) for s in f["odbd_cost_model_fit_error"].samples)
+    assert f["odbd_cost_model_learned"].samples[0].value == 0
+    stats.cost_fit = CostFit(
+        model=CostModel(a=1.0, b=2e-3, c=1500.0), state=FitState.FITTED,
+        seconds=(2e-6, 4e-9, 3e-3), error=0.03, fixed_error=0.2, num_observations=512,
+    )  # fmt: skip
+    stats.cost_learned = True
+    f = families(render(stats))
+    used = {s.labels["term"]: s.value for s in f["odbd_cost_model_coefficient"].samples}
+    fitted = {s.labels["term"]: s.value for s in f["odbd_cost_model_fitted_seconds"].samples}
+    errors = {s.labels["model"]: s.value for s in f["odbd_cost_model_fit_error"].samples}
+    assert used == {"tokens": 1.0, "sq": 2e-3, "const": 1500.0}
+    assert fitted == {"tokens": 2e-6, "sq": 4e-9, "const": 3e-3}
+    assert errors == {"fitted": 0.03, "fixed": 0.2}
+    assert f["odbd_cost_model_observations"].samples[0].value == 512
+    assert f["odbd_cost_model_learned"].samples[0].value == 1

@@ -8,7 +8,7 @@ import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from odbd.planner.config import Balance, Grouping, LossScaling
+from odbd.planner.config import Balance, CostModel, Grouping, LossScaling
 from odbd.planner.epoch import simulate
 from odbd.planner.ledger import ViewState
 from odbd.planner.sampler import num_views, sampler_identities
@@ -53,7 +53,22 @@ def scenarios(draw):
         if uneven
         else None
     )
-    return config, np.array(lengths, dtype=np.int64), np.array(tokens, dtype=np.int64), arrivals
+    # --cost-model auto refits as the run goes: any sane model, changing between rounds, must
+    # keep every guarantee (a = 1 once learned; b and c clamped >= 0; or the fixed default).
+    costs = draw(st.lists(cost_models(), max_size=3))
+    return (
+        config, np.array(lengths, dtype=np.int64), np.array(tokens, dtype=np.int64), arrivals,
+        costs,
+    )  # fmt: skip
+
+
+@st.composite
+def cost_models(draw):
+    return CostModel(
+        a=draw(st.sampled_from([1.0, 0.01])),
+        b=draw(st.sampled_from([0.0, 1.2e-5, 1e-3, 1.0])),
+        c=draw(st.sampled_from([0.0, 1800.0, 1e6])),
+    )
 
 
 def groups_of(result):
@@ -75,10 +90,11 @@ def groups_of(result):
 @PROPERTY_SETTINGS
 @given(scenarios(), st.integers(1, 2))
 def test_join_mode_properties(scenario, epochs):
-    config, lengths, tokens, arrivals = scenario
+    config, lengths, tokens, arrivals, costs = scenario
     result = simulate(
-        lengths, config, epochs=epochs, join=True, tokens=tokens, arrivals_per_round=arrivals
-    )
+        lengths, config, epochs=epochs, join=True, tokens=tokens, arrivals_per_round=arrivals,
+        costs=costs,
+    )  # fmt: skip
     world = config.world.world_size
     stats = result.stats()
     n = len(lengths)
@@ -115,10 +131,11 @@ def test_join_mode_properties(scenario, epochs):
 @PROPERTY_SETTINGS
 @given(scenarios(), st.integers(1, 3))
 def test_non_join_reaches_the_sample_quota(scenario, epochs):
-    config, lengths, tokens, arrivals = scenario
+    config, lengths, tokens, arrivals, costs = scenario
     result = simulate(
-        lengths, config, epochs=epochs, join=False, tokens=tokens, arrivals_per_round=arrivals
-    )
+        lengths, config, epochs=epochs, join=False, tokens=tokens, arrivals_per_round=arrivals,
+        costs=costs,
+    )  # fmt: skip
     stats = result.stats()
     per_step = stats.global_num_samples
     consumed = int(per_step.sum()) + result.num_rejected
@@ -159,9 +176,13 @@ def check_budget_and_scaling(result, config, tokens):
 @given(scenarios(), st.booleans())
 def test_same_inputs_same_plan(scenario, join):
     # 6. Determinism: the plan is a pure function of seed, lengths and world.
-    config, lengths, tokens, arrivals = scenario
-    a = simulate(lengths, config, join=join, tokens=tokens, arrivals_per_round=arrivals)
-    b = simulate(lengths, config, join=join, tokens=tokens, arrivals_per_round=arrivals)
+    config, lengths, tokens, arrivals, costs = scenario
+    a = simulate(
+        lengths, config, join=join, tokens=tokens, arrivals_per_round=arrivals, costs=costs
+    )
+    b = simulate(
+        lengths, config, join=join, tokens=tokens, arrivals_per_round=arrivals, costs=costs
+    )
     assert a.steps_kept == b.steps_kept
     for pa, pb in zip(a.rounds, b.rounds, strict=True):
         for ua, ub in zip(pa.units, pb.units, strict=True):

@@ -34,3 +34,19 @@ def test_status_says_what_the_next_round_waits_for_and_the_last_error() -> None:
     assert "next round waits because its producers filled 0 of 8 samples" in text
     assert text.endswith("last error: boom")
     assert "waits for" not in render(reply())
+
+
+def test_status_shows_the_cost_model_in_use_and_its_fit() -> None:
+    warm = admin_pb2.CostModelStatus(
+        mode="auto", state="warmup", a=1.0, b=1.2e-5, c=1800.0, observations=40
+    )
+    text = render(reply(cost_model=warm))
+    assert "cost model auto: fixed a=1 b=1.2e-05 c=1800" in text
+    assert "fit warmup over 40 rank-steps" in text and "s/token" not in text
+    fitted = admin_pb2.CostModelStatus(
+        mode="auto", state="fitted", learned=True, a=1.0, b=2e-3, c=1500.0, a_seconds=2e-6,
+        b_seconds=4e-9, c_seconds=3e-3, fit_error=0.031, fixed_error=0.25, observations=512,
+    )  # fmt: skip
+    text = render(reply(cost_model=fitted))
+    assert "cost model auto: learned a=1 b=0.002 c=1500" in text
+    assert "2e-06 s/token, 4e-09 s/token², 3 ms/step, error 3.1% (fixed model 25.0%)" in text

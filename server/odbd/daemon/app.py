@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import inspect
 import logging
+import math
 import os
 import signal
 import socket as socketlib
@@ -398,7 +399,24 @@ class Daemon:
             phase=self.phase,
             last_error=self.last_error,
             waiting_for=loop.waiting_for if loop else "",
+            cost_model=self._cost_model_status(),
         )
+
+    def _cost_model_status(self) -> admin_pb2.CostModelStatus:
+        fit, mode = self.stats.cost_fit, self.config.cost_model.value
+        fixed = self.stats.fixed_cost
+        if fit is None:  # before the first round
+            return admin_pb2.CostModelStatus(
+                mode=mode, state="warmup", a=fixed.a, b=fixed.b, c=fixed.c,
+                fit_error=math.nan, fixed_error=math.nan,
+            )  # fmt: skip
+        used = fit.model if self.stats.cost_learned else fixed
+        return admin_pb2.CostModelStatus(
+            mode=mode, state=fit.state.value, learned=self.stats.cost_learned,
+            a=used.a, b=used.b, c=used.c,
+            a_seconds=fit.seconds[0], b_seconds=fit.seconds[1], c_seconds=fit.seconds[2],
+            fit_error=fit.error, fixed_error=fit.fixed_error, observations=fit.num_observations,
+        )  # fmt: skip
 
     # -- health ------------------------------------------------------------------------------
 
@@ -447,6 +465,9 @@ class Daemon:
         rank_stats.wait_s += delivered.wait_s
         rank_stats.compute_s += delivered.compute_s
         rank_stats.delivered_steps += max(delivered.steps, 1)
+        if self.loop is not None:
+            for timed in delivered.measured:
+                self.loop.cost.measured(rank, timed.epoch, timed.step, timed.compute_s)
         self._on_progress()
 
     def _on_progress(self) -> None:

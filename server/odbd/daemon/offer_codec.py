@@ -1,18 +1,22 @@
 """The round payload: one node's offers, encoded as bytes for the round barrier.
 
-Layout, version 1 (all integers little-endian):
+Layout, version 2 (all numbers little-endian):
     u32 magic 0x4f444252 ("ODBR"), u16 version, u16 reserved, u32 header_bytes
-    header: UTF-8 JSON {"node", "epoch", "rejected": {reason: count}, "units": [[unit, dry, n]]}
+    header: UTF-8 JSON {"node", "epoch", "rejected": {reason: count}, "units": [[unit, dry, n]],
+            "observations": m}
     then per unit, n rows each of: int64 views, int32 lengths, int32 tokens, int32 ages
+    then m rows of float64 [padded tokens, sum of squared lengths, seconds]: this node's timed
+    rank-steps since its last offer (cost_learning.py; at most MAX_OBSERVATIONS, ~1.5 KiB)
 Every daemon decodes every node's payload and feeds the same UnitOffers to plan_round, so the
-encoding must be exact (no floats) and the unit order fixed.
+encoding must be exact (floats travel as their IEEE bytes, never as text) and the unit order
+fixed. Version 1 had no observations.
 """
 
 from __future__ import annotations
 
 import json
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -20,7 +24,7 @@ from odbd.errors import InvariantError
 from odbd.planner.types import SampleTable, UnitOffer
 
 _MAGIC = 0x4F444252
-_VERSION = 1
+_VERSION = 2
 _PREFIX = struct.Struct("<IHHI")
 _COLUMNS = (("views", "<i8"), ("lengths", "<i4"), ("tokens", "<i4"), ("ages", "<i4"))
 
@@ -32,6 +36,8 @@ class NodeOffer:
     units: tuple[UnitOffer, ...]
     rejected: dict[str, int]  # samples rejected at ingest since the previous round, by reason
     resume: tuple[int, int] | None = None  # first round after a restart: trainers' (epoch, step)
+    # (m, 3) float64 [padded, sum_sq, seconds]: rank-steps timed by this node's trainers
+    observations: np.ndarray = field(default_factory=lambda: np.zeros((0, 3)))
 
 
 def encode(offer: NodeOffer) -> bytes:
@@ -41,12 +47,14 @@ def encode(offer: NodeOffer) -> bytes:
         "rejected": offer.rejected,
         "resume": list(offer.resume) if offer.resume else None,
         "units": [[u.unit, u.dry, len(u.samples)] for u in offer.units],
+        "observations": int(offer.observations.shape[0]),
     }
     head = json.dumps(header, separators=(",", ":")).encode()
     parts = [_PREFIX.pack(_MAGIC, _VERSION, 0, len(head)), head]
     for unit in offer.units:
         for name, dtype in _COLUMNS:
             parts.append(getattr(unit.samples, name).astype(dtype).tobytes())
+    parts.append(np.ascontiguousarray(offer.observations, dtype="<f8").tobytes())
     return b"".join(parts)
 
 
@@ -70,6 +78,9 @@ def decode(payload: bytes) -> NodeOffer:
             )
             pos += width
         units.append(UnitOffer(int(unit), SampleTable(*columns), bool(dry)))
+    m = int(header.get("observations", 0))
+    observations = np.frombuffer(payload, dtype="<f8", count=3 * m, offset=pos)
+    pos += 24 * m
     if pos != len(payload):
         raise InvariantError(f"round payload has {len(payload) - pos} trailing bytes")
     resume = header.get("resume")
@@ -79,4 +90,5 @@ def decode(payload: bytes) -> NodeOffer:
         tuple(units),
         header["rejected"],
         tuple(resume) if resume else None,  # type: ignore[arg-type]
+        observations.astype(np.float64).reshape(m, 3),
     )

@@ -25,6 +25,7 @@ from odbclient.shm import read_meta
 from odbclient.wire.odbd.v1 import trainer_pb2
 from odbd.config import DaemonConfig
 from odbd.daemon import offer_codec
+from odbd.daemon.cost_learning import CostLearner
 from odbd.daemon.journal import Journal, ResumeState
 from odbd.daemon.node_state import NodeState
 from odbd.daemon.updates import UpdateNumbering
@@ -32,6 +33,8 @@ from odbd.errors import InvariantError, OdbdError
 from odbd.ingest.lanes import Lanes
 from odbd.ingest.rejections import empty_epoch_failure
 from odbd.metrics.stats import DaemonStats
+from odbd.planner.config import PlannerConfig
+from odbd.planner.cost_fit import FitConfig, FitState
 from odbd.planner.progress import JobShape, Progress, StepFacts, step_progress
 from odbd.planner.round import plan_round
 from odbd.planner.types import RoundPlan, UnitPlan
@@ -130,6 +133,7 @@ class RoundLoop:
         self.epoch_emitted: Counter[int] = Counter()
         self.epoch_tokens: Counter[int] = Counter()
         self.updates = UpdateNumbering(self.state.planner, stats)
+        self.cost = CostLearner(config.cost_model, self.state.planner.cost, FitConfig())
 
     def _new_tally(self) -> EpochTally:
         return EpochTally(0, 0, np.zeros(self.state.dataset_size, dtype=bool), Counter())
@@ -146,6 +150,7 @@ class RoundLoop:
                 units=tuple(self.state.offers()),
                 rejected=self.state.take_rejected_delta(),
                 resume=self.resume if self.round_index == 0 else None,
+                observations=self.cost.take_new(),
             )
             self._exchanging = True
             payloads = await self.barrier.exchange(self.round_index, offer_codec.encode(offer))
@@ -153,7 +158,8 @@ class RoundLoop:
             offers = [self._decode(node, p) for node, p in enumerate(payloads)]
             self._check_agreement(offers)
             units = sorted((u for o in offers for u in o.units), key=lambda u: u.unit)
-            plan = plan_round(units, self.state.planner, self.round_seed_base + self.round_index)
+            planner = self._planner([o.observations for o in offers])
+            plan = plan_round(units, planner, self.round_seed_base + self.round_index)
             self._apply(plan, offers)
             self._record_round(plan)
             self.on_planned(plan)
@@ -307,6 +313,24 @@ class RoundLoop:
         for o in offers:
             self.tally.rejected.update(o.rejected)
             self.quota_consumed += sum(o.rejected.values()) if not self.config.join else 0
+
+    def _planner(self, observations: list[np.ndarray]) -> PlannerConfig:
+        """The planner config of this round: its cost model is learned from every node's
+        timed steps (the same on every daemon, cost_learning.py) under --cost-model auto."""
+        fit = self.cost.absorb(observations)
+        if fit.state is FitState.FITTED and fit is not self.stats.cost_fit:
+            log.info(
+                "round %d: cost model fitted to %d rank-steps: %r s/padded token, %r s/l^2, "
+                "%r s/step, median error %.1f%% (fixed model %.1f%%)%s",
+                self.round_index, fit.num_observations, *fit.seconds, 100 * fit.error,
+                100 * fit.fixed_error,
+                "" if self.cost.learned else "; not used (--cost-model fixed)",
+            )  # fmt: skip
+        self.stats.cost_fit = fit
+        self.stats.cost_learned = self.cost.learned
+        if not self.cost.learned:
+            return self.state.planner
+        return dataclasses.replace(self.state.planner, cost=self.cost.model)
 
     # -- 4. apply ----------------------------------------------------------------------------
 
@@ -551,6 +575,9 @@ class RoundLoop:
         where = [self.lanes.resolve(loc) for loc in locations]
         stats = plan.stats
         idle = len(keys) == 0
+        lengths = unit.emitted.lengths[rows].astype(np.float64)
+        padded = int(stats.padded_tokens[step, rank])
+        self.cost.expect(rank, epoch, number, padded, float((lengths * lengths).sum()))
         if not idle and not self.filler_schema:
             self._learn_schema(where[0], locations[0].nbytes)
         batch = trainer_pb2.StepBatch(

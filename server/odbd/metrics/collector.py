@@ -1,15 +1,17 @@
 """One Prometheus collector rendering DaemonStats and live gauges at scrape time.
 
 Names follow Prometheus conventions: prefix odbd_, base units, counters end in _total, labels
-limited to rank, peer and reason. The three numbers an operator reads first, with their PromQL,
-are in ops/README.md (padding, pipeline overlap, sample quota); ops/grafana/ and ops/prometheus/
-use only the names below, which a test checks against a live scrape. Per-rank families carry
-`rank`; every daemon reports the job-wide numbers (global_*, epoch_*, job_*, round_*)
+limited to rank, peer and reason, plus the closed sets term and model of the cost model
+families. The three numbers an operator reads first, with their PromQL, are in ops/README.md
+(padding, pipeline overlap, sample quota); ops/grafana/ and ops/prometheus/ use only the
+names below, which a test checks against a live scrape. Per-rank families carry `rank`; every
+daemon reports the job-wide numbers (global_*, epoch_*, job_*, round_*, cost_model_*)
 identically, so job views take max() over the daemons rather than sum().
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Iterator
 
@@ -57,6 +59,7 @@ class DaemonCollector(Collector):
         yield from self._rank_families(s)
         yield from self._global_families(s)
         yield from self._ingest_families(s)
+        yield from _cost_model_families(s)
         for name, value in self._live().items():
             yield GaugeMetricFamily(f"odbd_{name}", _LIVE_HELP.get(name, name), value=value)
         yield from _counters(
@@ -178,6 +181,59 @@ class DaemonCollector(Collector):
         for reason in sorted(set(KNOWN_REJECT_REASONS) | set(s.rejected)):
             rejected.add_metric([reason], s.rejected[reason])
         yield rejected
+
+
+COST_TERMS = ("tokens", "sq", "const")  # a per padded token, b per squared length, c per step
+
+
+def _cost_model_families(s: DaemonStats) -> Iterator[Metric]:
+    """The planner's cost model (planner/cost_fit.py); the same on every daemon."""
+    fit = s.cost_fit
+    used = (fit.model.a, fit.model.b, fit.model.c) if fit and s.cost_learned else None
+    coefficient = GaugeMetricFamily(
+        "odbd_cost_model_coefficient",
+        "the planner's step cost c + max_r(a*padded + b*sum l^2) in token-equivalents (a = 1 "
+        "once learned): term tokens = a, sq = b, const = c",
+        labels=["term"],
+    )
+    fitted = GaugeMetricFamily(
+        "odbd_cost_model_fitted_seconds",
+        "the fit of rank-step compute time: seconds per padded token (tokens), per squared "
+        "length (sq), per step (const); 0 before the first fit",
+        labels=["term"],
+    )
+    seconds = fit.seconds if fit else (0.0, 0.0, 0.0)
+    for term, used_value, fit_value in zip(
+        COST_TERMS, used or _fixed_coefficients(s), seconds, strict=True
+    ):
+        coefficient.add_metric([term], used_value)
+        fitted.add_metric([term], fit_value)
+    yield coefficient
+    yield fitted
+    error = GaugeMetricFamily(
+        "odbd_cost_model_fit_error",
+        "median |predicted - measured| / measured rank-step time over the fit's window: the "
+        "fitted model, and the fixed one at its best single scale (NaN before a fit)",
+        labels=["model"],
+    )
+    error.add_metric(["fitted"], fit.error if fit else math.nan)
+    error.add_metric(["fixed"], fit.fixed_error if fit else math.nan)
+    yield error
+    yield GaugeMetricFamily(
+        "odbd_cost_model_observations",
+        "timed rank-steps in the cost model fit's window",
+        value=fit.num_observations if fit else 0,
+    )
+    yield GaugeMetricFamily(
+        "odbd_cost_model_learned",
+        "1 while the planner uses the fitted cost model (--cost-model auto after warm-up)",
+        value=int(s.cost_learned),
+    )
+
+
+def _fixed_coefficients(s: DaemonStats) -> tuple[float, float, float]:
+    fixed = s.fixed_cost
+    return (fixed.a, fixed.b, fixed.c)
 
 
 def _counters(*rows: tuple[str, str, float]) -> Iterator[Metric]:

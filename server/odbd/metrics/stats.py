@@ -11,8 +11,11 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from odbd.planner.config import CostModel
+
 if TYPE_CHECKING:
     from odbd.config import DaemonConfig
+    from odbd.planner.cost_fit import CostFit
 
 # Round latencies on loopback are ~1 ms; a slow peer can take seconds.
 # Optimizer updates (--accumulate / --tokens-per-update): loss tokens and micro-steps per update.
@@ -73,6 +76,9 @@ class DaemonStats:
     global_tokens: int = 0
     step_max_work: float = 0.0  # sum over steps of max_r work
     step_mean_work: float = 0.0  # sum over steps of mean_r work
+    cost_fit: CostFit | None = None  # the cost model fit of the last round (cost_fit.py)
+    cost_learned: bool = False  # the planner used the fitted model in the last round
+    fixed_cost: CostModel = field(default_factory=CostModel)  # what it uses otherwise
     epoch: int = 0
     epoch_samples: int = 0  # emitted this epoch, every rank
     epoch_identities: int = 0

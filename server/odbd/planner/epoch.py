@@ -12,13 +12,14 @@ trainer epoch at the first step where the cumulative emitted count reaches (epoc
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from odbd.errors import ConfigError, InvariantError
-from odbd.planner.config import PlannerConfig
+from odbd.planner.config import CostModel, PlannerConfig
 from odbd.planner.ledger import ViewLedger
 from odbd.planner.round import plan_round
 from odbd.planner.sampler import num_views, sampler_identities, views_of_ranks
@@ -109,12 +110,19 @@ def simulate(
     tokens: np.ndarray | None = None,
     shuffle: bool = True,
     arrivals_per_round: Sequence[int] | None = None,
+    costs: Sequence[CostModel] = (),
 ) -> SimulationResult:
-    """Plans `epochs` trainer epochs of a dataset whose sample i has length lengths[i]."""
+    """Plans `epochs` trainer epochs of a dataset whose sample i has length lengths[i].
+
+    `costs`: round r plans with costs[r % len(costs)], as under --cost-model auto, where the
+    daemons refit the model as the run goes (default: config.cost throughout).
+    """
     lengths = np.asarray(lengths, dtype=np.int64)
     loss_tokens = lengths if tokens is None else np.asarray(tokens, dtype=np.int64)
     _check_inputs(lengths, loss_tokens, epochs, arrivals_per_round, config, join)
-    return _Simulation(lengths, loss_tokens, config, shuffle, arrivals_per_round).run(epochs, join)
+    sim = _Simulation(lengths, loss_tokens, config, shuffle, arrivals_per_round)
+    sim.costs = list(costs)
+    return sim.run(epochs, join)
 
 
 def _check_inputs(
@@ -152,6 +160,7 @@ class _Simulation:
         arrivals: Sequence[int] | None,
     ) -> None:
         self.lengths, self.tokens, self.config, self.shuffle = lengths, tokens, config, shuffle
+        self.costs: list[CostModel] = []  # per round, cycled; empty: config.cost
         self.num_samples = int(lengths.shape[0])
         world = config.world.world_size
         self.num_views = num_views(self.num_samples, world)
@@ -218,7 +227,12 @@ class _Simulation:
 
     def _round(self, chain: bool) -> RoundPlan:
         offers = [self._top_up(u, feed, chain) for u, feed in enumerate(self.feeds)]
-        plan = plan_round(offers, self.config, len(self.rounds))
+        config = self.config
+        if self.costs:
+            config = dataclasses.replace(
+                config, cost=self.costs[len(self.rounds) % len(self.costs)]
+            )
+        plan = plan_round(offers, config, len(self.rounds))
         for unit, feed in zip(plan.units, self.feeds, strict=True):
             feed.buffer = unit.leftover
         return plan

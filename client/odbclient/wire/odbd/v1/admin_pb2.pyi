@@ -27,7 +27,7 @@ class RankStatus(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., attached: _Optional[bool] = ..., queued_steps: _Optional[int] = ..., delivered_steps: _Optional[int] = ..., wait_s: _Optional[float] = ..., compute_s: _Optional[float] = ...) -> None: ...
 
 class StatusReply(_message.Message):
-    __slots__ = ("job_id", "node_rank", "num_nodes", "epoch", "round", "dataset_size", "epoch_emitted_samples", "buffered_samples", "leased_samples", "producers", "shm_used_bytes", "shm_capacity_bytes", "ranks", "rejected_by_reason", "uptime_s", "phase", "last_error", "producers_lane_full", "waiting_for")
+    __slots__ = ("job_id", "node_rank", "num_nodes", "epoch", "round", "dataset_size", "epoch_emitted_samples", "buffered_samples", "leased_samples", "producers", "shm_used_bytes", "shm_capacity_bytes", "ranks", "rejected_by_reason", "uptime_s", "phase", "last_error", "producers_lane_full", "waiting_for", "cost_model")
     class RejectedByReasonEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -54,6 +54,7 @@ class StatusReply(_message.Message):
     LAST_ERROR_FIELD_NUMBER: _ClassVar[int]
     PRODUCERS_LANE_FULL_FIELD_NUMBER: _ClassVar[int]
     WAITING_FOR_FIELD_NUMBER: _ClassVar[int]
+    COST_MODEL_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     node_rank: int
     num_nodes: int
@@ -73,4 +74,33 @@ class StatusReply(_message.Message):
     last_error: str
     producers_lane_full: int
     waiting_for: str
-    def __init__(self, job_id: _Optional[str] = ..., node_rank: _Optional[int] = ..., num_nodes: _Optional[int] = ..., epoch: _Optional[int] = ..., round: _Optional[int] = ..., dataset_size: _Optional[int] = ..., epoch_emitted_samples: _Optional[int] = ..., buffered_samples: _Optional[int] = ..., leased_samples: _Optional[int] = ..., producers: _Optional[int] = ..., shm_used_bytes: _Optional[int] = ..., shm_capacity_bytes: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[RankStatus, _Mapping]]] = ..., rejected_by_reason: _Optional[_Mapping[str, int]] = ..., uptime_s: _Optional[float] = ..., phase: _Optional[str] = ..., last_error: _Optional[str] = ..., producers_lane_full: _Optional[int] = ..., waiting_for: _Optional[str] = ...) -> None: ...
+    cost_model: CostModelStatus
+    def __init__(self, job_id: _Optional[str] = ..., node_rank: _Optional[int] = ..., num_nodes: _Optional[int] = ..., epoch: _Optional[int] = ..., round: _Optional[int] = ..., dataset_size: _Optional[int] = ..., epoch_emitted_samples: _Optional[int] = ..., buffered_samples: _Optional[int] = ..., leased_samples: _Optional[int] = ..., producers: _Optional[int] = ..., shm_used_bytes: _Optional[int] = ..., shm_capacity_bytes: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[RankStatus, _Mapping]]] = ..., rejected_by_reason: _Optional[_Mapping[str, int]] = ..., uptime_s: _Optional[float] = ..., phase: _Optional[str] = ..., last_error: _Optional[str] = ..., producers_lane_full: _Optional[int] = ..., waiting_for: _Optional[str] = ..., cost_model: _Optional[_Union[CostModelStatus, _Mapping]] = ...) -> None: ...
+
+class CostModelStatus(_message.Message):
+    __slots__ = ("mode", "state", "learned", "a", "b", "c", "a_seconds", "b_seconds", "c_seconds", "fit_error", "fixed_error", "observations")
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    LEARNED_FIELD_NUMBER: _ClassVar[int]
+    A_FIELD_NUMBER: _ClassVar[int]
+    B_FIELD_NUMBER: _ClassVar[int]
+    C_FIELD_NUMBER: _ClassVar[int]
+    A_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    B_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    C_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    FIT_ERROR_FIELD_NUMBER: _ClassVar[int]
+    FIXED_ERROR_FIELD_NUMBER: _ClassVar[int]
+    OBSERVATIONS_FIELD_NUMBER: _ClassVar[int]
+    mode: str
+    state: str
+    learned: bool
+    a: float
+    b: float
+    c: float
+    a_seconds: float
+    b_seconds: float
+    c_seconds: float
+    fit_error: float
+    fixed_error: float
+    observations: int
+    def __init__(self, mode: _Optional[str] = ..., state: _Optional[str] = ..., learned: _Optional[bool] = ..., a: _Optional[float] = ..., b: _Optional[float] = ..., c: _Optional[float] = ..., a_seconds: _Optional[float] = ..., b_seconds: _Optional[float] = ..., c_seconds: _Optional[float] = ..., fit_error: _Optional[float] = ..., fixed_error: _Optional[float] = ..., observations: _Optional[int] = ...) -> None: ...

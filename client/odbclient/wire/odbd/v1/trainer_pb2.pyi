@@ -33,18 +33,30 @@ class TrainerHello(_message.Message):
     def __init__(self, protocol_version: _Optional[int] = ..., job_id: _Optional[str] = ..., rank: _Optional[int] = ..., resume: _Optional[bool] = ..., resume_epoch: _Optional[int] = ..., resume_step: _Optional[int] = ..., prefetch: _Optional[int] = ..., world_size: _Optional[int] = ..., launcher_rank: _Optional[int] = ..., world_source: _Optional[str] = ..., resume_update: _Optional[int] = ...) -> None: ...
 
 class Delivered(_message.Message):
-    __slots__ = ("epoch", "step", "wait_s", "compute_s", "steps")
+    __slots__ = ("epoch", "step", "wait_s", "compute_s", "steps", "measured")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     WAIT_S_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
+    MEASURED_FIELD_NUMBER: _ClassVar[int]
     epoch: int
     step: int
     wait_s: float
     compute_s: float
     steps: int
-    def __init__(self, epoch: _Optional[int] = ..., step: _Optional[int] = ..., wait_s: _Optional[float] = ..., compute_s: _Optional[float] = ..., steps: _Optional[int] = ...) -> None: ...
+    measured: _containers.RepeatedCompositeFieldContainer[StepTime]
+    def __init__(self, epoch: _Optional[int] = ..., step: _Optional[int] = ..., wait_s: _Optional[float] = ..., compute_s: _Optional[float] = ..., steps: _Optional[int] = ..., measured: _Optional[_Iterable[_Union[StepTime, _Mapping]]] = ...) -> None: ...
+
+class StepTime(_message.Message):
+    __slots__ = ("epoch", "step", "compute_s")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
+    epoch: int
+    step: int
+    compute_s: float
+    def __init__(self, epoch: _Optional[int] = ..., step: _Optional[int] = ..., compute_s: _Optional[float] = ...) -> None: ...
 
 class TrainerMessage(_message.Message):
     __slots__ = ("hello", "delivered")
