@@ -35,8 +35,8 @@ def group_with_budgets(
     rng: np.random.Generator | None = None,
 ) -> Groups:
     """Groups of `table` within the token budget (area or sum, per `collate`) and the patch
-    budget (0 = none). With `rng` (seeded the same on every daemon) samples within SORT_JITTER
-    of each other's length trade places, so later epochs do not repeat the same groups."""
+    budget (0 = none). With `rng` (seeded the same on every daemon; packed only) samples of
+    equal length enter the bins in varied order, so epochs do not repeat the same groups."""
     order = _longest_first(table, rng if collate is Collate.PACKED else None)
     patch_budget = max_patches if max_patches > 0 else _NO_PATCH_BUDGET
     lengths, patches = table.lengths[order], table.patches[order]
