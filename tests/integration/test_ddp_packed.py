@@ -23,6 +23,9 @@ import torch
 from tests.integration.ddp_data import LongTailTokens
 from tests.integration.ddp_launch import run_odbd_training
 from tests.integration.ddp_model import ModelConfig, build_model, flat_grad, token_loss_sum
+from tests.integration.harness import describe, run_cluster
+
+DDP_DATA = Path(__file__).resolve().parent / "ddp_data.py"
 
 pytestmark = pytest.mark.timeout(150)
 
@@ -89,3 +92,37 @@ def test_packed_ddp_trains_every_sample_once_without_padding_at_exact_scales(
         grad = torch.load(tmp_path / f"grad-e{key[0]}-s{key[1]}.pt")
         assert relative_error(grad, reference) < 1e-9, f"step {key}"
     assert grouped > 0, "no rank-step packed several samples; change the data"
+
+
+def test_a_transformers_llama_takes_packed_odbd_batches_as_they_are() -> None:
+    """The batches of a real daemon (--collate packed), given to LlamaForCausalLM as they are,
+    give the per-token losses and gradients of the same samples run one by one (float64)."""
+    data = {**DATA, "size": 40}
+    flags = [f"{k}={v}" for k, v in data.items()]
+    result = run_cluster(
+        nodes=1,
+        ranks_per_node=1,
+        daemon_args=[
+            "--dataset",
+            f"{DDP_DATA}:make",
+            "--workers",
+            "1",
+            *[a for f in flags for a in ("--dataset-arg", f)],
+            "--token-budget",
+            str(BUDGET),
+            "--buffer",
+            "16",
+            "--collate",
+            "packed",
+        ],  # fmt: skip
+        trainer_args={0: [f"--data-arg={f}" for f in flags]},
+        trainer_module="tests.integration.hf_packed_trainer",
+    )
+    assert result.trainer_codes == [0] and result.daemon_codes == [0], describe(result)
+    steps = [r for r in result.steps(0) if not r["idle"]]
+    assert sorted(i for r in steps for i in r["ids"]) == list(range(data["size"]))
+    assert any(len(r["ids"]) > 1 for r in steps)
+    for r in steps:
+        assert r["shape"][0] == 1  # one packed row
+        assert r["loss_error"] < 1e-9 and r["grad_error"] < 1e-9, r
+    assert max(r["ignored_loss_error"] for r in steps if len(r["ids"]) > 1) > 1e-3
