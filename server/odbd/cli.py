@@ -200,12 +200,12 @@ def daemon_parser() -> flags.OneLineParser:
     )
     plan.add_argument(
         "--concat",
-        type=flags.nonempty,
+        type=flags.key_list,
         action="append",
         default=[],
         metavar="KEY",
         help="join KEY along its first dimension (e.g. pixel_values [patches, dim]) with "
-        "KEY_offsets per sample, instead of padding or stacking it (repeatable)",
+        "KEY_offsets per sample, instead of padding or stacking it (repeatable, or KEY,KEY)",
     )
     plan.add_argument(
         "--max-patches",
@@ -476,7 +476,7 @@ def config_from_args(
         accumulate=args.accumulate,
         tokens_per_update=args.tokens_per_update,
         collate=Collate(args.collate),
-        concat=tuple(args.concat),
+        concat=tuple(key for keys in args.concat for key in keys),
         max_patches=args.max_patches,
         patch_key=args.patch_key,
         patch_count_key=args.patch_count_key,

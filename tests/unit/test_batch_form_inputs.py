@@ -90,3 +90,11 @@ def test_samples_that_break_the_form_are_rejected_naming_key_and_fix(s, form, re
     with pytest.raises(SampleRejected) as caught:
         facts(s, form)
     assert caught.value.reason is reason and text in caught.value.detail
+
+
+def test_concat_keys_come_repeated_or_comma_separated_also_from_the_environment() -> None:
+    assert parse([*BASE, "--concat", "a", "--concat", "b,c"], {}).concat == ("a", "b", "c")
+    assert parse(BASE, {"ODBD_CONCAT": "pixel_values,image_grid_thw"}).concat == (
+        "pixel_values",
+        "image_grid_thw",
+    )
