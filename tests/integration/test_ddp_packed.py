@@ -30,7 +30,7 @@ DDP_DATA = Path(__file__).resolve().parent / "ddp_data.py"
 pytestmark = pytest.mark.timeout(150)
 
 # label_shift=0: HF labels (labels = input_ids with the prompt masked, labels[0] = -100)
-DATA = {"size": 64, "seed": 4, "median_len": 24, "max_len": 200, "label_shift": 0}
+DATA = {"size": 56, "seed": 6, "median_len": 24, "max_len": 200, "label_shift": 0}
 BUDGET = 256
 WORLD = 4
 MODEL = ModelConfig()
@@ -92,6 +92,9 @@ def test_packed_ddp_trains_every_sample_once_without_padding_at_exact_scales(
         grad = torch.load(tmp_path / f"grad-e{key[0]}-s{key[1]}.pt")
         assert relative_error(grad, reference) < 1e-9, f"step {key}"
     assert grouped > 0, "no rank-step packed several samples; change the data"
+    # The epoch's flush leaves ranks without samples: their one-token fillers ran forward and
+    # backward through the same mask code (loss_scale 0), and the gradients above still match.
+    assert any(r["idle"] for ranks in per_rank for r in ranks), "no idle filler; change the data"
 
 
 def test_a_transformers_llama_takes_packed_odbd_batches_as_they_are() -> None:
