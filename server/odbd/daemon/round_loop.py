@@ -592,7 +592,10 @@ class RoundLoop:
         idle = len(keys) == 0
         lengths = unit.emitted.lengths[rows].astype(np.float64)
         padded = int(stats.padded_tokens[step, rank])
-        self.cost.expect(rank, epoch, number, padded, float((lengths * lengths).sum()))
+        # Patches enter the fit as p token-equivalents each (the planner's own weight), so the
+        # learned model keeps the vision share fixed and fits the scale of the whole step.
+        linear = padded + self.cost.model.p * float(unit.emitted.patches[rows].sum())
+        self.cost.expect(rank, epoch, number, linear, float((lengths * lengths).sum()))
         if not idle and not self.filler_schema:
             self._learn_schema(where[0], locations[0].nbytes)
         batch = trainer_pb2.StepBatch(
