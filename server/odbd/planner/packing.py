@@ -4,7 +4,8 @@
   its lengths (sum l <= L; a sample longer than L is a group of one). Contiguous cuts of the
   length-sorted buffer waste up to a whole sample per group here (a long sample leaves room
   that only a short one fills), so groups are bins of first-fit decreasing: samples longest
-  first, each into the first group it fits (at most 11/9 of the fewest groups plus one).
+  first, each into the first group it fits (one budget: at most 11/9 of the fewest groups
+  plus 6/9; with a patch budget too it is a heuristic).
 - `--max-patches N`: every group also holds at most N vision patches in total (a sample with
   more goes alone). Packed: the bins check both budgets. Padded: the greedy contiguous cut of
   min-time, stopping a group where either budget would be exceeded.
