@@ -225,8 +225,9 @@ class Producer:
         call = ingest_pb2_grpc.IngestStub(channel).Produce(iter(outbox))
         start_reader(lambda: self._read(call, inbox, closing), name=f"odbclient-{self.name}")
         try:
-            core = self._core(self._await_welcome(inbox))
-            self._serve(core, inbox, outbox)
+            welcome = self._await_welcome(inbox)
+            if welcome is not None:
+                self._serve(self._core(welcome), inbox, outbox)
         finally:
             closing.set()
             outbox.close()
@@ -301,7 +302,8 @@ class Producer:
             return False
         return True
 
-    def _await_welcome(self, inbox: queue.SimpleQueue[object]) -> ingest_pb2.IngestWelcome:
+    def _await_welcome(self, inbox: queue.SimpleQueue[object]) -> ingest_pb2.IngestWelcome | None:
+        """The daemon's welcome, or None when it answered with Shutdown (the job had ended)."""
         try:
             item = inbox.get(timeout=self._connect_timeout_s)
         except queue.Empty:
@@ -311,6 +313,10 @@ class Producer:
             ) from None
         if isinstance(item, Failure):
             raise item.error
+        if isinstance(item, ingest_pb2.IngestMessage) and item.HasField("shutdown"):
+            self.shutdown_reason = item.shutdown.reason
+            log.info("producer %s: daemon shutdown (%s)", self.name, self.shutdown_reason)
+            return None
         if not (isinstance(item, ingest_pb2.IngestMessage) and item.HasField("welcome")):
             raise ProtocolError(f"odbd sent {item!r} before its welcome; versions differ")
         return item.welcome
