@@ -48,8 +48,10 @@ from odbclient.lane import (
     LeaseCredits,
 )
 from odbclient.samples import (
+    PLAIN_SAMPLES,
     RejectReason,
     SampleFacts,
+    SampleForm,
     SampleRejected,
     fetch_sample,
     inspect_sample,
@@ -77,8 +79,10 @@ class ProducerCore:
         lease_batch: int,
         commit_batch: int,
         commit_interval_s: float,
+        form: SampleForm = PLAIN_SAMPLES,
     ) -> None:
         self._dataset = dataset
+        self._form = form  # the daemon's --concat / patch source: checked per sample
         self._lane_buffer = lane_buffer  # the lane's bytes: index 0 is lane offset 0
         self.lane = LaneAllocator(lane_offset, len(lane_buffer), LANE_HEADER_BYTES)
         self.in_flight = InFlightMark(lane_buffer)
@@ -127,7 +131,9 @@ class ProducerCore:
     def _make(self, view_key: int, identity: int, now_s: float) -> None:
         try:
             sample = fetch_sample(self._dataset, identity)
-            facts = inspect_sample(sample, length_key=self._length_key, labels_key=self._labels_key)
+            facts = inspect_sample(
+                sample, length_key=self._length_key, labels_key=self._labels_key, form=self._form
+            )
             if not self.lane.fits_ever(facts.nbytes):
                 raise SampleRejected(
                     RejectReason.TOO_LARGE,
@@ -220,8 +226,9 @@ class Producer:
         call = ingest_pb2_grpc.IngestStub(channel).Produce(iter(outbox))
         start_reader(lambda: self._read(call, inbox, closing), name=f"odbclient-{self.name}")
         try:
-            core = self._core(self._await_welcome(inbox))
-            self._serve(core, inbox, outbox)
+            welcome = self._await_welcome(inbox)
+            if welcome is not None:
+                self._serve(self._core(welcome), inbox, outbox)
         finally:
             closing.set()
             outbox.close()
@@ -244,6 +251,11 @@ class Producer:
             lease_batch=self._lease_batch,
             commit_batch=self._commit_batch,
             commit_interval_s=self._commit_interval_s,
+            form=SampleForm(
+                patch_key=welcome.patch_key,
+                patch_count_key=welcome.patch_count_key,
+                concat_keys=tuple(welcome.concat_keys),
+            ),
         )
 
     def _dataset_size(self) -> int | None:
@@ -289,7 +301,8 @@ class Producer:
             return False
         return True
 
-    def _await_welcome(self, inbox: queue.SimpleQueue[object]) -> ingest_pb2.IngestWelcome:
+    def _await_welcome(self, inbox: queue.SimpleQueue[object]) -> ingest_pb2.IngestWelcome | None:
+        """The daemon's welcome, or None when it answered with Shutdown (the job had ended)."""
         try:
             item = inbox.get(timeout=self._connect_timeout_s)
         except queue.Empty:
@@ -299,6 +312,10 @@ class Producer:
             ) from None
         if isinstance(item, Failure):
             raise item.error
+        if isinstance(item, ingest_pb2.IngestMessage) and item.HasField("shutdown"):
+            self.shutdown_reason = item.shutdown.reason
+            log.info("producer %s: daemon shutdown (%s)", self.name, self.shutdown_reason)
+            return None
         if not (isinstance(item, ingest_pb2.IngestMessage) and item.HasField("welcome")):
             raise ProtocolError(f"odbd sent {item!r} before its welcome; versions differ")
         return item.welcome

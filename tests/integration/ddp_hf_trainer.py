@@ -185,7 +185,16 @@ def main(argv: list[str] | None = None) -> int:
         log.close(**train(args, client, log))
     finally:
         client.close()
+        end_process_group()
     return 0
+
+
+def end_process_group() -> None:
+    """Destroy the process group the Trainer or Accelerate initialised: a gloo process that
+    exits without it may abort in interpreter teardown ("terminate called without an active
+    exception", pytorch/pytorch#190489), which failed this test once."""
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

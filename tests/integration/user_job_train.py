@@ -90,6 +90,8 @@ def main(argv: list[str] | None = None) -> int:
             closing = train(args, client, report)
         finally:
             client.close()
+            if torch.distributed.is_initialized():  # as every DDP script should end (gloo
+                torch.distributed.destroy_process_group()  # may abort at exit otherwise)
         report.write(json.dumps({"done": True, **closing}) + "\n")
     return 0
 

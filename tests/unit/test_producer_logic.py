@@ -3,6 +3,7 @@ batching and credits; plus one run against a scripted fake daemon over a real un
 
 from __future__ import annotations
 
+import asyncio
 import queue
 import threading
 import uuid
@@ -32,6 +33,7 @@ from odbclient.samples import (
 from odbclient.shm import ArenaView, decode, encoded_size
 from odbclient.wire.odbd.v1 import ingest_pb2, ingest_pb2_grpc
 from odbd.ingest.arena import Arena
+from odbd.ingest.service import IngestService
 
 
 def make_sample(n: int, *, ignored: int = 0, seed: int = 0) -> dict[str, np.ndarray]:
@@ -455,6 +457,41 @@ def test_producer_refusal_carries_the_daemon_message_and_fix(tmp_path: Path) -> 
     finally:
         server.stop(grace=None).wait()
         executor.shutdown(wait=True)  # grpc leaves its pool's threads idle
+
+
+@pytest.mark.timeout(60)
+def test_a_producer_that_attaches_while_the_daemon_shuts_down_is_told_so_and_ends_cleanly(
+    tmp_path: Path,
+) -> None:
+    """A worker slow to build its dataset may say hello after the job ended: the daemon's own
+    IngestService answers with the same Shutdown the attached producers got, so it exits 0
+    (before: UNAVAILABLE, printed as `error: odbd ... not reachable; start odbd on this node`)."""
+    socket = str(tmp_path / "odbd.sock")
+    service = IngestService(
+        state=None,  # type: ignore[arg-type]  # a refused-by-shutdown hello touches no state
+        lanes=None,  # type: ignore[arg-type]
+        welcome=ingest_pb2.IngestWelcome(),
+        lease_timeout_s=10.0,
+        on_progress=lambda: None,
+        on_rejected=lambda rejected: None,
+        stats=None,  # type: ignore[arg-type]
+    )
+
+    async def serve_one_late_producer() -> Producer:
+        server = grpc.aio.server()
+        ingest_pb2_grpc.add_IngestServicer_to_server(service, server)
+        server.add_insecure_port(f"unix:{socket}")
+        await server.start()
+        service.shutdown("every epoch was trained")
+        producer = Producer(ListDataset([]), socket, name="worker-1")
+        try:
+            await asyncio.to_thread(producer.run)
+        finally:
+            await server.stop(grace=None)
+        return producer
+
+    producer = asyncio.run(serve_one_late_producer())
+    assert producer.shutdown_reason == "every epoch was trained"
 
 
 @pytest.mark.timeout(30)

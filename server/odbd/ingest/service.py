@@ -56,6 +56,7 @@ class IngestService(ingest_pb2_grpc.IngestServicer):
         self.sessions: dict[int, ProducerSession] = {}
         self._next_producer = 0
         self.closing = False
+        self._closed_for = ""  # the reason every producer's Shutdown gave
 
     async def Produce(  # noqa: N802 (gRPC method name)
         self,
@@ -63,6 +64,9 @@ class IngestService(ingest_pb2_grpc.IngestServicer):
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[ingest_pb2.IngestMessage]:
         session = await self._open(request_iterator, context)
+        if session is None:  # the job is over: a late producer is told so, as the others were
+            yield ingest_pb2.IngestMessage(shutdown=ingest_pb2.Shutdown(reason=self._closed_for))
+            return
         reader = asyncio.ensure_future(self._read(session, request_iterator))
         reader.add_done_callback(lambda _: session.outbox.put_nowait(None))
         try:
@@ -83,7 +87,8 @@ class IngestService(ingest_pb2_grpc.IngestServicer):
         self,
         request_iterator: AsyncIterator[ingest_pb2.ProducerMessage],
         context: grpc.aio.ServicerContext,
-    ) -> ProducerSession:
+    ) -> ProducerSession | None:
+        """The new producer's session, or None once the daemon is shutting down."""
         hello = await read_hello(
             request_iterator,
             context,
@@ -92,7 +97,7 @@ class IngestService(ingest_pb2_grpc.IngestServicer):
             job_id=self._welcome.job_id,
         )
         if self.closing:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "the daemon is shutting down")
+            return None
         refusal = size_refusal(hello, self._welcome.dataset_size)
         if refusal is not None:
             log.error("refused a producer: %s", refusal)
@@ -155,6 +160,7 @@ class IngestService(ingest_pb2_grpc.IngestServicer):
             rows.lengths.astype(np.int64),
             rows.loss_tokens.astype(np.int64),
             rows.schema_hashes.astype(np.uint64).view(np.int64),
+            rows.patches.astype(np.int64),
         )
         rejected_at = {r.location for r in rejections}
         for location in locations:
@@ -224,7 +230,7 @@ class IngestService(ingest_pb2_grpc.IngestServicer):
         return len(expired)
 
     def shutdown(self, reason: str) -> None:
-        self.closing = True
+        self.closing, self._closed_for = True, reason
         for session in self.sessions.values():
             message = ingest_pb2.IngestMessage(shutdown=ingest_pb2.Shutdown(reason=reason))
             session.outbox.put_nowait(message)

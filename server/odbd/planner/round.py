@@ -19,9 +19,10 @@ import numpy as np
 
 from odbd.errors import InvariantError
 from odbd.planner import alignment, assignment, company, windows
-from odbd.planner.config import Grouping, PlannerConfig
+from odbd.planner.config import Collate, CostModel, Grouping, PlannerConfig
 from odbd.planner.grouping import group_buffer
 from odbd.planner.loss_scaling import loss_scales
+from odbd.planner.packing import group_with_budgets
 from odbd.planner.types import (
     FloatArray,
     Groups,
@@ -43,9 +44,11 @@ class _Sorted:
     csum_len: IntArray  # (n + 1,)
     csum_tok: IntArray
     csum_sq: FloatArray
+    csum_patches: IntArray
+    packed: bool  # --collate packed: a group's batch holds its real tokens only
 
     @staticmethod
-    def of(table: SampleTable, order: IntArray) -> _Sorted:
+    def of(table: SampleTable, order: IntArray, packed: bool) -> _Sorted:
         lengths = table.lengths[order]
         zero = np.zeros(1, dtype=np.int64)
         return _Sorted(
@@ -54,32 +57,39 @@ class _Sorted:
             csum_len=np.concatenate([zero, np.cumsum(lengths)]),
             csum_tok=np.concatenate([zero, np.cumsum(table.tokens[order])]),
             csum_sq=np.concatenate([[0.0], np.cumsum(lengths.astype(np.float64) ** 2)]),
+            csum_patches=np.concatenate([zero, np.cumsum(table.patches[order])]),
+            packed=packed,
         )
 
     def range_stats(self, starts: IntArray, ends: IntArray) -> dict[str, np.ndarray]:
         sizes = ends - starts
         first = np.minimum(starts, max(self.lengths.shape[0] - 1, 0))
         longest = np.where(sizes > 0, self.lengths[first] if self.lengths.size else 0, 0)
+        real = self.csum_len[ends] - self.csum_len[starts]
         return {
             "num_samples": sizes,
             "num_tokens": self.csum_tok[ends] - self.csum_tok[starts],
-            "real_tokens": self.csum_len[ends] - self.csum_len[starts],
-            "padded_tokens": longest * sizes,
+            "real_tokens": real,
+            "padded_tokens": real if self.packed else longest * sizes,
             "sum_sq": self.csum_sq[ends] - self.csum_sq[starts],
+            "patches": self.csum_patches[ends] - self.csum_patches[starts],
         }
+
+    def work(self, starts: IntArray, ends: IntArray, cost: CostModel) -> FloatArray:
+        """Cost-model work of each range (one group's compute, without the step constant)."""
+        stats = self.range_stats(starts, ends)
+        return cost.work(stats["padded_tokens"], stats["sum_sq"], stats["patches"])
 
 
 def plan_round(offers: Sequence[UnitOffer], config: PlannerConfig, round_index: int) -> RoundPlan:
     """Plans one round from every unit's offer (offers[u].unit == u, one per unit)."""
     _check_offers(offers, config)
     g = config.ranks_per_unit
-    grouped = [
-        group_buffer(
-            o.samples, config.token_budget, config.grouping, _cut_rng(config, round_index, o)
-        )
-        for o in offers
+    grouped = [_group(o, config, round_index) for o in offers]
+    packed = config.collate is Collate.PACKED
+    sorted_ = [
+        _Sorted.of(o.samples, gr.order, packed) for o, gr in zip(offers, grouped, strict=True)
     ]
-    sorted_ = [_Sorted.of(o.samples, gr.order) for o, gr in zip(offers, grouped, strict=True)]
     all_dry = all(o.dry for o in offers)
     num_steps = windows.round_step_count(
         _target_steps(offers, grouped, config), config.accumulate, all_dry
@@ -91,7 +101,9 @@ def plan_round(offers: Sequence[UnitOffer], config: PlannerConfig, round_index: 
     for offer, groups, srt, wait in zip(offers, grouped, sorted_, waits, strict=True):
         fitted = _fit(groups, srt, num_steps * g, config, wait)
         slot_stats = srt.range_stats(fitted.starts, fitted.ends)
-        work = config.cost.work(slot_stats["padded_tokens"], slot_stats["sum_sq"])
+        work = config.cost.work(
+            slot_stats["padded_tokens"], slot_stats["sum_sq"], slot_stats["patches"]
+        )
         if config.grouping is Grouping.PAPER:
             group_of_slot = assignment.slots_in_order(len(fitted.starts))
         else:
@@ -149,7 +161,7 @@ def _truncate(unit: UnitPlan, num_slots: int) -> UnitPlan:
     """The unit's first num_slots slots; the later slots' samples join the leftover (aged)."""
     end = int(unit.slot_offsets[num_slots])
     tail = unit.emitted.take(np.arange(end, len(unit.emitted)))
-    tail = SampleTable(tail.views, tail.lengths, tail.tokens, tail.ages + 1)
+    tail = tail.aged()
     return UnitPlan(
         unit.unit,
         unit.emitted.take(np.arange(end)),
@@ -171,6 +183,16 @@ def _reorder_steps(unit: UnitPlan, order: IntArray, ranks_per_unit: int) -> Unit
 def _take_steps(stats: StepStats, steps: IntArray) -> StepStats:
     """The stats of `steps` (indices into the round's steps), in that order."""
     return StepStats(*(getattr(stats, f.name)[steps] for f in dataclasses.fields(StepStats)))
+
+
+def _group(offer: UnitOffer, config: PlannerConfig, round_index: int) -> Groups:
+    """The unit's groups: min-time/paper cuts, or the packed / patch-budget grouping."""
+    rng = _cut_rng(config, round_index, offer)
+    if config.collate is Collate.PACKED or config.max_patches > 0:
+        return group_with_budgets(
+            offer.samples, config.token_budget, config.max_patches, config.collate, rng
+        )
+    return group_buffer(offer.samples, config.token_budget, config.grouping, rng)
 
 
 def _cut_rng(
@@ -243,10 +265,7 @@ def _waiting(
             costs.append(np.zeros(0))
             fresh.append(np.zeros(0, dtype=bool))
             continue
-        padded = srt.lengths[groups.starts] * groups.sizes()
-        costs.append(
-            config.cost.work(padded, srt.csum_sq[groups.ends] - srt.csum_sq[groups.starts])
-        )
+        costs.append(srt.work(groups.starts, groups.ends, config.cost))
         fresh.append(_range_max(srt.ages, groups) == 0)
     max_waits = MAX_WAITS_PER_RANK * config.ranks_per_unit
     return company.waiting_groups(costs, fresh, num_slots, max_waits)
@@ -263,7 +282,8 @@ def _keep_priority(groups: Groups, srt: _Sorted, config: PlannerConfig) -> Float
         return np.zeros(0)
     longest = srt.lengths[groups.starts]
     capacity = np.maximum(config.token_budget // longest, 1)
-    full = (groups.sizes() >= capacity).astype(np.float64)
+    # Packed groups have no capacity in samples: how full they are (fill) says it all.
+    full = np.zeros(len(groups)) if srt.packed else (groups.sizes() >= capacity).astype(float)
     real = srt.csum_len[groups.ends] - srt.csum_len[groups.starts]
     fill = np.minimum(real / config.token_budget, 1.0)
     oldest = _range_max(srt.ages, groups)
@@ -288,7 +308,7 @@ def _unit_plan(
     rows = fitted.order[alignment.concat_ranges(starts, ends)]
     offsets = np.concatenate([[0], np.cumsum(ends - starts)]).astype(np.int64)
     leftover = offer.samples.take(fitted.leftover_rows)
-    leftover = SampleTable(leftover.views, leftover.lengths, leftover.tokens, leftover.ages + 1)
+    leftover = leftover.aged()
     return UnitPlan(offer.unit, offer.samples.take(rows), offsets, leftover, fitted.num_splits)
 
 
@@ -306,7 +326,7 @@ def _step_stats(
         num_tokens=num_tokens,
         real_tokens=stack("real_tokens"),
         padded_tokens=padded,
-        work=config.cost.work(padded, stack("sum_sq")),
+        work=config.cost.work(padded, stack("sum_sq"), stack("patches")),
         loss_scale=loss_scales(config.loss_scaling, num_samples, num_tokens, per_sample),
     )
 

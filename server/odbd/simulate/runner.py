@@ -39,7 +39,9 @@ class Outcome:
 
 def execute(setup: Setup) -> Outcome:
     """Runs the planner, then (with --compare) fixed-batch, paper and oracle baselines."""
-    result = simulate(setup.lengths, setup.config, epochs=setup.epochs, join=setup.join)
+    result = simulate(
+        setup.lengths, setup.config, epochs=setup.epochs, join=setup.join, patches=setup.patches
+    )
     ours = summarize_config(result, setup.config)
     baselines: list[tuple[str, Summary]] = []
     for batch_size in setup.compare_batch_sizes:
