@@ -11,8 +11,8 @@ long, the one wake per step is a small share of the step.
 
 A flush sends everything queued as one Delivered covering those consecutive steps (wait and
 compute summed): per message, gRPC costs both sides far more than the few bytes. Besides the
-pump, ODBClient flushes before next() blocks, at an epoch's end and once half its prefetch
-window is unreported, so the daemon keeps pushing ahead of a fast trainer.
+pump, ODBClient flushes once next() has blocked for 1 ms, at an epoch's end and once half its
+prefetch window is unreported, so the daemon keeps pushing ahead of a fast trainer.
 """
 
 from __future__ import annotations

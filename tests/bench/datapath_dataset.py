@@ -2,10 +2,10 @@
 
 Every sample is `{"input_ids": int64[nbytes // 8]}`: one array, which is also the length key,
 so a sample's payload is exactly `nbytes` bytes like a slot of the raw shm ring
-(tests/bench/shm_ring.py). Preprocessing costs nothing: the array is made once and only its
-first entry changes (the identity), so the producer's time is the data path's, not the
-dataset's. Safe to reuse the array: the producer encodes a sample into shared memory before it
-asks for the next one.
+(tests/bench/shm_ring.py). Every `dataset[i]` returns a fresh array filled with `i` (issue 15:
+the same samples for odbd and torch's DataLoader, which must not see one reused buffer), so
+a consumer can check that every entry of a row carries its own sample id; making it is one
+allocation and one fill, the cheapest preprocessing a real dataset could have.
 """
 
 from __future__ import annotations
@@ -18,14 +18,13 @@ class FixedSizeDataset:
         if size < 1 or nbytes < 8 or nbytes % 8:
             raise ValueError(f"size={size} must be >= 1, nbytes={nbytes} a multiple of 8")
         self.size = size
-        self._ids = np.zeros(nbytes // 8, np.int64)
+        self.num_tokens = nbytes // 8
 
     def __len__(self) -> int:
         return self.size
 
     def __getitem__(self, index: int) -> dict[str, np.ndarray]:
-        self._ids[0] = index
-        return {"input_ids": self._ids}
+        return {"input_ids": np.full(self.num_tokens, index, np.int64)}
 
 
 def fixed_size(size: int, nbytes: int) -> FixedSizeDataset:

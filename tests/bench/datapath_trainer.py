@@ -6,9 +6,9 @@
 Per step it records how long `next()` blocked (`wait_s`), the time since the previous `next()`
 returned (`compute_s`, the client's own definition of the Delivered timings), when `next()`
 returned, and the batch's sample count; it checks that every row of the batch carries its own
-sample id (tests/bench/datapath_dataset.py writes the identity into entry 0), so the bytes are
-real. With `--compute-ms LO,HI` each step "trains" for a uniform random LO..HI ms (time.sleep:
-like torch kernels, it releases the GIL to the client's reader thread).
+sample id at both ends (tests/bench/datapath_dataset.py fills every entry with the identity),
+so the bytes are real. With `--compute-ms LO,HI` each step "trains" for a uniform random LO..HI
+ms (time.sleep: like torch kernels, it releases the GIL to the client's reader thread).
 
 With `--metrics-url`, the daemon's /metrics is scraped twice to measure pipeline overlap on the
 daemon's side over the steps after warmup: once at the end of step K's compute, and once after
@@ -65,8 +65,10 @@ def run(args: argparse.Namespace) -> dict[str, object]:
         computes.append(0.0 if last_return_s is None else called_s - last_return_s)
         returns.append(returned_s)
         samples.append(batch.num_samples)
-        ids = batch["input_ids"][:, 0].numpy()
-        if not np.array_equal(ids, np.asarray(batch.sample_ids, np.int64)):
+        rows = batch["input_ids"]
+        ids = rows[:, 0].numpy()
+        expected = np.asarray(batch.sample_ids, np.int64)
+        if not (np.array_equal(ids, expected) and np.array_equal(rows[:, -1].numpy(), expected)):
             raise RuntimeError(
                 f"step {batch.step}: rows carry {ids[:4]}, ids {batch.sample_ids[:4]}"
             )

@@ -13,7 +13,11 @@ number is the median of RUNS runs. Nothing asserts speed. Results go to docs/ben
    8 KiB and 1 MiB samples, the trainer doing no compute. The baseline ring has 16 slots, so
    its bytes stay in cache; a second ring with as many slots as one odbd producer lane holds
    (`lane_slots`, up to 1024) shows what holding a planning buffer's bytes in flight costs
-   any design (at 1 MiB: 170 MiB, far past the cache);
+   any design (at 1 MiB: 170 MiB, far past the cache); and vs torch's DataLoader with 1 and
+   2 workers, batch 16 (8 KiB) or 8 (1 MiB), over the same samples
+   (tests/bench/datapath_dataloader.py, K + 1 busy processes): the peer a user would
+   otherwise run (issue 15 targets: odbd >= 1.5x DataLoader(2 workers) at 8 KiB and >= 2x at
+   1 MiB, >= 0.2x the 16-slot ring at 8 KiB);
 2. next() latency when data is ready: the trainer computes 5-10 ms per step so its queue stays
    full; baselines: a ready queue.Queue.get() after the same compute, and a gRPC aio unary round
    trip on a unix socket (2 processes; tests/bench/datapath_baselines.py);
@@ -33,6 +37,7 @@ from pathlib import Path
 import pytest
 
 from tests.bench.datapath_baselines import grpc_round_trips, queue_get_latencies
+from tests.bench.datapath_dataloader import DataLoaderCase, DataLoaderRun, run_dataloader
 from tests.bench.datapath_run import (
     DatapathCase,
     DatapathRun,
@@ -46,6 +51,7 @@ RUNS = int(os.environ.get("ODBD_BENCH_RUNS", "3"))
 REPORT = Path(__file__).resolve().parents[2] / "docs" / "bench" / "datapath.md"
 COMMAND = ".venv/bin/python -m pytest -q -m bench -s tests/bench/test_bench_datapath.py"
 WARMUP_STEPS = 20
+DATALOADER_WORKERS = (1, 2)
 COMPUTE_MS = (5.0, 10.0)
 
 # (our case, raw ring samples per run). Ring runs are short: it is 10-30x faster than ours.
@@ -103,6 +109,7 @@ def test_bench_datapath_throughput_vs_raw_ring() -> None:
     for case, ring_samples in THROUGHPUT_CASES:
         rings: list[RingResult] = []
         deep_rings: list[RingResult] = []
+        loaders: dict[int, list[DataLoaderRun]] = {k: [] for k in DATALOADER_WORKERS}
         ours: list[DatapathRun] = []
         for _ in range(RUNS):
             rings.append(run_ring(slot_bytes=case.nbytes, num_samples=ring_samples))
@@ -111,9 +118,56 @@ def test_bench_datapath_throughput_vs_raw_ring() -> None:
                     slot_bytes=case.nbytes, num_samples=ring_samples, num_slots=lane_slots(case)
                 )
             )
+            for workers, runs in loaders.items():
+                runs.append(run_dataloader(dataloader_case(case, workers)))
             ours.append(run_datapath(case))
         lines += _throughput_rows(case, rings, deep_rings, ours)
+        lines += _dataloader_rows(case, rings, loaders, ours)
+    lines += [
+        "",
+        "CPU us per sample of a DataLoader row: its main (trainer) process only, all threads; "
+        "its workers are not counted.",
+    ]
     _finish(lines)
+
+
+def dataloader_case(case: DatapathCase, num_workers: int) -> DataLoaderCase:
+    """The DataLoader run over the same samples and batch size as `case`."""
+    return DataLoaderCase(
+        nbytes=case.nbytes,
+        num_samples=case.num_samples,
+        batch_samples=case.batch_samples,
+        num_workers=num_workers,
+        warmup_steps=case.warmup_steps,
+    )
+
+
+def _dataloader_rows(
+    case: DatapathCase,
+    rings: list[RingResult],
+    loaders: dict[int, list[DataLoaderRun]],
+    ours: list[DatapathRun],
+) -> list[str]:
+    size = f"{case.nbytes // 1024} KiB"
+    ring_sps = median([r.samples_per_s for r in rings])
+    ours_sps = median([r.samples_per_s for r in ours])
+    rows = []
+    for workers, runs in loaders.items():
+        sps = median([r.samples_per_s for r in runs])
+        cpu_us = median([r.main_cpu_us_per_sample for r in runs])
+        # Same-run ratios, so load from other work hits both sides of each pair alike.
+        pairs = ", ".join(
+            f"{o.samples_per_s / d.samples_per_s:.2f}" for o, d in zip(ours, runs, strict=True)
+        )
+        rows += [
+            f"| {size} | torch DataLoader, {workers} worker{'s' if workers > 1 else ''}, "
+            f"{case.batch_samples}/batch | {sps:,.0f} | {sps * case.nbytes / 1e9:.2f} "
+            f"| {sps / ring_sps:.3f}x | {workers + 1} | - | - / - / {cpu_us:.0f} |",
+            f"|  | (runs: {', '.join(f'{r.samples_per_s:,.0f}' for r in runs)} samples/s; "
+            f"odbd / this: {ours_sps / sps:.2f}x of the medians, {pairs} run by run) "
+            "| | | | | | |",
+        ]
+    return rows
 
 
 def lane_slots(case: DatapathCase) -> int:

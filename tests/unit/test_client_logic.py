@@ -318,6 +318,28 @@ def test_deliveries_reach_the_daemon_while_the_trainer_holds_its_batch(
 
 
 @pytest.mark.timeout(60)
+def test_a_blocked_next_reports_what_it_consumed_to_a_daemon_waiting_for_room(
+    daemon: FakeDaemon,
+) -> None:
+    """next() flushes its reports only once it has blocked a moment (issue 15: not on every
+    empty inbox), so a daemon that pushes nothing until it hears of the consumed step must
+    still get that report, well before the first of 4 unreported steps would send it."""
+
+    def script(hello: Any, context: Any) -> Iterator[Event]:
+        yield daemon.welcome()
+        yield daemon.step(0, 0, [2])
+        assert delivered(daemon, 1)[-1][:2] == (0, 0)  # room only once step 0 is reported
+        yield daemon.step(0, 1, [3])
+        wait_until_cancelled(context)
+
+    daemon.script = script
+    with client_for(daemon, prefetch=8) as client:
+        batches = iter(client)
+        assert next(batches).step == 0
+        assert next(batches).step == 1
+
+
+@pytest.mark.timeout(60)
 def test_load_state_dict_resumes_with_the_hello(daemon: FakeDaemon) -> None:
     def script(hello: Any, context: Any) -> Iterator[Event]:
         yield daemon.welcome()

@@ -189,3 +189,58 @@ def test_segment_header_round_trips_and_magic_marks_completion() -> None:
         SegmentHeader.unpack(buf)
     header.pack_into(buf)
     assert SegmentHeader.unpack(buf) == header
+
+
+# --- per-structure plans and per-header metas (issue 15: planned once per schema) --------------
+
+
+def test_planned_once_per_structure_matches_a_fresh_plan_for_every_first_dimension() -> None:
+    """A cached structure (keys, dtypes, dims after the first) lays out samples of other
+    lengths exactly as planning from scratch does: the bytes are identical."""
+    from odbclient import shm
+
+    def sample(length: int) -> dict[str, np.ndarray]:
+        return {
+            "input_ids": np.arange(length, dtype=np.int64),
+            "pixels": np.ones((length % 3, 2, 5), np.float16),
+            "score": np.array(length, np.float32),  # 0-d
+            "labels": np.full(length, -100, np.int32),
+        }
+
+    shm._PLAN_OF_STRUCTURE.clear()
+    for length in (7, 0, 1, 100, 7):
+        cached = bytes(encode(sample(length)))
+        shm._PLAN_OF_STRUCTURE.clear()
+        assert bytes(encode(sample(length))) == cached
+        out = decode(memoryview(bytearray(cached)))
+        assert np.array_equal(out["input_ids"], np.arange(length))
+        assert out["pixels"].shape == (length % 3, 2, 5)
+    assert len(shm._PLAN_OF_STRUCTURE) == 1
+
+
+def test_a_cached_structure_never_skips_the_checks_of_other_value_types() -> None:
+    """Only samples of numpy arrays are cached; a list under the same key is still refused
+    and a byte-swapped array still gets its own (checked) plan."""
+    encode({"n": np.arange(3, dtype=np.int64)})
+    with pytest.raises(SampleEncodeError, match="'n'.*list"):
+        encoded_size({"n": [1, 2, 3]})
+    swapped = np.arange(3, dtype=">i8")
+    assert decode(encode({"n": swapped}))["n"].tolist() == [0, 1, 2]
+
+
+def test_cached_header_meta_still_checks_the_buffer_it_reads() -> None:
+    """The meta of a header is cached, the bounds of each buffer are not: a truncated copy of
+    a sample whose header was seen before is still a layout error."""
+    buf = encode({"ids": np.arange(64, dtype=np.int64)})
+    assert read_meta(buf) is read_meta(bytes(buf))  # parsed once
+    with pytest.raises(ShmLayoutError, match="total bytes"):
+        read_meta(buf[: len(buf) - 8])
+
+
+def test_the_caches_stay_bounded() -> None:
+    from odbclient import shm
+
+    for k in range(shm._MAX_CACHED + 10):
+        read_meta(encode({"x": np.zeros((1, k + 1), np.int8)}))
+    assert len(shm._META_OF_HEADER) <= shm._MAX_CACHED
+    assert len(shm._PLAN_OF_STRUCTURE) <= shm._MAX_CACHED
