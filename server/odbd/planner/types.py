@@ -150,3 +150,35 @@ class RoundPlan:
     def group_lengths(self, step: int, rank: int, ranks_per_unit: int) -> IntArray:
         unit = self.units[rank // ranks_per_unit]
         return unit.emitted.lengths[unit.slot(step, rank % ranks_per_unit, ranks_per_unit)]
+
+
+@dataclass(frozen=True, slots=True)
+class StepTotals:
+    """One node's per-step totals after phase 2 (node_plan.py): the round's second payload.
+
+    Every node's totals, summed, are the round's global per-step facts: the token totals exact
+    loss scales divide by, and the updates of --tokens-per-update.
+    """
+
+    node: int
+    num_tokens: IntArray  # (T,) loss-bearing tokens over the node's ranks
+    num_samples: IntArray  # (T,)
+    approx_weights: FloatArray  # (T,) sum of --loss-scaling approx weights; (0,) in other modes
+    drained: bool  # the node's units left nothing to recirculate (with all dry: the last round)
+
+
+@dataclass(frozen=True, slots=True)
+class NodeRoundPlan:
+    """One node's part of a round: what its daemon queues. The round-wide fields (num_steps,
+    final, windows, global totals) are identical on every node; RoundPlan is every node's
+    NodeRoundPlan put side by side (round.py)."""
+
+    node: int
+    round_index: int
+    num_steps: int
+    units: tuple[UnitPlan, ...]  # this node's units, in unit order
+    stats: StepStats  # (num_steps, this node's ranks)
+    global_num_samples: IntArray  # (num_steps,) over every rank of the world
+    global_num_tokens: IntArray  # (num_steps,)
+    final: bool
+    windows: Windows
