@@ -21,7 +21,7 @@ import numpy as np
 from odbd.errors import ConfigError, InvariantError
 from odbd.planner.config import CostModel, PlannerConfig
 from odbd.planner.ledger import ViewLedger
-from odbd.planner.round import plan_round
+from odbd.planner.round import RoundTrace, plan_round
 from odbd.planner.sampler import num_views, sampler_identities, views_of_ranks
 from odbd.planner.types import IntArray, RoundPlan, SampleTable, StepStats, UnitOffer
 from odbd.planner.view_keys import by_iteration
@@ -111,17 +111,20 @@ def simulate(
     shuffle: bool = True,
     arrivals_per_round: Sequence[int] | None = None,
     costs: Sequence[CostModel] = (),
+    trace: RoundTrace | None = None,
 ) -> SimulationResult:
     """Plans `epochs` trainer epochs of a dataset whose sample i has length lengths[i].
 
     `costs`: round r plans with costs[r % len(costs)], as under --cost-model auto, where the
-    daemons refit the model as the run goes (default: config.cost throughout).
+    daemons refit the model as the run goes (default: config.cost throughout). `trace` records
+    every round's per-node planning time and payloads (round.RoundTrace).
     """
     lengths = np.asarray(lengths, dtype=np.int64)
     loss_tokens = lengths if tokens is None else np.asarray(tokens, dtype=np.int64)
     _check_inputs(lengths, loss_tokens, epochs, arrivals_per_round, config, join)
     sim = _Simulation(lengths, loss_tokens, config, shuffle, arrivals_per_round)
     sim.costs = list(costs)
+    sim.trace = trace
     return sim.run(epochs, join)
 
 
@@ -161,6 +164,7 @@ class _Simulation:
     ) -> None:
         self.lengths, self.tokens, self.config, self.shuffle = lengths, tokens, config, shuffle
         self.costs: list[CostModel] = []  # per round, cycled; empty: config.cost
+        self.trace: RoundTrace | None = None
         self.num_samples = int(lengths.shape[0])
         world = config.world.world_size
         self.num_views = num_views(self.num_samples, world)
@@ -232,7 +236,7 @@ class _Simulation:
             config = dataclasses.replace(
                 config, cost=self.costs[len(self.rounds) % len(self.costs)]
             )
-        plan = plan_round(offers, config, len(self.rounds))
+        plan = plan_round(offers, config, len(self.rounds), self.trace)
         for unit, feed in zip(plan.units, self.feeds, strict=True):
             feed.buffer = unit.leftover
         return plan

@@ -11,13 +11,14 @@
 Every phase a node runs only needs its own units plus the shared, small inputs, so a daemon's
 planning work is O(its samples + units + nodes x T), not O(world). plan_round runs every node's
 part (the daemon today, `odbd simulate`, the property tests) and puts the NodeRoundPlans side by
-side; `timing` records how long each node's own part took, for a per-daemon time.
+side; `trace` records how long each node's own part took (a per-daemon time) and the payloads.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -28,22 +29,27 @@ from odbd.planner.config import Balance, PlannerConfig
 from odbd.planner.decision import RoundDecision, decide_round
 from odbd.planner.node_plan import NodeDraft, plan_node
 from odbd.planner.summary import GroupedUnit, UnitSummary, group_unit, summarize
-from odbd.planner.types import NodeRoundPlan, RoundPlan, StepStats, UnitOffer
+from odbd.planner.types import NodeRoundPlan, RoundPlan, StepStats, StepTotals, UnitOffer
 
 
 @dataclass(slots=True)
-class RoundTiming:
-    """Seconds spent per phase of the rounds planned with it (perf_counter)."""
+class RoundTrace:
+    """What each phase of the rounds planned with it took, and what the nodes exchanged, for
+    `odbd simulate --planning-time` and the planner benchmark (simulate/planning_time.py)."""
 
-    local_s: list[list[float]] = field(default_factory=list)  # per round, per node: 1 and 3
-    shared_s: list[float] = field(default_factory=list)  # per round: 2 and 4's sums
-    finish_s: list[list[float]] = field(default_factory=list)  # per round, per node: phase 4
+    local_s: list[list[float]] = field(default_factory=list)  # per round, node: phases 1, 3, 4
+    shared_s: list[float] = field(default_factory=list)  # per round: phases 2 and 4's sums
+    summaries: list[list[UnitSummary]] = field(default_factory=list)  # per round, per unit
+    totals: list[list[StepTotals]] = field(default_factory=list)  # per round, per node
 
     def per_daemon_s(self) -> np.ndarray:
-        """(rounds,) one daemon's planning time per round: the slowest node's own phases plus
+        """(rounds, nodes): each daemon's planning time per round, its own node's phases plus
         the decisions every daemon computes."""
-        own = np.asarray(self.local_s) + np.asarray(self.finish_s)  # (rounds, nodes)
-        return own.max(axis=1) + np.asarray(self.shared_s)
+        return np.asarray(self.local_s) + np.asarray(self.shared_s)[:, None]
+
+    def whole_world_s(self) -> np.ndarray:
+        """(rounds,): one process planning every node's part (what each daemon did before)."""
+        return np.asarray(self.local_s).sum(axis=1) + np.asarray(self.shared_s)
 
 
 def units_of_node(config: PlannerConfig, node: int) -> range:
@@ -58,7 +64,7 @@ def plan_round(
     offers: Sequence[UnitOffer],
     config: PlannerConfig,
     round_index: int,
-    timing: RoundTiming | None = None,
+    trace: RoundTrace | None = None,
 ) -> RoundPlan:
     """Plans one round from every unit's offer (offers[u].unit == u, one per unit)."""
     _check_offers(offers, config)
@@ -81,10 +87,13 @@ def plan_round(
         totals = combine([d.totals for d in drafts], decision.num_steps)
     parts = []
     for node in nodes:
-        with clock.finish(node):
+        with clock.local(node):
             parts.append(complete_node(drafts[node], decision, totals, config))
-    if timing is not None:
-        clock.record(timing, len(nodes))
+    if trace is not None:
+        trace.local_s.append([clock.local_s[n] for n in nodes])
+        trace.shared_s.append(clock.shared_s)
+        trace.summaries.append(summaries)
+        trace.totals.append([d.totals for d in drafts])
     return assemble(parts, decision)
 
 
@@ -110,37 +119,19 @@ class _Clock:
 
     def __init__(self) -> None:
         self.local_s: dict[int, float] = {}
-        self.finish_s: dict[int, float] = {}
         self.shared_s = 0.0
 
-    def local(self, node: int) -> _Span:
-        return _Span(self.local_s, node)
+    @contextmanager
+    def local(self, node: int) -> Iterator[None]:
+        start = time.perf_counter()
+        yield
+        self.local_s[node] = self.local_s.get(node, 0.0) + time.perf_counter() - start
 
-    def finish(self, node: int) -> _Span:
-        return _Span(self.finish_s, node)
-
-    def shared(self) -> _Span:
-        return _Span(None, -1, self)
-
-    def record(self, timing: RoundTiming, num_nodes: int) -> None:
-        timing.local_s.append([self.local_s.get(n, 0.0) for n in range(num_nodes)])
-        timing.finish_s.append([self.finish_s.get(n, 0.0) for n in range(num_nodes)])
-        timing.shared_s.append(self.shared_s)
-
-
-class _Span:
-    def __init__(self, into: dict[int, float] | None, key: int, clock: _Clock | None = None):
-        self.into, self.key, self.clock, self.start = into, key, clock, 0.0
-
-    def __enter__(self) -> None:
-        self.start = time.perf_counter()
-
-    def __exit__(self, *_: object) -> None:
-        elapsed = time.perf_counter() - self.start
-        if self.into is not None:
-            self.into[self.key] = self.into.get(self.key, 0.0) + elapsed
-        elif self.clock is not None:
-            self.clock.shared_s += elapsed
+    @contextmanager
+    def shared(self) -> Iterator[None]:
+        start = time.perf_counter()
+        yield
+        self.shared_s += time.perf_counter() - start
 
 
 def _check_offers(offers: Sequence[UnitOffer], config: PlannerConfig) -> None:
