@@ -15,11 +15,11 @@ from odbd.daemon import summary_codec
 from odbd.errors import InvariantError
 from odbd.planner.completion import combine, complete_node
 from odbd.planner.config import Balance, Grouping, LossScaling, PlannerConfig
-from odbd.planner.decision import RoundDecision, decide_round
+from odbd.planner.decision import decide_round
 from odbd.planner.node_plan import plan_node
 from odbd.planner.round import assemble, plan_round, units_of_node
 from odbd.planner.summary import group_unit, summarize
-from odbd.planner.types import RoundPlan, SampleTable, UnitOffer
+from odbd.planner.types import RoundDecision, RoundPlan, SampleTable, UnitOffer
 from tests.unit.planner_factories import make_config
 
 SPLIT_SETTINGS = settings(

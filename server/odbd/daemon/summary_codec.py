@@ -26,8 +26,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from odbd.errors import InvariantError
-from odbd.planner.summary import UnitSummary
-from odbd.planner.types import StepTotals
+from odbd.planner.types import StepTotals, UnitSummary
 
 _MAGIC = 0x4F444253
 _VERSION = 1

@@ -20,13 +20,13 @@ import numpy as np
 from odbd.errors import InvariantError
 from odbd.planner import alignment, windows
 from odbd.planner.config import LossScaling, PlannerConfig
-from odbd.planner.decision import RoundDecision
 from odbd.planner.loss_scaling import loss_scales
 from odbd.planner.node_plan import NodeDraft
 from odbd.planner.types import (
     FloatArray,
     IntArray,
     NodeRoundPlan,
+    RoundDecision,
     SampleTable,
     StepStats,
     StepTotals,

@@ -8,30 +8,16 @@ sample is looked at, and every daemon computes the same RoundDecision from the s
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 from odbd.errors import InvariantError
 from odbd.planner import alignment, assignment, company, windows
 from odbd.planner.config import Grouping, PlannerConfig
-from odbd.planner.summary import UnitSummary
-from odbd.planner.types import FloatArray, IntArray
+from odbd.planner.types import FloatArray, RoundDecision, UnitSummary
 
 # Groups a unit may hold back per rank in one round (company.py); it bounds the search. On
 # bench-planner's oracle workloads at W=128 units held back 1-2 per rank at the 90th percentile,
 # 4.4 at most, and this cap measured the same ratios as none.
 MAX_WAITS_PER_RANK = 4
-
-
-@dataclass(frozen=True, slots=True)
-class RoundDecision:
-    """The round's shared decisions; identical on every daemon."""
-
-    round_index: int
-    num_steps: int  # T: every rank runs this many steps (before --tokens-per-update cuts)
-    step_order: IntArray  # (T,) step_order[k] = step of the k-th costliest run (assignment.py)
-    all_dry: bool  # every unit is dry: the epoch flushes
-    # (depth,) company.py's reference profile, None when no group waits this round
-    reference: FloatArray | None
 
 
 def decide_round(

@@ -16,10 +16,18 @@ import numpy as np
 
 from odbd.planner import alignment, assignment, company
 from odbd.planner.config import Grouping, LossScaling, PlannerConfig
-from odbd.planner.decision import RoundDecision, max_waits
+from odbd.planner.decision import max_waits
 from odbd.planner.loss_scaling import step_weights
 from odbd.planner.summary import GroupedUnit, SortedBuffer, range_max
-from odbd.planner.types import FloatArray, Groups, IntArray, SampleTable, StepTotals, UnitPlan
+from odbd.planner.types import (
+    FloatArray,
+    Groups,
+    IntArray,
+    RoundDecision,
+    SampleTable,
+    StepTotals,
+    UnitPlan,
+)
 
 COLUMNS = ("num_samples", "num_tokens", "real_tokens", "padded_tokens", "sum_sq")
 

@@ -26,10 +26,18 @@ import numpy as np
 from odbd.errors import InvariantError
 from odbd.planner.completion import combine, complete_node
 from odbd.planner.config import Balance, PlannerConfig
-from odbd.planner.decision import RoundDecision, decide_round
+from odbd.planner.decision import decide_round
 from odbd.planner.node_plan import NodeDraft, plan_node
-from odbd.planner.summary import GroupedUnit, UnitSummary, group_unit, summarize
-from odbd.planner.types import NodeRoundPlan, RoundPlan, StepStats, StepTotals, UnitOffer
+from odbd.planner.summary import GroupedUnit, group_unit, summarize
+from odbd.planner.types import (
+    NodeRoundPlan,
+    RoundDecision,
+    RoundPlan,
+    StepStats,
+    StepTotals,
+    UnitOffer,
+    UnitSummary,
+)
 
 
 @dataclass(slots=True)

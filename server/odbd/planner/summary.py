@@ -23,7 +23,7 @@ import numpy as np
 from odbd.planner.company import PROFILE_DEPTH, top_profile
 from odbd.planner.config import Grouping, PlannerConfig
 from odbd.planner.grouping import group_buffer
-from odbd.planner.types import FloatArray, Groups, IntArray, SampleTable, UnitOffer
+from odbd.planner.types import FloatArray, Groups, IntArray, SampleTable, UnitOffer, UnitSummary
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,19 +59,6 @@ class SortedBuffer:
             "padded_tokens": longest * sizes,
             "sum_sq": self.csum_sq[ends] - self.csum_sq[starts],
         }
-
-
-@dataclass(frozen=True, slots=True)
-class UnitSummary:
-    """What the other daemons learn of one unit's buffer in a round (the round payload)."""
-
-    unit: int
-    dry: bool  # nothing more arrives for this unit this epoch
-    num_samples: int  # buffered samples (the paper's S_r)
-    num_groups: int  # groups the buffer was cut into (G_r)
-    max_length: int  # its longest sample: a group over the budget turns company.py on
-    # (<= PROFILE_DEPTH,) its costliest groups' work, descending (company.py's profile)
-    profile: FloatArray
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,7 +1,9 @@
 """Inputs and outputs of the planner stages (DESIGN.md section 7 is the glossary).
 
-Data path: SampleTable (a unit's buffer) -> Groups (grouping) -> UnitPlan (alignment and step
-assignment) -> RoundPlan (all units, with per-(step, rank) stats and loss scales).
+Data path: SampleTable (a unit's buffer) -> Groups (grouping) -> UnitSummary (what the other
+daemons learn of it) -> RoundDecision (from every unit's summary) -> UnitPlan (alignment and step
+assignment, on the unit's node) and StepTotals (what every node learns of them) -> NodeRoundPlan
+(one node's part, with per-(step, rank) stats and loss scales) -> RoundPlan (every node's part).
 Arrays are numpy int64 unless noted; shapes are documented on the fields.
 """
 
@@ -182,3 +184,28 @@ class NodeRoundPlan:
     global_num_tokens: IntArray  # (num_steps,)
     final: bool
     windows: Windows
+
+
+@dataclass(frozen=True, slots=True)
+class UnitSummary:
+    """What the other daemons learn of one unit's buffer in a round (the round payload)."""
+
+    unit: int
+    dry: bool  # nothing more arrives for this unit this epoch
+    num_samples: int  # buffered samples (the paper's S_r)
+    num_groups: int  # groups the buffer was cut into (G_r)
+    max_length: int  # its longest sample: a group over the budget turns company.py on
+    # (<= company.PROFILE_DEPTH,) its costliest groups' work, descending (company.py's profile)
+    profile: FloatArray
+
+
+@dataclass(frozen=True, slots=True)
+class RoundDecision:
+    """The round's shared decisions; identical on every daemon."""
+
+    round_index: int
+    num_steps: int  # T: every rank runs this many steps (before --tokens-per-update cuts)
+    step_order: IntArray  # (T,) step_order[k] = step of the k-th costliest run (assignment.py)
+    all_dry: bool  # every unit is dry: the epoch flushes
+    # (depth,) company.py's reference profile, None when no group waits this round
+    reference: FloatArray | None

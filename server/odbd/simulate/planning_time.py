@@ -19,8 +19,7 @@ import numpy as np
 from odbd.daemon import offer_codec, summary_codec
 from odbd.planner.config import PlannerConfig
 from odbd.planner.round import RoundTrace, units_of_node
-from odbd.planner.summary import UnitSummary
-from odbd.planner.types import SampleTable, UnitOffer
+from odbd.planner.types import SampleTable, UnitOffer, UnitSummary
 
 
 @dataclass(frozen=True, slots=True)
