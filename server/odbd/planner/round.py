@@ -1,11 +1,11 @@
 """plan_round: one round planned for every node, phase by phase (summary.py lists the phases).
 
-1. group each unit's buffer and summarize it (summary.py; on the unit's node)
-2. decide T, the shared step order and company.py's reference from the summaries (decision.py;
+0. group each unit's buffer and summarize it (summary.py; on the unit's node)
+1. decide T, the shared step order and company.py's reference from the summaries (decision.py;
    the same on every daemon, O(units))
-3. fit every unit to T steps and place its groups on (rank, step) (node_plan.py, alignment.py,
+2. fit every unit to T steps and place its groups on (rank, step) (node_plan.py, alignment.py,
    assignment.py; on the unit's node)
-4. sum every node's per-step totals, then close each node's optimizer updates and compute its
+3. sum every node's per-step totals, then close each node's optimizer updates and compute its
    exact loss scales (completion.py, windows.py, loss_scaling.py)
 
 Every phase a node runs only needs its own units plus the shared, small inputs, so a daemon's
@@ -45,8 +45,8 @@ class RoundTrace:
     """What each phase of the rounds planned with it took, and what the nodes exchanged, for
     `odbd simulate --planning-time` and the planner benchmark (simulate/planning_time.py)."""
 
-    local_s: list[list[float]] = field(default_factory=list)  # per round, node: phases 1, 3, 4
-    shared_s: list[float] = field(default_factory=list)  # per round: phases 2 and 4's sums
+    local_s: list[list[float]] = field(default_factory=list)  # per round, node: phases 0, 2, 3
+    shared_s: list[float] = field(default_factory=list)  # per round: 1, and 3's sums
     summaries: list[list[UnitSummary]] = field(default_factory=list)  # per round, per unit
     totals: list[list[StepTotals]] = field(default_factory=list)  # per round, per node
 
