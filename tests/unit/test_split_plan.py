@@ -19,7 +19,7 @@ from odbd.planner.decision import decide_round
 from odbd.planner.node_plan import plan_node
 from odbd.planner.round import assemble, plan_round, units_of_node
 from odbd.planner.summary import group_unit, summarize
-from odbd.planner.types import RoundDecision, RoundPlan, SampleTable, UnitOffer
+from odbd.planner.types import RoundDecision, RoundPlan, SampleTable, StepTotals, UnitOffer
 from tests.unit.planner_factories import make_config
 
 SPLIT_SETTINGS = settings(
@@ -198,3 +198,13 @@ def test_a_payload_of_another_kind_is_refused():
     summary = summary_codec.encode_summary(summary_codec.NodeSummary(0, 0, ()))
     with pytest.raises(InvariantError, match="kind 1, expected"):
         summary_codec.decode_totals(summary)
+
+
+def test_totals_wider_than_int32_travel_as_int64():
+    wide = StepTotals(3, np.array([2**40, 5]), np.array([1, 2]), np.zeros(0), True)
+    narrow = StepTotals(3, np.array([2**20, 5]), np.array([1, 2]), np.zeros(0), False)
+    for totals in (wide, narrow):
+        back = summary_codec.decode_totals(summary_codec.encode_totals(totals))
+        assert np.array_equal(back.num_tokens, totals.num_tokens)
+        assert (back.node, back.drained) == (totals.node, totals.drained)
+    assert len(summary_codec.encode_totals(narrow)) < len(summary_codec.encode_totals(wide))

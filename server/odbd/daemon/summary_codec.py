@@ -9,10 +9,11 @@ Summary payload, version 1 (little-endian), instead of offer_codec's samples:
     then m rows of float64 [padded tokens, sum of squared lengths, seconds] (cost_learning.py)
 Totals payload, version 1:
     u32 magic, u16 version, u16 kind (2 = totals), u32 node, u32 num_steps, u8 drained,
-    u8 has_approx, u16 reserved
-    then num_steps int64 loss tokens, num_steps int64 samples, [num_steps float64 approx weights]
+    u8 has_approx, u8 count_bytes (4 or 8), u8 reserved
+    then num_steps loss tokens, num_steps samples (int32 when every count fits, else int64),
+    [num_steps float64 approx weights]
 
-Sizes do not grow with the buffer: ~0.6 KiB per unit plus 16 bytes per step, against offer
+Sizes do not grow with the buffer: ~0.6 KiB per unit plus 8 bytes per step, against offer
 codec's 20 bytes per buffered sample (164 KiB per 8-rank node at --buffer 1024). Floats travel
 as their IEEE bytes, so every daemon decides from bit-identical summaries.
 """
@@ -32,7 +33,8 @@ _MAGIC = 0x4F444253
 _VERSION = 1
 _SUMMARY, _TOTALS = 1, 2
 _PREFIX = struct.Struct("<IHHI")
-_TOTALS_HEAD = struct.Struct("<IHHIIBBH")
+_TOTALS_HEAD = struct.Struct("<IHHIIBBBB")
+_INT32_MAX = 2**31 - 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,11 +101,15 @@ def decode_summary(payload: bytes) -> NodeSummary:
 def encode_totals(totals: StepTotals) -> bytes:
     steps = int(totals.num_tokens.shape[0])
     has_approx = totals.approx_weights.size > 0
+    # A node's tokens per step fit int32 unless its ranks hold ~2^31 tokens in one step: half
+    # the bytes nearly always, exact always.
+    largest = max(int(totals.num_tokens.max(initial=0)), int(totals.num_samples.max(initial=0)))
+    width = 4 if largest <= _INT32_MAX else 8
     head = _TOTALS_HEAD.pack(
-        _MAGIC, _VERSION, _TOTALS, totals.node, steps, totals.drained, has_approx, 0
+        _MAGIC, _VERSION, _TOTALS, totals.node, steps, totals.drained, has_approx, width, 0
     )
-    parts = [head, totals.num_tokens.astype("<i8").tobytes()]
-    parts.append(totals.num_samples.astype("<i8").tobytes())
+    parts = [head, totals.num_tokens.astype(f"<i{width}").tobytes()]
+    parts.append(totals.num_samples.astype(f"<i{width}").tobytes())
     if has_approx:
         parts.append(np.ascontiguousarray(totals.approx_weights, dtype="<f8").tobytes())
     return b"".join(parts)
@@ -111,12 +117,14 @@ def encode_totals(totals: StepTotals) -> bytes:
 
 def decode_totals(payload: bytes) -> StepTotals:
     _check_prefix(payload, _TOTALS)
-    _, _, _, node, steps, drained, has_approx, _ = _TOTALS_HEAD.unpack_from(payload, 0)
+    _, _, _, node, steps, drained, has_approx, width, _ = _TOTALS_HEAD.unpack_from(payload, 0)
+    if width not in (4, 8):
+        raise InvariantError(f"step totals payload of node {node} has {width}-byte counts")
     pos = _TOTALS_HEAD.size
     columns = []
-    for dtype in ("<i8", "<i8") + (("<f8",) if has_approx else ()):
+    for dtype in (f"<i{width}", f"<i{width}") + (("<f8",) if has_approx else ()):
         columns.append(np.frombuffer(payload, dtype=dtype, count=steps, offset=pos))
-        pos += 8 * steps
+        pos += np.dtype(dtype).itemsize * steps
     _check_end(payload, pos)
     approx = columns[2].astype(np.float64) if has_approx else np.zeros(0)
     return StepTotals(
