@@ -46,7 +46,7 @@ class RoundTrace:
     `odbd simulate --planning-time` and the planner benchmark (simulate/planning_time.py)."""
 
     local_s: list[list[float]] = field(default_factory=list)  # per round, node: phases 0, 2, 3
-    shared_s: list[float] = field(default_factory=list)  # per round: 1, and 3's sums
+    shared_s: list[float] = field(default_factory=list)  # per round: phase 1, phase 3's sums
     summaries: list[list[UnitSummary]] = field(default_factory=list)  # per round, per unit
     totals: list[list[StepTotals]] = field(default_factory=list)  # per round, per node
 

@@ -7,7 +7,7 @@ A round is planned in phases so that no daemon touches another node's samples (i
 1. global (decision.py): every daemon decides the round's step count and shared orders from
    the summaries of every unit (O(units), the same on every daemon)
 2. local  (node_plan.py): each node fits and assigns its own groups to (rank, step)
-3. global (node_plan.py): per-step token and sample totals of every node give the loss scales
+3. global (completion.py): per-step token and sample totals of every node give the loss scales
    and the optimizer updates; each node completes its own part
 
 Grouping depends only on the unit's buffer and (seed, round, unit), so phase 0 needs nothing from
