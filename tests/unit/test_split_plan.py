@@ -19,7 +19,14 @@ from odbd.planner.decision import decide_round
 from odbd.planner.node_plan import plan_node
 from odbd.planner.round import assemble, plan_round, units_of_node
 from odbd.planner.summary import group_unit, summarize
-from odbd.planner.types import RoundDecision, RoundPlan, SampleTable, StepTotals, UnitOffer
+from odbd.planner.types import (
+    RoundDecision,
+    RoundPlan,
+    SampleTable,
+    StepTotals,
+    UnitOffer,
+    UnitSummary,
+)
 from tests.unit.planner_factories import make_config
 
 SPLIT_SETTINGS = settings(
@@ -208,3 +215,14 @@ def test_totals_wider_than_int32_travel_as_int64():
         assert np.array_equal(back.num_tokens, totals.num_tokens)
         assert (back.node, back.drained) == (totals.node, totals.drained)
     assert len(summary_codec.encode_totals(narrow)) < len(summary_codec.encode_totals(wide))
+
+
+def test_summary_side_facts_round_trip():
+    unit = UnitSummary(7, True, 12, 3, 40_000, np.array([3.5, 2.25, 1.0]))
+    observations = np.array([[1200.0, 3.0e6, 0.125], [800.0, 1.0e6, 0.0625]])
+    summary = summary_codec.NodeSummary(2, 5, (unit,), {"too_long": 3}, (4, 17), observations)
+    back = summary_codec.decode_summary(summary_codec.encode_summary(summary))
+    assert (back.node, back.epoch, back.rejected, back.resume) == (2, 5, {"too_long": 3}, (4, 17))
+    assert back.observations.tobytes() == observations.tobytes()
+    assert back.units[0].profile.tobytes() == unit.profile.tobytes()
+    assert dataclasses.replace(back.units[0], profile=unit.profile) == unit

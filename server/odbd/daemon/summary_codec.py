@@ -1,10 +1,12 @@
 """The split round's two payloads (planner/summary.py lists the phases), encoded as bytes.
 
 Summary payload, version 1 (little-endian), instead of offer_codec's samples:
-    u32 magic 0x4f444253 ("ODBS"), u16 version, u16 kind (1 = summary), u32 header_bytes
-    header: UTF-8 JSON {"node", "epoch", "rejected", "resume",
-            "units": [[unit, dry, num_samples, num_groups, max_length, profile_len]],
-            "observations": m}
+    u32 magic 0x4f444253 ("ODBS"), u16 version, u16 kind (1 = summary), u32 node,
+    u32 epoch, u16 num_units, u16 side_bytes, u32 observations (m)
+    then num_units records of u32 unit, u8 dry, u32 num_samples, u32 num_groups, u32 max_length,
+    u16 profile_len
+    then side_bytes of UTF-8 JSON {"rejected": {reason: count}, "resume": [epoch, step] | null}
+    (0 bytes in the usual round: nothing rejected, no restart)
     then per unit profile_len float64 (its costliest groups' work, descending)
     then m rows of float64 [padded tokens, sum of squared lengths, seconds] (cost_learning.py)
 Totals payload, version 1:
@@ -33,8 +35,11 @@ _MAGIC = 0x4F444253
 _VERSION = 1
 _SUMMARY, _TOTALS = 1, 2
 _PREFIX = struct.Struct("<IHHI")
+_SUMMARY_HEAD = struct.Struct("<IHHI")
+_UNIT = struct.Struct("<IBIIIH")
 _TOTALS_HEAD = struct.Struct("<IHHIIBBBB")
 _INT32_MAX = 2**31 - 1
+_COUNT_DTYPES = {4: np.dtype("<i4"), 8: np.dtype("<i8")}
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,51 +55,51 @@ class NodeSummary:
 
 
 def encode_summary(summary: NodeSummary) -> bytes:
-    header = {
-        "node": summary.node,
-        "epoch": summary.epoch,
-        "rejected": summary.rejected,
-        "resume": list(summary.resume) if summary.resume else None,
-        "units": [
-            [u.unit, u.dry, u.num_samples, u.num_groups, u.max_length, len(u.profile)]
-            for u in summary.units
-        ],
-        "observations": int(summary.observations.shape[0]),
-    }
-    head = json.dumps(header, separators=(",", ":")).encode()
-    parts = [_PREFIX.pack(_MAGIC, _VERSION, _SUMMARY, len(head)), head]
+    side = b""
+    if summary.rejected or summary.resume:
+        facts = {"rejected": summary.rejected, "resume": summary.resume}
+        side = json.dumps(facts, separators=(",", ":")).encode()
+    m = int(summary.observations.shape[0])
+    parts = [
+        _PREFIX.pack(_MAGIC, _VERSION, _SUMMARY, summary.node),
+        _SUMMARY_HEAD.pack(summary.epoch, len(summary.units), len(side), m),
+    ]
+    parts += [
+        _UNIT.pack(u.unit, u.dry, u.num_samples, u.num_groups, u.max_length, len(u.profile))
+        for u in summary.units
+    ]
+    parts.append(side)
     parts += [np.ascontiguousarray(u.profile, dtype="<f8").tobytes() for u in summary.units]
     parts.append(np.ascontiguousarray(summary.observations, dtype="<f8").tobytes())
     return b"".join(parts)
 
 
 def decode_summary(payload: bytes) -> NodeSummary:
-    head_len = _check_prefix(payload, _SUMMARY)
-    pos = _PREFIX.size
-    header = json.loads(payload[pos : pos + head_len])
-    pos += head_len
+    """Binary records rather than a JSON header: a daemon decodes one payload per node and
+    round, ~1,000 of them at W = 8192, so each must cost a few microseconds."""
+    node = _check_prefix(payload, _SUMMARY)
+    epoch, num_units, side_bytes, m = _SUMMARY_HEAD.unpack_from(payload, _PREFIX.size)
+    pos = _PREFIX.size + _SUMMARY_HEAD.size
+    records = list(_UNIT.iter_unpack(payload[pos : pos + num_units * _UNIT.size]))
+    pos += num_units * _UNIT.size
+    facts = json.loads(payload[pos : pos + side_bytes]) if side_bytes else {}
+    pos += side_bytes
     units = []
-    for unit, dry, num_samples, num_groups, max_length, depth in header["units"]:
+    for unit, dry, num_samples, num_groups, max_length, depth in records:
         profile = np.frombuffer(payload, dtype="<f8", count=depth, offset=pos)
         pos += 8 * depth
-        units.append(
-            UnitSummary(
-                int(unit), bool(dry), int(num_samples), int(num_groups), int(max_length),
-                profile.astype(np.float64),
-            )
-        )  # fmt: skip
-    m = int(header["observations"])
+        units.append(UnitSummary(unit, bool(dry), num_samples, num_groups, max_length, profile))
     observations = np.frombuffer(payload, dtype="<f8", count=3 * m, offset=pos)
     pos += 24 * m
     _check_end(payload, pos)
-    resume = header["resume"]
+    resume = facts.get("resume")
     return NodeSummary(
-        int(header["node"]),
-        int(header["epoch"]),
+        node,
+        epoch,
         tuple(units),
-        header["rejected"],
+        facts.get("rejected", {}),
         (int(resume[0]), int(resume[1])) if resume else None,
-        observations.astype(np.float64).reshape(m, 3),
+        observations.reshape(m, 3),
     )
 
 
@@ -118,18 +123,19 @@ def encode_totals(totals: StepTotals) -> bytes:
 def decode_totals(payload: bytes) -> StepTotals:
     _check_prefix(payload, _TOTALS)
     _, _, _, node, steps, drained, has_approx, width, _ = _TOTALS_HEAD.unpack_from(payload, 0)
-    if width not in (4, 8):
+    count = _COUNT_DTYPES.get(width)
+    if count is None:
         raise InvariantError(f"step totals payload of node {node} has {width}-byte counts")
     pos = _TOTALS_HEAD.size
-    columns = []
-    for dtype in (f"<i{width}", f"<i{width}") + (("<f8",) if has_approx else ()):
-        columns.append(np.frombuffer(payload, dtype=dtype, count=steps, offset=pos))
-        pos += np.dtype(dtype).itemsize * steps
+    tokens = np.frombuffer(payload, dtype=count, count=steps, offset=pos).astype(np.int64)
+    samples = np.frombuffer(payload, count, steps, pos + width * steps).astype(np.int64)
+    pos += 2 * width * steps
+    approx = np.zeros(0)
+    if has_approx:
+        approx = np.frombuffer(payload, dtype="<f8", count=steps, offset=pos)
+        pos += 8 * steps
     _check_end(payload, pos)
-    approx = columns[2].astype(np.float64) if has_approx else np.zeros(0)
-    return StepTotals(
-        int(node), columns[0].astype(np.int64), columns[1].astype(np.int64), approx, bool(drained)
-    )
+    return StepTotals(node, tokens, samples, approx, bool(drained))
 
 
 def _check_prefix(payload: bytes, kind: int) -> int:

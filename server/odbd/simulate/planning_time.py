@@ -7,11 +7,14 @@ phases). "whole world" is every node's phases plus the decisions: what each daem
 planned every rank. Payload bytes are those of the encoded payloads every daemon receives per
 round: the split round's summaries and step totals (daemon/summary_codec.py), and, for
 comparison, the offers of every buffered sample the daemons exchange today
-(daemon/offer_codec.py, whose size depends only on the units' sample counts).
+(daemon/offer_codec.py, whose size depends only on the units' sample counts), and the time one
+daemon takes to decode every node's payloads of a round (the exchange's share of the CPU).
 """
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -33,6 +36,8 @@ class PlanningReport:
     summary_bytes: float  # per round, every node's summary payload (median over rounds)
     totals_bytes: float  # per round, every node's step-totals payload
     offer_bytes: float  # per round, every node's full offer payload (the exchange today)
+    decode_ms: float  # per round, one daemon decoding every node's summary and totals payload
+    offer_decode_ms: float  # per round, one daemon decoding every node's offer payload
 
     def as_json(self) -> dict[str, float | int]:
         return asdict(self)
@@ -41,11 +46,17 @@ class PlanningReport:
 def planning_report(trace: RoundTrace, config: PlannerConfig) -> PlanningReport:
     daemon_ms = 1e3 * trace.per_daemon_s()
     nodes = range(config.world.num_nodes)
-    summary, totals, offers = [], [], []
+    summary, totals, offers, decode_s, offer_decode_s = [], [], [], [], []
     for units, node_totals in zip(trace.summaries, trace.totals, strict=True):
-        summary.append(sum(len(_summary_payload(units, config, n)) for n in nodes))
-        totals.append(sum(len(summary_codec.encode_totals(t)) for t in node_totals))
-        offers.append(sum(len(_offer_payload(units, config, n)) for n in nodes))
+        split = [_summary_payload(units, config, n) for n in nodes]
+        split_totals = [summary_codec.encode_totals(t) for t in node_totals]
+        full = [_offer_payload(units, config, n) for n in nodes]
+        summary.append(sum(len(p) for p in split))
+        totals.append(sum(len(p) for p in split_totals))
+        offers.append(sum(len(p) for p in full))
+        decode_s.append(_decode_s(split, summary_codec.decode_summary))
+        decode_s[-1] += _decode_s(split_totals, summary_codec.decode_totals)
+        offer_decode_s.append(_decode_s(full, offer_codec.decode))
     return PlanningReport(
         num_rounds=len(trace.shared_s),
         num_nodes=config.world.num_nodes,
@@ -56,6 +67,8 @@ def planning_report(trace: RoundTrace, config: PlannerConfig) -> PlanningReport:
         summary_bytes=float(np.median(summary)),
         totals_bytes=float(np.median(totals)),
         offer_bytes=float(np.median(offers)),
+        decode_ms=1e3 * float(np.median(decode_s)),
+        offer_decode_ms=1e3 * float(np.median(offer_decode_s)),
     )
 
 
@@ -74,8 +87,17 @@ def render_planning(report: PlanningReport) -> str:
             f"  payload per round, all nodes: summaries {r.summary_bytes / 1024:.1f} KiB + step "
             f"totals {r.totals_bytes / 1024:.1f} KiB = {split_kib:.1f} KiB; full offers "
             f"{r.offer_bytes / 1024:.1f} KiB",
+            f"  decoding them, per daemon: {r.decode_ms:.2f} ms; the full offers "
+            f"{r.offer_decode_ms:.2f} ms",
         ]
     )
+
+
+def _decode_s(payloads: list[bytes], decode: Callable[[bytes], object]) -> float:
+    start = time.perf_counter()
+    for payload in payloads:
+        decode(payload)
+    return time.perf_counter() - start
 
 
 def _summary_payload(units: list[UnitSummary], config: PlannerConfig, node: int) -> bytes:
