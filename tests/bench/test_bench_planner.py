@@ -388,8 +388,8 @@ def scale_table(rows: list[ScaleRow]) -> str:
     lines = [
         "| workload | W | nodes | per-daemon ms (median) | p90 | slowest daemon | vs W=16 "
         "| whole world ms (before) | whole / per-daemon | split payload KiB/round "
-        "| offers KiB/round (before) |",
-        "|" + " --- |" + " ---: |" * 10,
+        "| offers KiB/round (before) | decode split ms | decode offers ms (before) |",
+        "|" + " --- |" + " ---: |" * 12,
     ]
     for r in rows:
         p = r.report
@@ -399,7 +399,7 @@ def scale_table(rows: list[ScaleRow]) -> str:
             f"| {p.daemon_ms_median / base[r.workload]:.2f}x | {p.whole_world_ms_median:,.1f} "
             f"| {p.whole_world_ms_median / p.daemon_ms_median:.0f}x "
             f"| {(p.summary_bytes + p.totals_bytes) / 1024:,.1f} "
-            f"| {p.offer_bytes / 1024:,.0f} |"
+            f"| {p.offer_bytes / 1024:,.0f} | {p.decode_ms:.2f} | {p.offer_decode_ms:.2f} |"
         )
     return "\n".join(lines)
 
@@ -423,7 +423,8 @@ def test_bench_planning_time_per_daemon() -> None:
         "+ decisions, what each daemon computed before the split. Payloads are every node's "
         "encoded payloads of a round (what each daemon receives): summaries + step totals "
         "(daemon/summary_codec.py) vs the full offers (daemon/offer_codec.py, 20 bytes per "
-        f"buffered sample). Repetitions: 9 rounds, 3 above W=1024, after a warm-up; one "
+        "buffered sample), and the time one daemon takes to decode every node's payloads of a "
+        f"round. Repetitions: 9 rounds, 3 above W=1024, after a warm-up; one "
         f"process ({platform.processor() or platform.machine()}, {_cpu_count()} cores, "
         "shared with other jobs: medians).\n\n"
         f"{scale_table(rows)}\n\nPer-daemon time at W=1024 / W=16: {verdict} (target "

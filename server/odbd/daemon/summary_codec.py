@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import struct
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -39,7 +40,7 @@ _SUMMARY_HEAD = struct.Struct("<IHHI")
 _UNIT = struct.Struct("<IBIIIH")
 _TOTALS_HEAD = struct.Struct("<IHHIIBBBB")
 _INT32_MAX = 2**31 - 1
-_COUNT_DTYPES = {4: np.dtype("<i4"), 8: np.dtype("<i8")}
+_COUNT_DTYPES: dict[int, np.dtype[Any]] = {4: np.dtype("<i4"), 8: np.dtype("<i8")}
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,7 +129,7 @@ def decode_totals(payload: bytes) -> StepTotals:
         raise InvariantError(f"step totals payload of node {node} has {width}-byte counts")
     pos = _TOTALS_HEAD.size
     tokens = np.frombuffer(payload, dtype=count, count=steps, offset=pos).astype(np.int64)
-    samples = np.frombuffer(payload, count, steps, pos + width * steps).astype(np.int64)
+    samples = np.frombuffer(payload, count, steps, offset=pos + width * steps).astype(np.int64)
     pos += 2 * width * steps
     approx = np.zeros(0)
     if has_approx:
