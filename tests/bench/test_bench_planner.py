@@ -341,7 +341,7 @@ def test_bench_plan_round_latency() -> None:
         f"One round of W={world.world_size} ({world.num_nodes} nodes x {world.ranks_per_node}), "
         f"buffer {BUFFER}/rank ({len(lengths):,} sharegpt4o lengths), token budget {BUDGET}; "
         f"{repetitions} repetitions after one warm-up, one process "
-        f"({platform.processor() or platform.machine()}, {_cpu_count()} cores).\n\n"
+        f"({platform.processor() or platform.machine()}, {_cpu_count()} cores, {_load()}).\n\n"
         + "\n".join(lines)
         + "\n"
     )
@@ -426,7 +426,7 @@ def test_bench_planning_time_per_daemon() -> None:
         "buffered sample), and the time one daemon takes to decode every node's payloads of a "
         f"round. Repetitions: 9 rounds, 3 above W=1024, after a warm-up; one "
         f"process ({platform.processor() or platform.machine()}, {_cpu_count()} cores, "
-        "shared with other jobs: medians).\n\n"
+        f"{_load()}: medians).\n\n"
         f"{scale_table(rows)}\n\nPer-daemon time at W=1024 / W=16: {verdict} (target "
         f"<= {SCALE_TARGET:g}x: {met}).\n"
     )
@@ -437,6 +437,12 @@ def test_bench_planning_time_per_daemon() -> None:
 
 def _cpu_count() -> int:
     return len(os.sched_getaffinity(0))
+
+
+def _load() -> str:
+    """The machine's 1-minute load average as the run ends: other jobs share these cores, and
+    timings follow them (plan_round at W=128 measured 30 to 110 ms within ten minutes here)."""
+    return f"1-minute load average {os.getloadavg()[0]:.1f} as the run ended"
 
 
 def write_section(key: str, title: str, body: str) -> None:
