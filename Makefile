@@ -31,7 +31,7 @@ bench: $(STAMP)  # every benchmark; results land in docs/bench/
 	$(BENCH) tests/bench
 
 bench-planner: $(STAMP)
-	$(BENCH) tests/bench/test_bench_planner.py
+	$(BENCH) tests/bench/test_bench_planner.py tests/bench/test_bench_packed.py
 
 bench-round: $(STAMP)
 	$(BENCH) tests/bench/test_bench_round.py

@@ -37,7 +37,9 @@ class Batch:
     usual; its `loss_scale` is 0, so it contributes nothing to the gradient.
     """
 
-    tensors: dict[str, torch.Tensor] = field(repr=False)  # key -> (B, ...) padded per --pad
+    # key -> (B, ...) padded per --pad; odbd --collate packed: (1, T) rows with position_ids,
+    # cu_seq_lens_q/k tensors and max_length_q/k ints (Hugging Face padding-free conventions)
+    tensors: dict[str, torch.Tensor | int] = field(repr=False)
     epoch: int
     step: int  # index within the epoch, identical on every rank
     num_samples: int  # samples in this batch (0 for an idle filler)
@@ -62,7 +64,7 @@ class Batch:
     update_short: bool = False  # the epoch's last update, closed before K steps / T tokens
     windowed: bool = False  # the daemon runs optimizer updates of several micro-steps or tokens
 
-    def __getitem__(self, key: str) -> torch.Tensor:
+    def __getitem__(self, key: str) -> torch.Tensor | int:
         return self.tensors[key]
 
     def __contains__(self, key: object) -> bool:
@@ -76,6 +78,9 @@ class Batch:
 
     def to(
         self, device: torch.device | str, *, non_blocking: bool = False
-    ) -> dict[str, torch.Tensor]:
-        """The tensors moved to `device` (e.g. `model(**batch.to("cuda"))`)."""
-        return {k: t.to(device, non_blocking=non_blocking) for k, t in self.tensors.items()}
+    ) -> dict[str, torch.Tensor | int]:
+        """The tensors moved to `device` (e.g. `model(**batch.to("cuda"))`); ints stay."""
+        return {
+            k: t.to(device, non_blocking=non_blocking) if isinstance(t, torch.Tensor) else t
+            for k, t in self.tensors.items()
+        }

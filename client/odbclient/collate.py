@@ -6,7 +6,10 @@ Pure: no I/O, no daemon. Rules, per key:
   (B, *shape);
 - a 1-D key, or a key whose first dimension varies, is right-padded along its first dimension
   to the batch maximum with the key's pad value: (B, max_len, *trailing);
-- a key whose shape varies in any other dimension is an error naming the key and shapes.
+- a key whose shape varies in any other dimension is an error naming the key and shapes;
+- a `--concat` key is joined along its first dimension instead, with `KEY_offsets` (packing.py);
+- packed (`--collate packed`): every 1-D key is one (1, T) row instead, with position_ids and
+  cumulative lengths (packing.py has the conventions).
 Output tensors are fresh memory, never views of the input: the input lives in shared memory
 that the daemon recycles once the batch is delivered (DESIGN.md section 6).
 """
@@ -21,6 +24,13 @@ import numpy as np
 import torch
 
 from odbclient.errors import CollateError, ProtocolError
+from odbclient.packing import (
+    check_reserved_keys,
+    concat_rows,
+    offsets_key,
+    pack_rows,
+    sequence_fields,
+)
 from odbclient.shm import DTYPE_NAMES
 
 DEFAULT_PADS: Mapping[str, float] = {"labels": -100.0}  # every other key pads with 0
@@ -32,13 +42,25 @@ class KeySchema:
 
     key: str
     dtype: str  # shm dtype name, e.g. "int64", "bfloat16"
-    shape: tuple[int, ...]  # padded: the dims after the first; stacked: the whole sample shape
+    shape: tuple[int, ...]  # padded, concat: the dims after the first; stacked: the whole shape
     padded: bool  # the first dimension varies and is right-padded to the batch maximum
+    concat: bool = False  # --concat: joined along the first dimension, no batch dimension
+
+
+@dataclass(frozen=True, slots=True)
+class BatchForm:
+    """How the daemon's batches are built (TrainerWelcome: --collate, --concat, the keys)."""
+
+    packed: bool = False  # --collate packed
+    concat_keys: frozenset[str] = frozenset()
+    length_key: str = "input_ids"  # its lengths give position_ids and cu_seq_lens when packed
+    labels_key: str = "labels"  # gets the -100 separator at each sample's start when packed
 
 
 @dataclass(frozen=True, slots=True)
 class Collated:
-    tensors: dict[str, torch.Tensor]  # key -> (B, ...) tensor in fresh memory
+    # key -> (B, ...) tensor in fresh memory; packed: also max_length_q/k, Python ints (as HF)
+    tensors: dict[str, torch.Tensor | int]
     schema: tuple[KeySchema, ...]  # in the key order of the first sample
 
 
@@ -52,33 +74,59 @@ def collate(
     *,
     pads: Mapping[str, float],
     bfloat16_keys: frozenset[str] = frozenset(),
+    form: BatchForm = BatchForm(),
 ) -> Collated:
-    """Pads or stacks every key of `samples` (bfloat16 arrays arrive as uint16 bit patterns)."""
+    """Pads, stacks, packs or concatenates every key of `samples` per `form` (bfloat16 arrays
+    arrive as uint16 bit patterns)."""
     if not samples:
         raise CollateError("a batch needs at least one sample; the daemon sent an empty step")
     keys = list(samples[0])
     _check_same_keys(samples, keys)
-    tensors, schema = {}, []
+    if form.packed or form.concat_keys:
+        check_reserved_keys(keys, form.concat_keys)
+    tensors: dict[str, torch.Tensor | int] = {}
+    schema = []
     for key in keys:
         arrays = [sample[key] for sample in samples]
         dtype_name = "bfloat16" if key in bfloat16_keys else arrays[0].dtype.name
-        out, key_schema = _collate_key(key, dtype_name, arrays, pads)
+        if key in form.concat_keys:
+            out, offsets = concat_rows(key, arrays)
+            tensors[offsets_key(key)] = torch.from_numpy(offsets)
+            key_schema = KeySchema(key, dtype_name, out.shape[1:], padded=False, concat=True)
+        elif form.packed and arrays[0].ndim == 1:
+            separator = key == form.labels_key
+            out = pack_rows(key, arrays, separator_at_starts=separator)
+            key_schema = KeySchema(key, dtype_name, (), padded=True)
+        else:
+            out, key_schema = _collate_key(key, dtype_name, arrays, pads)
         tensors[key] = _to_torch(out, dtype_name)
         schema.append(key_schema)
+    if form.packed:
+        tensors.update(sequence_fields([len(s[form.length_key]) for s in samples]))
     return Collated(tensors, tuple(schema))
 
 
-def filler_tensors(schema: Sequence[KeySchema]) -> dict[str, torch.Tensor]:
-    """A batch of one sample of `schema`: padded keys get length 1, stacked keys their shape.
+def filler_tensors(
+    schema: Sequence[KeySchema], form: BatchForm = BatchForm()
+) -> dict[str, torch.Tensor | int]:
+    """A batch of one sample of `schema`: padded keys get length 1, stacked keys their shape,
+    concatenated keys no rows; packed, the sample is one token long.
 
     Every value is zero, not the pad value: a filler whose labels are all -100 would make a
     mean cross-entropy 0/0 = NaN, and NaN * loss_scale 0 is still NaN, which would poison the
     DDP all-reduce. Zero labels give a finite loss that loss_scale 0 cancels exactly.
     """
-    tensors = {}
+    tensors: dict[str, torch.Tensor | int] = {}
     for ks in schema:
-        shape = (1, 1, *ks.shape) if ks.padded else (1, *ks.shape)
+        if ks.concat or ks.key in form.concat_keys:
+            # The daemon's schema (parse_filler_schema) gives a whole sample shape.
+            shape: tuple[int, ...] = (0, *(ks.shape if ks.concat else ks.shape[1:]))
+            tensors[offsets_key(ks.key)] = torch.zeros(2, dtype=torch.int64)
+        else:
+            shape = (1, 1, *ks.shape) if ks.padded else (1, *ks.shape)
         tensors[ks.key] = _to_torch(np.zeros(shape, _numpy_dtype(ks.dtype)), ks.dtype)
+    if form.packed:
+        tensors.update(sequence_fields([1]))
     return tensors
 
 

@@ -30,7 +30,10 @@ from odbclient.errors import (
 # and StepBatch.progress; a version 2 client, which never says its world, is refused.
 # 4: StepBatch.update (optimizer updates, --accumulate / --tokens-per-update); a version 3
 # client would step its optimizer after every micro-step with update-wide loss scales.
-PROTOCOL_VERSION = 4
+# 5: batch forms (TrainerWelcome.collate / concat_keys, IngestWelcome patch and concat keys,
+# CommitBatch.patches); a version 4 client would pad a packed job's batches, and a version 4
+# producer would send no patch counts under --max-patches.
+PROTOCOL_VERSION = 5
 # Batches the daemon pushes ahead of the trainer (TrainerHello.prefetch; the daemon's default
 # when a hello says 0): 8 lets the daemon send and the client report 4 steps per message
 # (8 KiB samples: 19-21k -> 23k samples/s over 4). The cost: when a peer node dies, a rank may

@@ -95,6 +95,7 @@ class CommitBuffer:
     _lengths: list[int] = field(default_factory=list)
     _loss_tokens: list[int] = field(default_factory=list)
     _hashes: list[int] = field(default_factory=list)
+    _patches: list[int] = field(default_factory=list)
     _rejections: list[ingest_pb2.Rejection] = field(default_factory=list)
     _oldest_s: float | None = None  # when the oldest pending row was added
 
@@ -105,6 +106,7 @@ class CommitBuffer:
         self._lengths.append(facts.length)
         self._loss_tokens.append(facts.loss_tokens)
         self._hashes.append(facts.schema_hash)
+        self._patches.append(facts.patches)
         self._touch(now_s)
 
     def reject(self, view_key: int, reason: RejectReason, detail: str, now_s: float) -> None:
@@ -132,6 +134,8 @@ class CommitBuffer:
                 lengths=np.array(self._lengths, "<u4").tobytes(),
                 loss_tokens=np.array(self._loss_tokens, "<u4").tobytes(),
                 schema_hashes=np.array(self._hashes, "<u8").tobytes(),
+                # Only when counted (--max-patches): empty reads as all 0 at the daemon.
+                patches=np.array(self._patches, "<u4").tobytes() if any(self._patches) else b"",
             )
             messages.append(ingest_pb2.ProducerMessage(commit=commit))
         if self._rejections:
@@ -141,6 +145,7 @@ class CommitBuffer:
             rows.clear()
         self._loss_tokens.clear()
         self._hashes.clear()
+        self._patches.clear()
         self._rejections = []
         self._oldest_s = None
         return messages

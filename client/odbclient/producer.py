@@ -47,8 +47,10 @@ from odbclient.lane import (
     LeaseCredits,
 )
 from odbclient.samples import (
+    PLAIN_SAMPLES,
     RejectReason,
     SampleFacts,
+    SampleForm,
     SampleRejected,
     fetch_sample,
     inspect_sample,
@@ -76,8 +78,10 @@ class ProducerCore:
         lease_batch: int,
         commit_batch: int,
         commit_interval_s: float,
+        form: SampleForm = PLAIN_SAMPLES,
     ) -> None:
         self._dataset = dataset
+        self._form = form  # the daemon's --concat / patch source: checked per sample
         self._lane_buffer = lane_buffer  # the lane's bytes: index 0 is lane offset 0
         self.lane = LaneAllocator(lane_offset, len(lane_buffer), LANE_HEADER_BYTES)
         self.in_flight = InFlightMark(lane_buffer)
@@ -126,7 +130,9 @@ class ProducerCore:
     def _make(self, view_key: int, identity: int, now_s: float) -> None:
         try:
             sample = fetch_sample(self._dataset, identity)
-            facts = inspect_sample(sample, length_key=self._length_key, labels_key=self._labels_key)
+            facts = inspect_sample(
+                sample, length_key=self._length_key, labels_key=self._labels_key, form=self._form
+            )
             if not self.lane.fits_ever(facts.nbytes):
                 raise SampleRejected(
                     RejectReason.TOO_LARGE,
@@ -243,6 +249,11 @@ class Producer:
             lease_batch=self._lease_batch,
             commit_batch=self._commit_batch,
             commit_interval_s=self._commit_interval_s,
+            form=SampleForm(
+                patch_key=welcome.patch_key,
+                patch_count_key=welcome.patch_count_key,
+                concat_keys=tuple(welcome.concat_keys),
+            ),
         )
 
     def _dataset_size(self) -> int | None:

@@ -54,6 +54,8 @@ class RejectReason(enum.StrEnum):
     TOO_LARGE = "too_large"  # larger than the producer's whole lane: waiting would never help
     UNSUPPORTED_VALUE = "unsupported_value"  # str, None, dict, ragged list: not numbers
     LENGTH_KEY_NOT_1D = "length_key_not_1d"  # e.g. (1, L) from return_tensors="pt"
+    BAD_CONCAT_KEY = "bad_concat_key"  # a --concat key is missing or has no first dimension
+    BAD_PATCH_COUNT = "bad_patch_count"  # the patch key / count key is missing or not a count
 
 
 class SampleRejected(Exception):
@@ -73,6 +75,7 @@ class SampleFacts:
     length: int  # first dimension of the length-key array
     loss_tokens: int  # labels != -100, or the length when there is no labels key
     schema_hash: int  # schema_hash(sample), a u64
+    patches: int = 0  # vision patches (--max-patches), from the welcome's patch source
 
 
 def fetch_sample(dataset: Any, identity: int) -> Any:
@@ -201,7 +204,21 @@ def _unsupported(key: str, culprit: Any, what: str) -> SampleRejected:
     )
 
 
-def inspect_sample(sample: Any, *, length_key: str, labels_key: str) -> SampleFacts:
+@dataclass(frozen=True, slots=True)
+class SampleForm:
+    """What the daemon's batch form asks of every sample (IngestWelcome, issue 13)."""
+
+    patch_key: str = ""  # patch count = this key's first dimension
+    patch_count_key: str = ""  # or the integer value of this key
+    concat_keys: tuple[str, ...] = ()  # must be present with a first dimension
+
+
+PLAIN_SAMPLES = SampleForm()  # no --concat, no patch budget
+
+
+def inspect_sample(
+    sample: Any, *, length_key: str, labels_key: str, form: SampleForm = PLAIN_SAMPLES
+) -> SampleFacts:
     """The facts of a valid sample; raises SampleRejected with the reason otherwise."""
     if not isinstance(sample, Mapping):
         raise SampleRejected(
@@ -217,7 +234,43 @@ def inspect_sample(sample: Any, *, length_key: str, labels_key: str) -> SampleFa
     length = _length(sample, length_key)
     labels = sample.get(labels_key) if labels_key else None
     loss_tokens = length if labels is None else count_loss_tokens(labels)
-    return SampleFacts(nbytes, length, loss_tokens, schema_hash(sample))
+    _check_concat_keys(sample, form.concat_keys)
+    patches = _patch_count(sample, form)
+    return SampleFacts(nbytes, length, loss_tokens, schema_hash(sample), patches)
+
+
+def _check_concat_keys(sample: Mapping[str, Any], concat_keys: tuple[str, ...]) -> None:
+    for key in concat_keys:
+        value = sample.get(key)
+        if value is None or len(value.shape) == 0:
+            what = "no such key" if value is None else "a scalar"
+            raise SampleRejected(
+                RejectReason.BAD_CONCAT_KEY,
+                f"--concat {key}: the sample has {what} (keys {sorted(sample)[:8]}); every "
+                f"sample needs {key} with a first dimension (a sample without images: an "
+                f"empty array of shape [0, ...]), or drop --concat {key}",
+            )
+
+
+def _patch_count(sample: Mapping[str, Any], form: SampleForm) -> int:
+    if not (form.patch_key or form.patch_count_key):
+        return 0
+    key = form.patch_count_key or form.patch_key
+    value = sample.get(key)
+    if value is not None and form.patch_key and len(value.shape) > 0:
+        return int(value.shape[0])
+    if value is not None and form.patch_count_key and int(np.prod(value.shape)) == 1:
+        count = np.asarray(value).reshape(-1)[0]
+        if float(count) == int(count) and 0 <= int(count) <= _UINT32_MAX:
+            return int(count)
+    flag = "--patch-count-key" if form.patch_count_key else "--patch-key"
+    need = "one non-negative integer" if form.patch_count_key else "an array with a first dimension"
+    raise SampleRejected(
+        RejectReason.BAD_PATCH_COUNT,
+        f"{flag} {key}: the sample has "
+        f"{'no such key' if value is None else f'shape {list(value.shape)}'}, but --max-patches "
+        f"counts patches from {need}; fix preprocessing or the daemon's {flag}",
+    )
 
 
 def _length(sample: Mapping[str, Any], length_key: str) -> int:

@@ -21,7 +21,7 @@ import grpc
 import numpy as np
 
 from odbclient.batch import Batch, Progress
-from odbclient.collate import KeySchema, collate, filler_tensors, parse_filler_schema
+from odbclient.collate import BatchForm, KeySchema, collate, filler_tensors, parse_filler_schema
 from odbclient.connect import (
     PROTOCOL_VERSION,
     TRAINER_REFUSALS,
@@ -157,6 +157,7 @@ class TrainerStream:
         self._arena: ArenaView | None = None
         self._segment_names: list[str] = []
         self._pads: dict[str, float] = {}
+        self._form = BatchForm()  # from the welcome
         self._last_schema: tuple[KeySchema, ...] = ()  # of the last real batch: idle fillers
         self._call: Any = None
         self._reader: threading.Thread | None = None
@@ -314,6 +315,12 @@ class TrainerStream:
         self._arena = ArenaView.attach(list(welcome.segments))
         self._segment_names = list(welcome.segments)
         self._pads = {pad.key: pad.value for pad in welcome.pads}
+        self._form = BatchForm(
+            packed=welcome.collate == "packed",
+            concat_keys=frozenset(welcome.concat_keys),
+            length_key=welcome.length_key,
+            labels_key=welcome.labels_key,
+        )
         self.welcome = Welcome(
             job_id=welcome.job_id,
             world_size=welcome.world_size,
@@ -324,10 +331,12 @@ class TrainerStream:
 
     def _batch(self, step: trainer_pb2.StepBatch) -> Batch:
         if step.is_idle:
-            tensors, sample_ids = filler_tensors(self._filler_schema(step)), ()
+            tensors, sample_ids = filler_tensors(self._filler_schema(step), self._form), ()
         else:
             samples, bfloat16_keys = self._samples(step)
-            collated = collate(samples, pads=self._pads, bfloat16_keys=bfloat16_keys)
+            collated = collate(
+                samples, pads=self._pads, bfloat16_keys=bfloat16_keys, form=self._form
+            )
             self._last_schema = collated.schema
             tensors = collated.tensors
             sample_ids = tuple(np.frombuffer(step.sample_ids, "<i8").tolist())

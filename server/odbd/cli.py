@@ -18,7 +18,7 @@ from pathlib import Path
 from odbd import flag_files, flags
 from odbd.config import DEFAULT_PADS, DaemonConfig, default_socket, node_rank_from_environment
 from odbd.errors import ConfigError
-from odbd.planner.config import Balance, Grouping, LossScaling
+from odbd.planner.config import Balance, Collate, Grouping, LossScaling
 from odbd.planner.cost_fit import CostModelMode
 from odbd.world import World
 
@@ -188,6 +188,46 @@ def daemon_parser() -> flags.OneLineParser:
         metavar="T",
         help="close an update once its micro-steps hold >= T loss-bearing tokens over all ranks "
         "(0 = off; excludes --accumulate)",
+    )
+    plan.add_argument(
+        "--collate",
+        type=flags.choice_of([c.value for c in Collate]),
+        default="padded",
+        metavar=_choices(Collate),
+        help="padded: rows padded per --pad, area longest x count <= L; packed: one padding-free "
+        "row per rank-step with position_ids and cu_seq_lens (Hugging Face padding-free), "
+        "sum of lengths <= L",
+    )
+    plan.add_argument(
+        "--concat",
+        type=flags.key_list,
+        action="append",
+        default=[],
+        metavar="KEY",
+        help="join KEY along its first dimension (e.g. pixel_values [patches, dim]) with "
+        "KEY_offsets per sample, instead of padding or stacking it (repeatable, or KEY,KEY)",
+    )
+    plan.add_argument(
+        "--max-patches",
+        type=count(0),
+        default=0,
+        metavar="N",
+        help="at most N vision patches per group beside the token budget (0 = off; needs "
+        "--patch-key, --patch-count-key or a --concat key)",
+    )
+    plan.add_argument(
+        "--patch-key",
+        type=flags.nonempty,
+        default=None,
+        metavar="KEY",
+        help="a sample's patch count is KEY's first dimension (default: the first --concat key)",
+    )
+    plan.add_argument(
+        "--patch-count-key",
+        type=flags.nonempty,
+        default=None,
+        metavar="KEY",
+        help="a sample's patch count is the integer value of KEY (instead of --patch-key)",
     )
     net = p.add_argument_group("sockets and network")
     net.add_argument(
@@ -435,6 +475,11 @@ def config_from_args(
         steps_ahead=args.steps_ahead,
         accumulate=args.accumulate,
         tokens_per_update=args.tokens_per_update,
+        collate=Collate(args.collate),
+        concat=tuple(key for keys in args.concat for key in keys),
+        max_patches=args.max_patches,
+        patch_key=args.patch_key,
+        patch_count_key=args.patch_count_key,
     )
 
 

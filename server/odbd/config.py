@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from odbd.errors import ConfigError
-from odbd.planner.config import Balance, Grouping, LossScaling, PlannerConfig
+from odbd.planner.config import Balance, Collate, Grouping, LossScaling, PlannerConfig
 from odbd.planner.cost_fit import CostModelMode
 from odbd.world import World
 
@@ -92,6 +92,18 @@ class DaemonConfig:
     steps_ahead: int = 64  # plan the next round once a local rank has at most this many queued
     accumulate: int = 1  # micro-steps per optimizer update (planner/windows.py)
     tokens_per_update: int = 0  # or: close updates at >= this many loss tokens (0 = off)
+    collate: Collate = Collate.PADDED  # batch form; packed: a group's budget is sum of lengths
+    concat: tuple[str, ...] = ()  # keys joined along their first dimension (pixel_values...)
+    max_patches: int = 0  # a group's vision patches; 0 = no patch budget
+    patch_key: str | None = None  # patch count = this key's first dimension
+    patch_count_key: str | None = None  # or: the integer value of this key
+
+    @property
+    def patch_source(self) -> tuple[str, str]:
+        """(patch_key, patch_count_key) the producers count patches with ("" = unset)."""
+        if self.patch_count_key:
+            return "", self.patch_count_key
+        return self.patch_key or (self.concat[0] if self.concat else ""), ""
 
     def __post_init__(self) -> None:
         nodes = self.world.num_nodes
@@ -136,7 +148,29 @@ class DaemonConfig:
                 "--accumulate and --tokens-per-update need join mode: a --no-join epoch ends "
                 "mid-round, which would cut an optimizer update in two; drop --no-join"
             )
+        self._check_batch_form()
         self.planner(0)  # validates budget and buffer with the planner's own messages
+
+    def _check_batch_form(self) -> None:
+        if self.patch_key and self.patch_count_key:
+            raise ConfigError(
+                f"--patch-key {self.patch_key} and --patch-count-key {self.patch_count_key} both "
+                "count a sample's patches; pass one of them"
+            )
+        if self.max_patches > 0 and self.patch_source == ("", ""):
+            raise ConfigError(
+                f"--max-patches {self.max_patches} needs a patch count per sample: pass "
+                "--patch-key KEY (its first dimension), --patch-count-key KEY (its value) or "
+                "--concat KEY (the first one counts)"
+            )
+        reserved = {self.length_key, self.labels_key} & set(self.concat)
+        if reserved:
+            raise ConfigError(
+                f"--concat {sorted(reserved)[0]} names the length or labels key, which are "
+                "padded (or packed) per sample; concatenate other keys, e.g. pixel_values"
+            )
+        if len(set(self.concat)) != len(self.concat):
+            raise ConfigError(f"--concat names a key twice: {list(self.concat)}")
 
     def planner(self, dataset_size: int) -> PlannerConfig:
         del dataset_size  # the planner does not depend on N; kept for a future bound
@@ -150,6 +184,8 @@ class DaemonConfig:
             seed=self.seed,
             accumulate=self.accumulate,
             tokens_per_update=self.tokens_per_update,
+            collate=self.collate,
+            max_patches=self.max_patches,
         )
 
     @property
@@ -180,4 +216,16 @@ class DaemonConfig:
             **(
                 {"tokens_per_update": str(self.tokens_per_update)} if self.tokens_per_update else {}
             ),
+            # Issue 13, likewise only when set: the batch form and the patch budget change plans
+            # (budgets, costs) and what every trainer must be able to take.
+            **({"collate": self.collate.value} if self.collate is not Collate.PADDED else {}),
+            **({"concat": ",".join(self.concat)} if self.concat else {}),
+            **(self._patch_fingerprint() if self.max_patches else {}),
+        }
+
+    def _patch_fingerprint(self) -> dict[str, str]:
+        key, count_key = self.patch_source
+        return {
+            "max_patches": str(self.max_patches),
+            "patch_source": f"count:{count_key}" if count_key else f"key:{key}",
         }

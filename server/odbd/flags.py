@@ -180,6 +180,16 @@ def optional_host_port(text: str) -> str:
     return host_port(text) if text.strip() else ""
 
 
+def key_list(text: str) -> tuple[str, ...]:
+    """KEY or KEY,KEY,...: sample keys (so one ODBD_ variable can name several)."""
+    keys = tuple(key.strip() for key in text.split(","))
+    if not keys or not all(keys):
+        raise argparse.ArgumentTypeError(
+            f"expected KEY or KEY,KEY,... with no empty key, got {text!r}"
+        )
+    return keys
+
+
 def host_port_list(text: str) -> tuple[str, ...]:
     """Comma-separated HOST:PORT entries (empty = none)."""
     entries = [entry.strip() for entry in text.split(",") if entry.strip()]

@@ -251,3 +251,23 @@ def test_percentile_is_nearest_rank() -> None:
     assert percentile(values, 99) == 99.0
     assert percentile(values, 100) == 100.0
     assert percentile([3.0], 99) == 3.0
+
+
+@pytest.mark.bench
+def test_bench_collation_cost_per_sample_by_batch_form() -> None:
+    """Issue 13: packed and multimodal collation against the padded path, same run."""
+    from tests.bench.collate_cost import BATCH, measure
+
+    num_samples = 4096
+    rows = measure(num_samples, RUNS)
+    lines = _heading("trainer-side collation cost per sample by batch form (issue 13)")
+    lines += [
+        f"`odbclient.collate.collate` on batches of {BATCH} samples decoded as zero-copy views "
+        f"of the shm layout (tests/bench/collate_cost.py), {num_samples} samples per form, one "
+        "process; the padded path of the same data is the baseline.",
+        "",
+        "| batch form | us per sample | vs padded baseline |",
+        "| --- | --- | --- |",
+    ]
+    lines += [f"| {name} | {us:.2f} | {ratio:.2f}x |" for name, us, ratio in rows]
+    _finish(lines)

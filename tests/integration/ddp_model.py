@@ -43,11 +43,14 @@ class Block(nn.Module):
         self.norm2 = nn.LayerNorm(dim)
         self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         b, t, d = x.shape
         q, k, v = self.qkv(self.norm1(x)).split(d, dim=2)
         q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
-        att = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if mask is None:
+            att = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            att = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         x = x + self.proj(att.transpose(1, 2).reshape(b, t, d))
         return x + self.mlp(self.norm2(x))
 
@@ -62,14 +65,36 @@ class TinyCausalLM(nn.Module):
         self.norm = nn.LayerNorm(config.dim)
         self.head = nn.Linear(config.dim, config.vocab)
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        cu_seq_lens: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Padded rows (B, T), or one packed row (1, T) of samples whose boundaries are the
+        cumulative lengths `cu_seq_lens` (odbd --collate packed): attention then stays inside
+        each sample (a block-diagonal causal mask) and positions restart per sample."""
         t = input_ids.shape[1]
-        if t > self.config.max_len:
-            raise ValueError(f"sequence of {t} tokens exceeds max_len {self.config.max_len}")
-        x = self.embed(input_ids) + self.pos(torch.arange(t, device=input_ids.device))
+        positions = (
+            torch.arange(t, device=input_ids.device) if position_ids is None else position_ids
+        )
+        if int(positions.max()) >= self.config.max_len:
+            raise ValueError(
+                f"position {int(positions.max())} exceeds max_len {self.config.max_len}"
+            )
+        x = self.embed(input_ids) + self.pos(positions)
+        mask = None if cu_seq_lens is None else document_mask(cu_seq_lens, t)
         for block in self.blocks:
-            x = block(x)
+            x = block(x, mask)
         return self.head(self.norm(x))
+
+
+def document_mask(cu_seq_lens: torch.Tensor, total: int) -> torch.Tensor:
+    """(T, T) bool: query i may attend key j iff both are in one sample and j <= i."""
+    sizes = (cu_seq_lens[1:] - cu_seq_lens[:-1]).long()
+    sample = torch.repeat_interleave(torch.arange(len(sizes)), sizes)
+    index = torch.arange(total)
+    return (sample[:, None] == sample[None, :]) & (index[None, :] <= index[:, None])
 
 
 def build_model(
@@ -98,6 +123,19 @@ def mean_token_loss(model: nn.Module, batch: Mapping[str, torch.Tensor]) -> torc
     """The rank's per-token mean loss, as a Hugging Face causal LM computes it."""
     count = int((batch["labels"] != IGNORE_INDEX).sum())
     return token_loss_sum(model, batch["input_ids"], batch["labels"]) / max(count, 1)
+
+
+def packed_mean_loss(model: nn.Module, batch: Mapping[str, Any]) -> torch.Tensor:
+    """The rank's per-token mean loss on a packed batch with Hugging Face labels: the model
+    shifts (position t predicts labels[t + 1]), and odbd's -100 separator at each sample's
+    first label keeps a sample's last token from predicting the next sample."""
+    logits = model(batch["input_ids"], batch["position_ids"], batch["cu_seq_lens_q"])
+    targets = batch["labels"][:, 1:].reshape(-1)
+    total = F.cross_entropy(
+        logits[:, :-1].reshape(-1, logits.shape[-1]), targets, ignore_index=IGNORE_INDEX,
+        reduction="sum",
+    )  # fmt: skip
+    return total / max(int((targets != IGNORE_INDEX).sum()), 1)
 
 
 def pad_collate(samples: Sequence[Mapping[str, Any]]) -> dict[str, torch.Tensor]:

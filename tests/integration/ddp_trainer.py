@@ -37,7 +37,13 @@ from torch.nn.parallel import DistributedDataParallel
 
 from tests.integration import ddp_loaders
 from tests.integration.ddp_data import LongTailTokens
-from tests.integration.ddp_model import ModelConfig, build_model, evaluate, flat_grad
+from tests.integration.ddp_model import (
+    ModelConfig,
+    build_model,
+    evaluate,
+    flat_grad,
+    packed_mean_loss,
+)
 from tests.integration.ddp_model import mean_token_loss as mean_loss
 
 HELD_OUT_SEED_OFFSET = 1000
@@ -65,6 +71,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--timed", action="store_true", help="time and report each step's compute")
     p.add_argument("--quadratic-dim", type=int, default=0, help="O(l^2 * D) work per sample")
+    p.add_argument("--packed", action="store_true", help="odbd --collate packed, HF labels")
     return p.parse_args(argv)
 
 
@@ -177,7 +184,10 @@ class Run:
         # (no_sync) and DDP all-reduces once, at its last; every rank has the same micro-steps.
         sync = contextlib.nullcontext() if step.update_end else self.model.no_sync()
         with sync:
-            loss = mean_loss(self.model, step.tensors)
+            if self.args.packed:
+                loss = packed_mean_loss(self.model, step.tensors)
+            else:
+                loss = mean_loss(self.model, step.tensors)
             # An idle filler still runs forward and backward (loss_scale 0) so DDP's all-reduce
             # sees every rank; DDP then averages, so the update's gradient is
             # (1/W) * sum over micro-steps and ranks of loss_scale * grad(mean).

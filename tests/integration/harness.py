@@ -108,6 +108,7 @@ def run_cluster(
     epochs: int = 1,
     timeout_s: float = 120.0,
     trainer_args: dict[int, Sequence[str]] | None = None,
+    trainer_module: str = "odbd.demo.trainer",  # takes --rank, --socket, --report, --epochs
 ) -> RunResult:
     timeout_s = scaled(timeout_s)  # given for an idle machine
     spec = ClusterSpec(
@@ -123,7 +124,7 @@ def run_cluster(
         cluster.start()
         cluster.wait_sockets(timeout_s)
         for rank in range(cluster.world):
-            cmd = [sys.executable, "-m", "odbd.demo.trainer", "--rank", str(rank)]
+            cmd = [sys.executable, "-m", trainer_module, "--rank", str(rank)]
             cmd += ["--socket", cluster.sockets[cluster.node_of(rank)]]
             cmd += ["--report", str(reports[rank]), "--epochs", str(epochs)]
             cmd += list((trainer_args or {}).get(rank, ()))

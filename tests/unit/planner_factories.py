@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from odbd.planner.config import Balance, Grouping, LossScaling, PlannerConfig
+from odbd.planner.config import Balance, Collate, Grouping, LossScaling, PlannerConfig
 from odbd.planner.types import SampleTable, UnitOffer
 from odbd.world import World
 
@@ -22,6 +22,8 @@ def make_config(
     seed: int = 0,
     accumulate: int = 1,
     tokens_per_update: int = 0,
+    collate: Collate = Collate.PADDED,
+    max_patches: int = 0,
 ) -> PlannerConfig:
     return PlannerConfig(
         world=World(world, per_node),
@@ -33,6 +35,8 @@ def make_config(
         seed=seed,
         accumulate=accumulate,
         tokens_per_update=tokens_per_update,
+        collate=collate,
+        max_patches=max_patches,
     )
 
 

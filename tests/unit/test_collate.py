@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from odbclient.collate import (
+    BatchForm,
     KeySchema,
     collate,
     filler_tensors,
@@ -158,3 +159,53 @@ def test_filler_from_daemon_schema() -> None:
 def test_unreadable_filler_schema_is_a_protocol_error(text: str) -> None:
     with pytest.raises(ProtocolError):
         parse_filler_schema(text)
+
+
+def test_packed_batch_is_one_row_per_one_dimensional_key_with_hf_sequence_fields() -> None:
+    form = BatchForm(packed=True)
+    out = collate(make_samples([3, 1, 2], image=True), pads={}, form=form)
+    t = out.tensors
+    assert t["input_ids"].tolist() == [[1, 2, 3, 101, 201, 202]]
+    assert t["labels"].tolist() == [[-100, 7, 7, -100, -100, 7]]  # separator at each start
+    assert t["position_ids"].tolist() == [[0, 1, 2, 0, 0, 1]]
+    assert t["position_ids"].dtype == torch.int64
+    for key in ("cu_seq_lens_q", "cu_seq_lens_k"):
+        assert t[key].tolist() == [0, 3, 4, 6] and t[key].dtype == torch.int32
+    assert t["max_length_q"] == t["max_length_k"] == 3
+    assert t["pixel_values"].shape == (3, 3, 4, 4)  # fixed shapes still stack
+    filler = filler_tensors(out.schema, form)
+    assert filler["input_ids"].shape == (1, 1) and filler["cu_seq_lens_q"].tolist() == [0, 1]
+    assert filler["max_length_q"] == 1
+
+
+def test_concat_keys_join_along_the_first_dimension_with_offsets() -> None:
+    samples = make_samples([2, 3, 1])
+    patches = [4, 0, 2]  # the second sample has no image
+    for i, (s, n) in enumerate(zip(samples, patches, strict=True)):
+        s["pixel_values"] = np.full((n, 5), i, dtype=np.float32)
+    for packed in (False, True):
+        form = BatchForm(packed=packed, concat_keys=frozenset({"pixel_values"}))
+        out = collate(samples, pads={}, form=form)
+        pixels, offsets = out.tensors["pixel_values"], out.tensors["pixel_values_offsets"]
+        assert pixels.shape == (6, 5) and offsets.tolist() == [0, 4, 4, 6]
+        for i in range(3):
+            assert pixels[offsets[i] : offsets[i + 1]].eq(i).all()
+        filler = filler_tensors(out.schema, form)
+        assert filler["pixel_values"].shape == (0, 5)
+        assert filler["pixel_values_offsets"].tolist() == [0, 0]
+
+
+def test_concat_key_with_other_trailing_dims_is_an_error_naming_it() -> None:
+    samples = make_samples([2, 3])
+    samples[0]["pixel_values"] = np.zeros((4, 5), np.float32)
+    samples[1]["pixel_values"] = np.zeros((4, 6), np.float32)
+    form = BatchForm(concat_keys=frozenset({"pixel_values"}))
+    with pytest.raises(CollateError, match="--concat pixel_values: sample 1"):
+        collate(samples, pads={}, form=form)
+
+
+def test_sample_keys_colliding_with_added_keys_are_an_error() -> None:
+    samples = make_samples([2])
+    samples[0]["position_ids"] = np.arange(2)
+    with pytest.raises(CollateError, match="position_ids"):
+        collate(samples, pads={}, form=BatchForm(packed=True))

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from odbd.planner.config import Balance, CostModel, Grouping, LossScaling
+from odbd.planner.config import Balance, Collate, CostModel, Grouping, LossScaling, PlannerConfig
 from odbd.planner.epoch import simulate
 from odbd.planner.ledger import ViewState
 from odbd.planner.sampler import num_views, sampler_identities
@@ -37,6 +38,10 @@ def scenarios(draw):
     tokens = [draw(st.integers(0, length)) for length in lengths]
     grouping = draw(st.sampled_from(list(Grouping)))
     balance = draw(st.sampled_from(list(Balance)))
+    # Issue 13: packed groups (sum of lengths <= L) and a patch budget, min-time only.
+    collate = Collate.PADDED if grouping is Grouping.PAPER else draw(st.sampled_from(list(Collate)))
+    max_patches = 0 if grouping is Grouping.PAPER else draw(st.sampled_from([0, 1, 7, 64]))
+    patches = [draw(st.sampled_from([0, 0, 1, 3, 16, 80])) for _ in lengths]
     config = make_config(
         world=world,
         per_node=per_node,
@@ -46,6 +51,8 @@ def scenarios(draw):
         balance=balance,
         loss_scaling=draw(st.sampled_from(list(LossScaling))),
         seed=draw(st.integers(0, 3)),
+        collate=collate,
+        max_patches=max_patches,
     )
     uneven = draw(st.booleans())
     arrivals = (
@@ -56,10 +63,25 @@ def scenarios(draw):
     # --cost-model auto refits as the run goes: any sane model, changing between rounds, must
     # keep every guarantee (a = 1 once learned; b and c clamped >= 0; or the fixed default).
     costs = draw(st.lists(cost_models(), max_size=3))
-    return (
+    return Scenario(
         config, np.array(lengths, dtype=np.int64), np.array(tokens, dtype=np.int64), arrivals,
-        costs,
+        costs, np.array(patches, dtype=np.int64),
     )  # fmt: skip
+
+
+class Scenario(NamedTuple):
+    config: PlannerConfig
+    lengths: np.ndarray
+    tokens: np.ndarray
+    arrivals: list[int] | None
+    costs: list[CostModel]
+    patches: np.ndarray  # (N,) vision patches per sample
+
+    def run(self, **kwargs):
+        return simulate(
+            self.lengths, self.config, tokens=self.tokens, arrivals_per_round=self.arrivals,
+            costs=self.costs, patches=self.patches, **kwargs,
+        )  # fmt: skip
 
 
 @st.composite
@@ -68,6 +90,7 @@ def cost_models(draw):
         a=draw(st.sampled_from([1.0, 0.01])),
         b=draw(st.sampled_from([0.0, 1.2e-5, 1e-3, 1.0])),
         c=draw(st.sampled_from([0.0, 1800.0, 1e6])),
+        p=draw(st.sampled_from([0.0, 1.0, 10.0])),
     )
 
 
@@ -90,11 +113,8 @@ def groups_of(result):
 @PROPERTY_SETTINGS
 @given(scenarios(), st.integers(1, 2))
 def test_join_mode_properties(scenario, epochs):
-    config, lengths, tokens, arrivals, costs = scenario
-    result = simulate(
-        lengths, config, epochs=epochs, join=True, tokens=tokens, arrivals_per_round=arrivals,
-        costs=costs,
-    )  # fmt: skip
+    config, lengths, tokens, arrivals = scenario[:4]
+    result = scenario.run(epochs=epochs, join=True)
     world = config.world.world_size
     stats = result.stats()
     n = len(lengths)
@@ -125,17 +145,14 @@ def test_join_mode_properties(scenario, epochs):
     rate = min(min(arrivals or [config.unit_capacity]), config.ranks_per_unit)
     assert len(result.rounds) <= epochs * (math.ceil(per_unit / rate) + 2 * config.buffer_size + 2)
 
-    check_budget_and_scaling(result, config, tokens)
+    check_budget_and_scaling(result, config, scenario.patches)
 
 
 @PROPERTY_SETTINGS
 @given(scenarios(), st.integers(1, 3))
 def test_non_join_reaches_the_sample_quota(scenario, epochs):
-    config, lengths, tokens, arrivals, costs = scenario
-    result = simulate(
-        lengths, config, epochs=epochs, join=False, tokens=tokens, arrivals_per_round=arrivals,
-        costs=costs,
-    )  # fmt: skip
+    config, lengths = scenario.config, scenario.lengths
+    result = scenario.run(epochs=epochs, join=False)
     stats = result.stats()
     per_step = stats.global_num_samples
     consumed = int(per_step.sum()) + result.num_rejected
@@ -147,15 +164,23 @@ def test_non_join_reaches_the_sample_quota(scenario, epochs):
         ledger.check()  # every view in exactly one state, across chained iterations
     assert set(result.step_epochs().tolist()) <= set(range(epochs))
     assert np.all(np.diff(result.step_epochs()) >= 0)
-    check_budget_and_scaling(result, config, tokens)
+    check_budget_and_scaling(result, config, scenario.patches)
 
 
-def check_budget_and_scaling(result, config, tokens):
+def check_budget_and_scaling(result, config, patches):
     stats = result.stats()
-    # 5. Budget: padded area <= L unless the group is one sample longer than L.
-    for _, _, _views, lengths in groups_of(result):
-        if len(lengths):
-            assert lengths.max() * len(lengths) <= config.token_budget or len(lengths) == 1
+    # 5. Budget: padded area <= L (packed: sum of lengths <= L) unless the group is one sample
+    # longer than L, which is a group of one; with --max-patches the group's patches <= N
+    # unless it is one sample with more.
+    packed = config.collate is Collate.PACKED
+    for _, _, views, lengths in groups_of(result):
+        if len(lengths) > 1:
+            area = int(lengths.sum()) if packed else int(lengths.max()) * len(lengths)
+            assert area <= config.token_budget
+            if config.max_patches:
+                assert int(patches[result.sample_ids(views)].sum()) <= config.max_patches
+    if packed:  # padding-free: the padded tokens are the real ones
+        assert np.array_equal(stats.padded_tokens, stats.real_tokens)
     # 4. Exact loss scaling: sum_r scale_r * t_r / W == per-token total / total tokens == 1
     # when every token's loss is 1, and sum_r scale_r * mean_r / W is the per-token mean.
     if config.loss_scaling is LossScaling.EXACT:
@@ -176,13 +201,8 @@ def check_budget_and_scaling(result, config, tokens):
 @given(scenarios(), st.booleans())
 def test_same_inputs_same_plan(scenario, join):
     # 6. Determinism: the plan is a pure function of seed, lengths and world.
-    config, lengths, tokens, arrivals, costs = scenario
-    a = simulate(
-        lengths, config, join=join, tokens=tokens, arrivals_per_round=arrivals, costs=costs
-    )
-    b = simulate(
-        lengths, config, join=join, tokens=tokens, arrivals_per_round=arrivals, costs=costs
-    )
+    a = scenario.run(join=join)
+    b = scenario.run(join=join)
     assert a.steps_kept == b.steps_kept
     for pa, pb in zip(a.rounds, b.rounds, strict=True):
         for ua, ub in zip(pa.units, pb.units, strict=True):

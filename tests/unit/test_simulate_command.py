@@ -99,3 +99,44 @@ def test_tokens_per_update_reports_an_even_token_count(capsys: pytest.CaptureFix
 def test_windows_refuse_no_join(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["--dist", "llava", *SMALL, "--accumulate", "2", "--no-join"]) == 2
     assert "need join mode" in capsys.readouterr().err
+
+
+def test_packed_beside_padded_fewer_steps_no_padding(capsys: pytest.CaptureFixture[str]) -> None:
+    runs = {}
+    for collate in ("padded", "packed"):
+        assert main(["--dist", "sharegpt4o", *SMALL, "--json", "--collate", collate]) == 0
+        runs[collate] = json.loads(capsys.readouterr().out)
+    assert runs["packed"]["padding_ratio"] == 0.0
+    assert runs["packed"]["steps"] <= runs["padded"]["steps"]
+
+
+def test_max_patches_reads_the_second_column(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    lines = [f"{100 + (i * 37) % 900} {(i * 53) % 700}" for i in range(400)]
+    path = tmp_path / "lengths.txt"
+    path.write_text("\n".join(lines) + "\n")
+    plan = tmp_path / "plan.jsonl"
+    argv = ["--lengths", str(path), *SMALL[:6], "--token-budget", "4096", "--max-patches", "1000"]
+    assert main([*argv, "--collate", "packed", "--plan-out", str(plan)]) == 0
+    assert "packed batches of <= 1000 patches" in capsys.readouterr().out
+    patches = [int(line.split()[1]) for line in lines]
+    for step in (json.loads(line) for line in plan.read_text().splitlines()):
+        for group in step["ranks"]:
+            if len(group) > 1:
+                assert sum(patches[i] for i, _ in group) <= 1000
+                assert sum(length for _, length in group) <= 4096
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--dist", "llava", "--max-patches", "10"], "needs each sample's patch count"),
+        (["--dist", "llava", "--collate", "packed", "--compare"], "--compare's baselines"),
+        (["--dist", "llava", "--grouping", "paper", "--collate", "packed"], "--grouping paper"),
+    ],
+)
+def test_batch_form_misuse_is_one_error(argv, message, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([*argv, *SMALL]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from odbd.errors import ConfigError
-from odbd.simulate.lengths import read_lengths
+from odbd.simulate.lengths import read_lengths, read_lengths_and_patches
 
 
 def write(tmp_path: Path, text: str) -> Path:
@@ -55,3 +55,15 @@ def test_too_large_for_int64(tmp_path: Path) -> None:
 def test_missing_file(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="does not exist"):
         read_lengths(tmp_path / "nope.txt")
+
+
+def test_a_second_column_carries_patch_counts(tmp_path: Path) -> None:
+    lengths, patches = read_lengths_and_patches(write(tmp_path, "5 0\n7  12\n 9\t3 \n"))
+    assert lengths.tolist() == [5, 7, 9] and patches is not None and patches.tolist() == [0, 12, 3]
+    assert read_lengths_and_patches(write(tmp_path, "5\n7\n"))[1] is None
+
+
+@pytest.mark.parametrize("text", ["5 1\n7\n", "5\n7 1\n", "5 1 2\n", "5 -1\n"])
+def test_patch_columns_must_be_on_every_line_and_counts(tmp_path: Path, text: str) -> None:
+    with pytest.raises(ConfigError, match=r":\d: expected one non-negative integer"):
+        read_lengths_and_patches(write(tmp_path, text))

@@ -122,21 +122,22 @@ def check_update_scales(plan, mode):
 
 @st.composite
 def windowed(draw):
-    config, lengths, tokens, arrivals, _ = draw(scenarios())
+    config, lengths, tokens, arrivals, _, patches = draw(scenarios())
     if draw(st.booleans()):
         extra = {"accumulate": draw(st.integers(2, 5))}
     else:
         extra = {"tokens_per_update": draw(st.integers(1, 4 * config.token_budget))}
-    return dataclasses.replace(config, **extra), lengths, tokens, arrivals
+    return dataclasses.replace(config, **extra), lengths, tokens, arrivals, patches
 
 
 @PROPERTY_SETTINGS
 @given(windowed(), st.integers(1, 2))
 def test_windowed_join_mode_properties(scenario, epochs):
-    config, lengths, tokens, arrivals = scenario
+    config, lengths, tokens, arrivals, patches = scenario
     result = simulate(
-        lengths, config, epochs=epochs, join=True, tokens=tokens, arrivals_per_round=arrivals
-    )
+        lengths, config, epochs=epochs, join=True, tokens=tokens, arrivals_per_round=arrivals,
+        patches=patches,
+    )  # fmt: skip
     world = config.world.world_size
     # Identity coverage: every epoch emits every view exactly once (or rejects it).
     m = num_views(len(lengths), world)
@@ -173,26 +174,26 @@ def test_windowed_join_mode_properties(scenario, epochs):
             last_step = plan.stats.global_num_tokens[w.ends - 1]
             assert (w.num_tokens[w.closed] - last_step[w.closed] < config.tokens_per_update).all()
         check_update_scales(plan, config.loss_scaling)
-    check_budget_and_scaling_of_updates(result, config, tokens)
+    check_budget_and_scaling_of_updates(result, config, patches)
 
 
-def check_budget_and_scaling_of_updates(result, config, tokens):
+def check_budget_and_scaling_of_updates(result, config, patches):
     """The budget holds as without windows; scales are per update, so the per-step scaling
     check applies only to the budget part (loss_scale 0 on idle fillers still holds)."""
     if config.loss_scaling is not LossScaling.EXACT:
-        check_budget_and_scaling(result, config, tokens)
+        check_budget_and_scaling(result, config, patches)
         return
     exact_per_step = dataclasses.replace(config, loss_scaling=LossScaling.NONE)
-    check_budget_and_scaling(result, exact_per_step, tokens)
+    check_budget_and_scaling(result, exact_per_step, patches)
 
 
 @settings(max_examples=25, deadline=None)
 @given(windowed())
 def test_windowed_plans_are_the_same_for_the_same_inputs(scenario):
     # DESIGN 3.6 with windows: every daemon computes the same updates and scales.
-    config, lengths, tokens, arrivals = scenario
-    a = simulate(lengths, config, tokens=tokens, arrivals_per_round=arrivals)
-    b = simulate(lengths, config, tokens=tokens, arrivals_per_round=arrivals)
+    config, lengths, tokens, arrivals, patches = scenario
+    a = simulate(lengths, config, tokens=tokens, arrivals_per_round=arrivals, patches=patches)
+    b = simulate(lengths, config, tokens=tokens, arrivals_per_round=arrivals, patches=patches)
     assert a.steps_kept == b.steps_kept
     for pa, pb in zip(a.rounds, b.rounds, strict=True):
         assert np.array_equal(pa.windows.ends, pb.windows.ends)

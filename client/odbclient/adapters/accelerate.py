@@ -43,7 +43,7 @@ __all__ = ["ODBAccelerate", "StepInputs"]
 
 @dataclass(frozen=True, slots=True)
 class StepInputs:
-    inputs: dict[str, torch.Tensor]  # the batch's tensors on accelerator.device
+    inputs: dict[str, torch.Tensor | int]  # the batch's tensors on accelerator.device
     batch: Batch  # the odbd batch: loss_scale, sample_ids, is_idle, step, epoch...
 
 

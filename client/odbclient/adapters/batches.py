@@ -46,7 +46,7 @@ class ODBBatches:
         self.last: Batch | None = None
         self._epoch: Iterator[Batch] | None = None  # the client's epoch iterator, while live
 
-    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor | int]]:
         self._epoch = iter(self.client)
         k = self.micro_steps_per_update
         for batch in self._epoch:

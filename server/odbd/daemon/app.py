@@ -215,6 +215,9 @@ class Daemon:
             labels_key=self.config.labels_key,
             lease_timeout_s=self.config.lease_timeout_s,
             dataset_size=self.state.dataset_size,
+            patch_key=self.config.patch_source[0] if self.config.max_patches else "",
+            patch_count_key=self.config.patch_source[1] if self.config.max_patches else "",
+            concat_keys=list(self.config.concat),
         )
 
     def _trainer_welcome(self) -> trainer_pb2.TrainerWelcome:
@@ -227,6 +230,9 @@ class Daemon:
             length_key=self.config.length_key,
             pads=[trainer_pb2.PadValue(key=k, value=v) for k, v in self.config.pads],
             loss_scaling=self.config.loss_scaling.value,
+            collate=self.config.collate.value,
+            concat_keys=list(self.config.concat),
+            labels_key=self.config.labels_key,
         )
 
     def _round_config(self) -> RoundConfig:

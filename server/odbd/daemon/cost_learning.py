@@ -55,8 +55,9 @@ class CostLearner:
     def learned(self) -> bool:
         return self.mode is CostModelMode.AUTO and self.fit.state is FitState.FITTED
 
-    def expect(self, rank: int, epoch: int, step: int, padded: int, sum_sq: float) -> None:
-        """A local rank-step was queued with these features (idle fillers are not expected)."""
+    def expect(self, rank: int, epoch: int, step: int, padded: float, sum_sq: float) -> None:
+        """A local rank-step was queued with these features (idle fillers are not expected);
+        `padded` counts its linear work: padded tokens plus p x its vision patches."""
         if padded <= 0:
             return
         self._expected[(rank, epoch, step)] = (float(padded), sum_sq)

@@ -244,6 +244,7 @@ class NodeState:
         lengths: IntArray,
         loss_tokens: IntArray,
         schema_hashes: IntArray,
+        patches: IntArray | None = None,  # (n,) vision patches; None = all 0
     ) -> tuple[int, list[Rejected], list[Location]]:
         """Buffers committed samples. Returns (accepted, rejections, locations to free now).
 
@@ -266,11 +267,18 @@ class NodeState:
             self.locations[key] = locations[i]
             good.append(i)
         if good:
-            self._buffer_rows(np.asarray(good), keys, lengths, loss_tokens)
+            if patches is None:
+                patches = np.zeros_like(lengths)
+            self._buffer_rows(np.asarray(good), keys, lengths, loss_tokens, patches)
         return len(good), rejections, stale
 
     def _buffer_rows(
-        self, rows: IntArray, keys: IntArray, lengths: IntArray, loss_tokens: IntArray
+        self,
+        rows: IntArray,
+        keys: IntArray,
+        lengths: IntArray,
+        loss_tokens: IntArray,
+        patches: IntArray,
     ) -> None:
         accepted = keys[rows]
         self._transition(accepted, "buffer")
@@ -283,7 +291,9 @@ class NodeState:
             unit.leased.difference_update(accepted[mine].tolist())
             for slot in np.unique(slots[mine]).tolist():
                 pick = rows[mine & (slots == slot)]
-                table = SampleTable.of(keys[pick], lengths[pick], loss_tokens[pick])
+                table = SampleTable.of(
+                    keys[pick], lengths[pick], loss_tokens[pick], patches=patches[pick]
+                )
                 unit.buffers.setdefault(slot, []).append(table)
 
     def _slot_array(self, keys: IntArray) -> IntArray:

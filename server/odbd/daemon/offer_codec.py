@@ -1,15 +1,16 @@
 """The round payload: one node's offers, encoded as bytes for the round barrier.
 
-Layout, version 2 (all numbers little-endian):
+Layout, version 3 (all numbers little-endian):
     u32 magic 0x4f444252 ("ODBR"), u16 version, u16 reserved, u32 header_bytes
     header: UTF-8 JSON {"node", "epoch", "rejected": {reason: count}, "units": [[unit, dry, n]],
             "observations": m}
-    then per unit, n rows each of: int64 views, int32 lengths, int32 tokens, int32 ages
+    then per unit, n rows each of: int64 views, int32 lengths, int32 tokens, int32 ages,
+    int32 patches (columns one after another)
     then m rows of float64 [padded tokens, sum of squared lengths, seconds]: this node's timed
     rank-steps since its last offer (cost_learning.py; at most MAX_OBSERVATIONS, ~1.5 KiB)
 Every daemon decodes every node's payload and feeds the same UnitOffers to plan_round, so the
 encoding must be exact (floats travel as their IEEE bytes, never as text) and the unit order
-fixed. Version 1 had no observations.
+fixed. Version 1 had no observations, version 2 no patches.
 """
 
 from __future__ import annotations
@@ -24,9 +25,15 @@ from odbd.errors import InvariantError
 from odbd.planner.types import SampleTable, UnitOffer
 
 _MAGIC = 0x4F444252
-_VERSION = 2
+_VERSION = 3
 _PREFIX = struct.Struct("<IHHI")
-_COLUMNS = (("views", "<i8"), ("lengths", "<i4"), ("tokens", "<i4"), ("ages", "<i4"))
+_COLUMNS = (
+    ("views", "<i8"),
+    ("lengths", "<i4"),
+    ("tokens", "<i4"),
+    ("ages", "<i4"),
+    ("patches", "<i4"),
+)
 
 
 @dataclass(frozen=True, slots=True)

@@ -33,11 +33,11 @@ from odbd.errors import InvariantError, OdbdError
 from odbd.ingest.lanes import Lanes
 from odbd.ingest.rejections import empty_epoch_failure
 from odbd.metrics.stats import DaemonStats
-from odbd.planner.config import PlannerConfig
+from odbd.planner.config import Collate, PlannerConfig
 from odbd.planner.cost_fit import FitConfig, FitState
 from odbd.planner.progress import JobShape, Progress, StepFacts, step_progress
 from odbd.planner.round import plan_round
-from odbd.planner.types import RoundPlan, UnitPlan
+from odbd.planner.types import RoundPlan, SampleTable, UnitPlan
 from odbd.round import RoundBarrier
 from odbd.serve.rank_queue import QueuedItem, RankQueue
 
@@ -111,6 +111,8 @@ class RoundLoop:
         self.read_sample = read_sample
         self.on_planned = on_planned
         self.stats = stats
+        self._warned_long = False  # the over-budget warnings are shown once per daemon
+        self._warned_many = False
         self.journal = journal
         self.lanes_full = lanes_full  # IngestService.lanes_full
         self.lanes_full_warned = False
@@ -524,7 +526,7 @@ class RoundLoop:
         kept = len(step_epochs)
         end = int(unit.slot_offsets[kept * g])
         self.state.mark_emitted(unit.emitted.views[:end])
-        self._count_oversized(unit.emitted.views[:end], unit.emitted.lengths[:end])
+        self._count_oversized(unit.emitted.take(np.arange(end)))
         tail = unit.emitted.take(np.arange(end, len(unit.emitted)))  # past the quota: not run
         self.state.return_samples(unit.unit, unit.leftover.concat(tail))
         for local_rank, rank in enumerate(ranks):
@@ -537,26 +539,39 @@ class RoundLoop:
             ]  # fmt: skip
             self.queues[rank].push(items)
 
-    def _count_oversized(self, views: np.ndarray, lengths: np.ndarray) -> None:
-        """Counts emitted samples longer than the token budget; warns once, at the first.
+    def _count_oversized(self, emitted: SampleTable) -> None:
+        """Counts emitted samples over the token or patch budget; warns once per budget.
 
-        Grouping gives such a sample a group of its own (B(l) = max(budget // l, 1) = 1), so it
-        trains, but its step exceeds the budget the operator sized memory for."""
-        over = np.flatnonzero(lengths > self.config.token_budget)
-        if over.size == 0:
-            return
-        if self.stats.oversized_samples == 0:
-            identity = int(self.state.identities_of(views[over[:1]])[0])
+        Grouping gives such a sample a group of its own, so it trains, but its step exceeds
+        the budget the operator sized memory for."""
+        budget, max_patches = self.config.token_budget, self.config.max_patches
+        long = emitted.lengths > budget
+        many = emitted.patches > max_patches if max_patches else np.zeros_like(long)
+        if not self._warned_long and long.any():
+            self._warned_long = True
+            i = int(np.flatnonzero(long)[0])
             log.warning(
                 "sample %d has %d tokens, more than --token-budget %d: it is trained alone in "
-                "its own group, whose padded area exceeds the budget (shown once; "
+                "its own group, whose %s exceeds the budget (shown once; "
                 "odbd_oversized_samples_total counts them all); raise --token-budget or "
                 "truncate samples in preprocessing",
-                identity,
-                int(lengths[over[0]]),
-                self.config.token_budget,
+                int(self.state.identities_of(emitted.views[i : i + 1])[0]),
+                int(emitted.lengths[i]),
+                budget,
+                "token count" if self.config.collate is Collate.PACKED else "padded area",
             )
-        self.stats.oversized_samples += int(over.size)
+        if not self._warned_many and many.any():
+            self._warned_many = True
+            i = int(np.flatnonzero(many)[0])
+            log.warning(
+                "sample %d has %d patches, more than --max-patches %d: it is trained alone in "
+                "its own group (shown once; odbd_oversized_samples_total counts them all); "
+                "raise --max-patches or resize its images in preprocessing",
+                int(self.state.identities_of(emitted.views[i : i + 1])[0]),
+                int(emitted.patches[i]),
+                max_patches,
+            )
+        self.stats.oversized_samples += int((long | many).sum())
 
     def _step_item(
         self,
@@ -577,7 +592,10 @@ class RoundLoop:
         idle = len(keys) == 0
         lengths = unit.emitted.lengths[rows].astype(np.float64)
         padded = int(stats.padded_tokens[step, rank])
-        self.cost.expect(rank, epoch, number, padded, float((lengths * lengths).sum()))
+        # Patches enter the fit as p token-equivalents each (the planner's own weight), so the
+        # learned model keeps the vision share fixed and fits the scale of the whole step.
+        linear = padded + self.cost.model.p * float(unit.emitted.patches[rows].sum())
+        self.cost.expect(rank, epoch, number, linear, float((lengths * lengths).sum()))
         if not idle and not self.filler_schema:
             self._learn_schema(where[0], locations[0].nbytes)
         batch = trainer_pb2.StepBatch(

@@ -38,6 +38,7 @@ def main(argv: list[str] | None = None) -> int:
         for _ in range(args.epochs):
             for batch in client:
                 ids = batch["input_ids"]
+                assert not isinstance(ids, int)  # input_ids is always a tensor
                 padded = 0 if batch.is_idle else int(ids.shape[0] * ids.shape[1])
                 # Sample lengths are not in the batch; b * B * maxlen^2 bounds b * sum l^2.
                 sum_sq = float(ids.shape[0]) * float(ids.shape[1]) ** 2 if padded else 0.0

@@ -27,6 +27,10 @@ REJECT_FIXES: Mapping[str, str] = {
     "too_large": "raise the daemon's --shm-size, or shorten the samples",
     "zero_length": "drop samples whose --length-key array is empty",
     "schema_mismatch": "every sample must have the same keys, dtypes and trailing shapes",
+    "bad_concat_key": "every sample must hold each --concat key with a first dimension (zero "
+    "rows for a sample without images), or drop the --concat flag",
+    "bad_patch_count": "every sample must hold the --patch-key array (patches = its first "
+    "dimension) or the --patch-count-key integer; check the daemon's flags",
     PRODUCER_CRASH: "__getitem__ kills the process on the sample named (sys.exit, abort, a "
     "crash in a C extension); run it by hand on that sample",
 }

@@ -155,6 +155,7 @@ class IngestService(ingest_pb2_grpc.IngestServicer):
             rows.lengths.astype(np.int64),
             rows.loss_tokens.astype(np.int64),
             rows.schema_hashes.astype(np.uint64).view(np.int64),
+            rows.patches.astype(np.int64),
         )
         rejected_at = {r.location for r in rejections}
         for location in locations:

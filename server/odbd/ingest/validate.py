@@ -44,14 +44,20 @@ class CommitRows:
     lengths: np.ndarray  # (n,) uint32
     loss_tokens: np.ndarray  # (n,) uint32
     schema_hashes: np.ndarray  # (n,) uint64
+    patches: np.ndarray  # (n,) uint32 vision patches; zeros when the producer sent none
 
 
 def decode_commit(batch: ingest_pb2.CommitBatch, lane_bytes: int, live: set[int]) -> CommitRows:
     """The commit's rows, once every sample lies inside the lane and none overlaps a live one."""
     columns = {name: _column(batch, name, dtype) for name, dtype in _COLUMNS}
+    patches = _column(batch, "patches", "<u4")
+    if len(patches):  # optional: a producer counts patches only under --max-patches
+        columns["patches"] = patches
     counts = {name: len(column) for name, column in columns.items()}
     if len(set(counts.values())) != 1:
         raise MalformedMessage(f"CommitBatch arrays have different lengths: {counts}")
+    if not len(patches):
+        columns["patches"] = np.zeros(len(columns["view_keys"]), dtype="<u4")
     rows = CommitRows(**columns)
     offsets, nbytes = rows.offsets.tolist(), rows.nbytes.tolist()
     for offset, size in zip(offsets, nbytes, strict=True):

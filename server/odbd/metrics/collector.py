@@ -170,8 +170,8 @@ class DaemonCollector(Collector):
             ("producer_restarts", "producer processes restarted", s.producers_restarted),
             (
                 "oversized_samples",
-                "samples longer than --token-budget, each trained alone in its own group "
-                "(raise --token-budget or truncate in preprocessing)",
+                "samples longer than --token-budget or with more patches than --max-patches, each "
+                "trained alone in its own group (raise the budget or truncate in preprocessing)",
                 s.oversized_samples,
             ),
         )

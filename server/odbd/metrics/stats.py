@@ -99,7 +99,8 @@ class DaemonStats:
     expired_leases: int = 0
     lanes_full_rounds: int = 0  # rounds offered before a full buffer: every lane was full
     rejected: Counter[str] = field(default_factory=Counter)
-    oversized_samples: int = 0  # this node's samples emitted with more tokens than the budget
+    # this node's samples emitted with more tokens than the budget (or patches than --max-patches)
+    oversized_samples: int = 0
     producers_restarted: int = 0
     serving: bool = False  # what grpc.health.v1 reports for this daemon
     # The metrics' own cost: CPU the metrics thread spent rendering scrapes (thread time).

@@ -27,7 +27,6 @@ from odbd.planner.types import (
     IntArray,
     NodeRoundPlan,
     RoundDecision,
-    SampleTable,
     StepStats,
     StepTotals,
     UnitPlan,
@@ -93,7 +92,7 @@ def complete_node(
         num_tokens=c["num_tokens"],
         real_tokens=c["real_tokens"],
         padded_tokens=c["padded_tokens"],
-        work=config.cost.work(c["padded_tokens"], c["sum_sq"]),
+        work=config.cost.work(c["padded_tokens"], c["sum_sq"], c["patches"]),
         loss_scale=np.zeros(c["num_samples"].shape),
     )
     units = list(draft.units)
@@ -158,7 +157,7 @@ def _truncate(unit: UnitPlan, num_slots: int) -> UnitPlan:
     """The unit's first num_slots slots; the later slots' samples join the leftover (aged)."""
     end = int(unit.slot_offsets[num_slots])
     tail = unit.emitted.take(np.arange(end, len(unit.emitted)))
-    tail = SampleTable(tail.views, tail.lengths, tail.tokens, tail.ages + 1)
+    tail = tail.aged()
     return UnitPlan(
         unit.unit,
         unit.emitted.take(np.arange(end)),

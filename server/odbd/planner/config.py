@@ -24,6 +24,13 @@ class Balance(StrEnum):
     RANK = "rank"  # the paper's per-rank protocol: each rank groups its own shard
 
 
+class Collate(StrEnum):
+    """The form of a rank's batch, and so what a group's budget and cost count."""
+
+    PADDED = "padded"  # rows right-padded to the longest: area = longest x count <= L
+    PACKED = "packed"  # one padding-free row: sum of lengths <= L (varlen attention)
+
+
 class LossScaling(StrEnum):
     """What `loss_scale` of a (rank, step) means; DESIGN.md section 3.4."""
 
@@ -35,19 +42,23 @@ class LossScaling(StrEnum):
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class CostModel:
-    """Step time in token-equivalents: c + max_r (a * padded_r + b * sum_i l_i^2) (DESIGN.md s4)."""
+    """Step time in token-equivalents: c + max_r (a * padded_r + b * sum_i l_i^2 + p * patches_r)
+    (DESIGN.md s4). Packed batches have padded_r = sum_i l_i, and varlen attention's quadratic
+    term is per sample, so the same formula covers both forms; `p` weighs vision patches
+    (--max-patches), ~one token's work each through the vision encoder."""
 
     a: float = 1.0
     b: float = 1.2e-5
     c: float = 1800.0
+    p: float = 1.0
 
     def __post_init__(self) -> None:
-        if min(self.a, self.b, self.c) < 0:
+        if min(self.a, self.b, self.c, self.p) < 0:
             raise ConfigError(f"cost model coefficients must be >= 0, got {self}")
 
-    def work(self, padded_tokens: Any, sum_sq_lengths: Any) -> Any:
+    def work(self, padded_tokens: Any, sum_sq_lengths: Any, patches: Any = 0) -> Any:
         """One rank's compute for one group, without the per-step constant c (arrays welcome)."""
-        return self.a * padded_tokens + self.b * sum_sq_lengths
+        return self.a * padded_tokens + self.b * sum_sq_lengths + self.p * patches
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -70,8 +81,19 @@ class PlannerConfig:
     # >= T loss-bearing tokens over every rank; 1 and 0 = every step is an update (today).
     accumulate: int = 1
     tokens_per_update: int = 0
+    collate: Collate = Collate.PADDED  # packed: a group's budget is its sum of lengths
+    max_patches: int = 0  # a group's vision patches (sum over its samples); 0 = no patch budget
 
     def __post_init__(self) -> None:
+        if self.max_patches < 0:
+            raise ConfigError(f"--max-patches must be >= 0 (0 = off), got {self.max_patches}")
+        if self.grouping is Grouping.PAPER and (
+            self.collate is Collate.PACKED or self.max_patches > 0
+        ):
+            raise ConfigError(
+                "--grouping paper implements the paper's padded batches only; "
+                "--collate packed and --max-patches need --grouping min-time (the default)"
+            )
         if self.accumulate < 1:
             raise ConfigError(f"--accumulate must be >= 1 micro-steps, got {self.accumulate}")
         if self.tokens_per_update < 0:

@@ -119,7 +119,8 @@ def fit_cost_model(observations: FloatArray, fixed: CostModel, config: FitConfig
         theta = _solve_bounded(x, y, weights, lower)
     a, b, c = theta
     return CostFit(
-        model=CostModel(a=1.0, b=b / a, c=c / a),
+        # The patch term is not observed apart from tokens: it keeps its fixed weight.
+        model=CostModel(a=1.0, b=b / a, c=c / a, p=fixed.p),
         state=FitState.FITTED,
         seconds=(a, b, c),
         error=_relative_error(_predict(x, theta), y),

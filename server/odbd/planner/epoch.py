@@ -111,9 +111,11 @@ def simulate(
     shuffle: bool = True,
     arrivals_per_round: Sequence[int] | None = None,
     costs: Sequence[CostModel] = (),
+    patches: np.ndarray | None = None,
     trace: RoundTrace | None = None,
 ) -> SimulationResult:
-    """Plans `epochs` trainer epochs of a dataset whose sample i has length lengths[i].
+    """Plans `epochs` trainer epochs of a dataset whose sample i has length lengths[i]
+    (and patches[i] vision patches, default 0).
 
     `costs`: round r plans with costs[r % len(costs)], as under --cost-model auto, where the
     daemons refit the model as the run goes (default: config.cost throughout). `trace` records
@@ -125,6 +127,10 @@ def simulate(
     sim = _Simulation(lengths, loss_tokens, config, shuffle, arrivals_per_round)
     sim.costs = list(costs)
     sim.trace = trace
+    if patches is not None:
+        sim.patches = np.asarray(patches, dtype=np.int64)
+        if sim.patches.shape != lengths.shape or (sim.patches.size and sim.patches.min() < 0):
+            raise ConfigError("patch counts must have one non-negative entry per sample")
     return sim.run(epochs, join)
 
 
@@ -165,6 +171,7 @@ class _Simulation:
         self.lengths, self.tokens, self.config, self.shuffle = lengths, tokens, config, shuffle
         self.costs: list[CostModel] = []  # per round, cycled; empty: config.cost
         self.trace: RoundTrace | None = None
+        self.patches = np.zeros_like(lengths)  # (N,) vision patches per dataset identity
         self.num_samples = int(lengths.shape[0])
         world = config.world.world_size
         self.num_views = num_views(self.num_samples, world)
@@ -285,7 +292,10 @@ class _Simulation:
         self.num_rejected += int(bad.sum())
         good = ~bad
         keys = views[good] + iteration * self.num_views
-        return SampleTable.of(keys, lengths[good], self.tokens[identities[good]])
+        good_ids = identities[good]
+        return SampleTable.of(
+            keys, lengths[good], self.tokens[good_ids], patches=self.patches[good_ids]
+        )
 
     def _iteration(self, index: int) -> _Iteration:
         while len(self.iterations) <= index:

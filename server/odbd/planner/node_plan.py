@@ -29,7 +29,7 @@ from odbd.planner.types import (
     UnitPlan,
 )
 
-COLUMNS = ("num_samples", "num_tokens", "real_tokens", "padded_tokens", "sum_sq")
+COLUMNS = ("num_samples", "num_tokens", "real_tokens", "padded_tokens", "sum_sq", "patches")
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,7 +56,9 @@ def plan_node(
         if config.grouping is Grouping.PAPER:
             group_of_slot = assignment.slots_in_order(len(fitted.starts))
         else:
-            work = config.cost.work(slot_stats["padded_tokens"], slot_stats["sum_sq"])
+            work = config.cost.work(
+                slot_stats["padded_tokens"], slot_stats["sum_sq"], slot_stats["patches"]
+            )
             group_of_slot = assignment.slots_by_cost(work, g, decision.step_order)
         plans.append(_unit_plan(unit.offer.unit, unit.offer.samples, fitted, group_of_slot))
         parts.append({k: v[group_of_slot].reshape(num_steps, g) for k, v in slot_stats.items()})
@@ -117,7 +119,8 @@ def _keep_priority(groups: Groups, buffer: SortedBuffer, config: PlannerConfig) 
         return np.zeros(0)
     longest = buffer.lengths[groups.starts]
     capacity = np.maximum(config.token_budget // longest, 1)
-    full = (groups.sizes() >= capacity).astype(np.float64)
+    # Packed groups have no capacity in samples: how full they are (fill) says it all.
+    full = np.zeros(len(groups)) if buffer.packed else (groups.sizes() >= capacity).astype(float)
     real = buffer.csum_len[groups.ends] - buffer.csum_len[groups.starts]
     fill = np.minimum(real / config.token_budget, 1.0)
     oldest = range_max(buffer.ages, groups)
@@ -130,8 +133,7 @@ def _unit_plan(
     starts, ends = fitted.starts[group_of_slot], fitted.ends[group_of_slot]
     rows = fitted.order[alignment.concat_ranges(starts, ends)]
     offsets = np.concatenate([[0], np.cumsum(ends - starts)]).astype(np.int64)
-    leftover = samples.take(fitted.leftover_rows)
-    leftover = SampleTable(leftover.views, leftover.lengths, leftover.tokens, leftover.ages + 1)
+    leftover = samples.take(fitted.leftover_rows).aged()
     return UnitPlan(unit, samples.take(rows), offsets, leftover, fitted.num_splits)
 
 

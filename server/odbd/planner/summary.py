@@ -11,7 +11,9 @@ A round is planned in phases so that no daemon touches another node's samples (i
    and the optimizer updates; each node completes its own part
 
 Grouping depends only on the unit's buffer and (seed, round, unit), so phase 0 needs nothing from
-the other nodes.
+the other nodes; so do the budgets of --collate packed (sum of lengths) and --max-patches, which
+bound each group on its own: they shape a unit's groups and their work here, and phase 1 sees
+them only through the summary's group count and work profile.
 """
 
 from __future__ import annotations
@@ -21,8 +23,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from odbd.planner.company import PROFILE_DEPTH, top_profile
-from odbd.planner.config import Grouping, PlannerConfig
+from odbd.planner.config import Collate, CostModel, Grouping, PlannerConfig
 from odbd.planner.grouping import group_buffer
+from odbd.planner.packing import group_with_budgets
 from odbd.planner.types import FloatArray, Groups, IntArray, SampleTable, UnitOffer, UnitSummary
 
 
@@ -35,9 +38,11 @@ class SortedBuffer:
     csum_len: IntArray  # (n + 1,)
     csum_tok: IntArray
     csum_sq: FloatArray
+    csum_patches: IntArray
+    packed: bool  # --collate packed: a group's batch holds its real tokens only
 
     @staticmethod
-    def of(table: SampleTable, order: IntArray) -> SortedBuffer:
+    def of(table: SampleTable, order: IntArray, packed: bool) -> SortedBuffer:
         lengths = table.lengths[order]
         zero = np.zeros(1, dtype=np.int64)
         return SortedBuffer(
@@ -46,19 +51,28 @@ class SortedBuffer:
             csum_len=np.concatenate([zero, np.cumsum(lengths)]),
             csum_tok=np.concatenate([zero, np.cumsum(table.tokens[order])]),
             csum_sq=np.concatenate([[0.0], np.cumsum(lengths.astype(np.float64) ** 2)]),
+            csum_patches=np.concatenate([zero, np.cumsum(table.patches[order])]),
+            packed=packed,
         )
 
     def range_stats(self, starts: IntArray, ends: IntArray) -> dict[str, np.ndarray]:
         sizes = ends - starts
         first = np.minimum(starts, max(self.lengths.shape[0] - 1, 0))
         longest = np.where(sizes > 0, self.lengths[first] if self.lengths.size else 0, 0)
+        real = self.csum_len[ends] - self.csum_len[starts]
         return {
             "num_samples": sizes,
             "num_tokens": self.csum_tok[ends] - self.csum_tok[starts],
-            "real_tokens": self.csum_len[ends] - self.csum_len[starts],
-            "padded_tokens": longest * sizes,
+            "real_tokens": real,
+            "padded_tokens": real if self.packed else longest * sizes,
             "sum_sq": self.csum_sq[ends] - self.csum_sq[starts],
+            "patches": self.csum_patches[ends] - self.csum_patches[starts],
         }
+
+    def work(self, starts: IntArray, ends: IntArray, cost: CostModel) -> FloatArray:
+        """Cost-model work of each range (one group's compute, without the step constant)."""
+        stats = self.range_stats(starts, ends)
+        return cost.work(stats["padded_tokens"], stats["sum_sq"], stats["patches"])
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,20 +82,18 @@ class GroupedUnit:
     offer: UnitOffer
     groups: Groups
     buffer: SortedBuffer
-    work: FloatArray  # (num_groups,) a * padded + b * sum l^2 of each group (min-time only)
+    # (num_groups,) a * padded + b * sum l^2 + p * patches of each group (min-time only)
+    work: FloatArray
     fresh: np.ndarray  # (num_groups,) bool: no member was recirculated before
 
 
 def group_unit(offer: UnitOffer, config: PlannerConfig, round_index: int) -> GroupedUnit:
-    """Phase 0: cuts the unit's buffer into groups (grouping.py) and prices them."""
-    groups = group_buffer(
-        offer.samples, config.token_budget, config.grouping, _cut_rng(config, round_index, offer)
-    )
-    buffer = SortedBuffer.of(offer.samples, groups.order)
+    """Phase 0: cuts the unit's buffer into groups (grouping.py, packing.py) and prices them."""
+    groups = _group(offer, config, round_index)
+    buffer = SortedBuffer.of(offer.samples, groups.order, config.collate is Collate.PACKED)
     if config.grouping is Grouping.PAPER or len(groups) == 0:
         return GroupedUnit(offer, groups, buffer, np.zeros(len(groups)), np.zeros(0, bool))
-    padded = buffer.lengths[groups.starts] * groups.sizes()
-    work = config.cost.work(padded, buffer.csum_sq[groups.ends] - buffer.csum_sq[groups.starts])
+    work = buffer.work(groups.starts, groups.ends, config.cost)
     fresh = range_max(buffer.ages, groups) == 0
     return GroupedUnit(offer, groups, buffer, work, fresh)
 
@@ -108,6 +120,16 @@ def range_max(values: IntArray, groups: Groups) -> IntArray:
     out = np.empty_like(maxima)
     out[by_start] = maxima
     return out
+
+
+def _group(offer: UnitOffer, config: PlannerConfig, round_index: int) -> Groups:
+    """The unit's groups: min-time/paper cuts, or the packed / patch-budget grouping."""
+    rng = _cut_rng(config, round_index, offer)
+    if config.collate is Collate.PACKED or config.max_patches > 0:
+        return group_with_budgets(
+            offer.samples, config.token_budget, config.max_patches, config.collate, rng
+        )
+    return group_buffer(offer.samples, config.token_budget, config.grouping, rng)
 
 
 def _cut_rng(

@@ -31,6 +31,8 @@ class SampleTable:
     lengths: IntArray  # (n,) tokens after preprocessing; what padding and the budget see
     tokens: IntArray  # (n,) loss-bearing tokens (t_r of the paper); <= lengths
     ages: IntArray  # (n,) rounds this sample has already been recirculated
+    # (n,) vision patches (--max-patches: a key's first dimension or a count key); 0 without
+    patches: IntArray
 
     def __len__(self) -> int:
         return int(self.views.shape[0])
@@ -38,33 +40,46 @@ class SampleTable:
     @staticmethod
     def empty() -> SampleTable:
         z = np.zeros(0, dtype=np.int64)
-        return SampleTable(z, z, z, z)
+        return SampleTable(z, z, z, z, z)
 
     @staticmethod
     def of(
-        views: object, lengths: object, tokens: object = None, ages: object = None
+        views: object,
+        lengths: object,
+        tokens: object = None,
+        ages: object = None,
+        patches: object = None,
     ) -> SampleTable:
-        """Builds a table from sequences; tokens default to lengths, ages to 0."""
+        """Builds a table from sequences; tokens default to lengths, ages and patches to 0."""
         v = np.asarray(views, dtype=np.int64).reshape(-1)
         n = np.asarray(lengths, dtype=np.int64).reshape(-1)
         t = n.copy() if tokens is None else np.asarray(tokens, dtype=np.int64).reshape(-1)
         a = np.zeros_like(v) if ages is None else np.asarray(ages, dtype=np.int64).reshape(-1)
-        if not (v.shape == n.shape == t.shape == a.shape):
+        p = np.zeros_like(v) if patches is None else np.asarray(patches, np.int64).reshape(-1)
+        if not (v.shape == n.shape == t.shape == a.shape == p.shape):
             raise InvariantError(f"sample table columns differ in length: {v.shape} {n.shape}")
-        return SampleTable(v, n, t, a)
+        return SampleTable(v, n, t, a, p)
 
     def take(self, index: IntArray) -> SampleTable:
         return SampleTable(
-            self.views[index], self.lengths[index], self.tokens[index], self.ages[index]
+            self.views[index],
+            self.lengths[index],
+            self.tokens[index],
+            self.ages[index],
+            self.patches[index],
         )
 
     def concat(self, other: SampleTable) -> SampleTable:
         return SampleTable(
-            np.concatenate([self.views, other.views]),
-            np.concatenate([self.lengths, other.lengths]),
-            np.concatenate([self.tokens, other.tokens]),
-            np.concatenate([self.ages, other.ages]),
+            *(
+                np.concatenate([getattr(self, name), getattr(other, name)])
+                for name in ("views", "lengths", "tokens", "ages", "patches")
+            )
         )
+
+    def aged(self) -> SampleTable:
+        """The same samples one recirculation older (leftovers of a round)."""
+        return SampleTable(self.views, self.lengths, self.tokens, self.ages + 1, self.patches)
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,9 +19,16 @@ import numpy as np
 
 from odbd import flags
 from odbd.errors import ConfigError
-from odbd.planner.config import Balance, CostModel, Grouping, LossScaling, PlannerConfig
+from odbd.planner.config import (
+    Balance,
+    Collate,
+    CostModel,
+    Grouping,
+    LossScaling,
+    PlannerConfig,
+)
 from odbd.simulate.distributions import NAMES, sample_lengths
-from odbd.simulate.lengths import read_lengths
+from odbd.simulate.lengths import read_lengths_and_patches
 from odbd.simulate.report import render_freshness, render_table, repeated_groups, report_json
 from odbd.simulate.updates import render_updates, summarize_updates
 from odbd.world import World
@@ -39,6 +46,7 @@ class Setup:
     """A validated simulation request."""
 
     lengths: np.ndarray  # (N,) int64; sample id = index
+    patches: np.ndarray | None  # (N,) int64 vision patches (--lengths' second column)
     source: str  # where the lengths came from, for the table header
     config: PlannerConfig
     epochs: int
@@ -127,6 +135,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="T",
         help="updates closed at >= T loss tokens over all ranks (reports tokens per update)",
     )
+    world.add_argument(
+        "--collate",
+        choices=[c.value for c in Collate],
+        default="padded",
+        help="padded rows (area <= L) or one packed row per rank-step (sum of lengths <= L)",
+    )
+    world.add_argument(
+        "--max-patches",
+        type=flags.integer(0, 1 << 62),
+        default=0,
+        metavar="N",
+        help="at most N vision patches per group (patch counts: --lengths' second column)",
+    )
     model = parser.add_argument_group("cost model (token-equivalents)")
     model.add_argument(
         "--cost-a", type=flags.number, metavar="A", default=cost.a, help="per padded token"
@@ -135,6 +156,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--cost-b", type=flags.number, metavar="B", default=cost.b, help="per length²"
     )
     model.add_argument("--cost-c", type=flags.number, metavar="C", default=cost.c, help="per step")
+    model.add_argument(
+        "--cost-p", type=flags.number, metavar="P", default=cost.p, help="per vision patch"
+    )
     output = parser.add_argument_group("baselines and output")
     output.add_argument(
         "--compare",
@@ -195,20 +219,24 @@ def build_setup(args: argparse.Namespace) -> Setup:
         grouping=Grouping(args.grouping),
         balance=Balance(args.balance),
         loss_scaling=LossScaling(args.loss_scaling),
-        cost=CostModel(a=args.cost_a, b=args.cost_b, c=args.cost_c),
+        cost=CostModel(a=args.cost_a, b=args.cost_b, c=args.cost_c, p=args.cost_p),
         seed=args.seed,
         fresh_groups=args.fresh_groups,
         accumulate=args.accumulate,
         tokens_per_update=args.tokens_per_update,
+        collate=Collate(args.collate),
+        max_patches=args.max_patches,
     )
     if config.windows and not args.join:
         raise ConfigError(
             "--accumulate and --tokens-per-update need join mode (a --no-join epoch ends "
             "mid-round and would cut an update in two); drop --no-join"
         )
-    lengths, source = _load_lengths(args)
+    lengths, patches, source = _load_lengths(args)
+    _check_batch_form(args, config, patches)
     return Setup(
         lengths=lengths,
+        patches=patches,
         source=source,
         config=config,
         epochs=args.epochs,
@@ -220,7 +248,23 @@ def build_setup(args: argparse.Namespace) -> Setup:
     )
 
 
-def _load_lengths(args: argparse.Namespace) -> tuple[np.ndarray, str]:
+def _check_batch_form(
+    args: argparse.Namespace, config: PlannerConfig, patches: np.ndarray | None
+) -> None:
+    if config.max_patches and patches is None:
+        raise ConfigError(
+            f"--max-patches {config.max_patches} needs each sample's patch count: pass "
+            "--lengths FILE with a second column of patch counts (LENGTH PATCHES per line)"
+        )
+    if args.compare and (config.collate is Collate.PACKED or config.max_patches):
+        raise ConfigError(
+            "--compare's baselines (fixed batches, the paper's algorithm, the offline oracle) "
+            "plan padded batches without a patch budget; drop --compare, or compare "
+            "--collate padded runs side by side"
+        )
+
+
+def _load_lengths(args: argparse.Namespace) -> tuple[np.ndarray, np.ndarray | None, str]:
     if (args.dist is None) == (args.lengths is None):
         raise ConfigError(
             "pass exactly one of --dist NAME or --lengths FILE; they say where sample lengths "
@@ -235,8 +279,8 @@ def _load_lengths(args: argparse.Namespace) -> tuple[np.ndarray, str]:
         )
     if args.dist is not None:
         n = DEFAULT_NUM_SAMPLES if args.num_samples is None else args.num_samples
-        return sample_lengths(args.dist, n, args.seed), f"{n:,} samples of {args.dist}"
-    lengths = read_lengths(args.lengths)
+        return sample_lengths(args.dist, n, args.seed), None, f"{n:,} samples of {args.dist}"
+    lengths, patches = read_lengths_and_patches(args.lengths)
     if args.num_samples is not None:
         if args.num_samples > len(lengths):
             raise ConfigError(
@@ -244,7 +288,8 @@ def _load_lengths(args: argparse.Namespace) -> tuple[np.ndarray, str]:
                 f"{args.lengths}; pass a smaller N or omit it to use the whole file"
             )
         lengths = lengths[: args.num_samples]
-    return lengths, f"{len(lengths):,} samples from {args.lengths}"
+        patches = None if patches is None else patches[: args.num_samples]
+    return lengths, patches, f"{len(lengths):,} samples from {args.lengths}"
 
 
 def _batch_sizes(text: str) -> tuple[int, ...]:
@@ -290,7 +335,9 @@ def _header(setup: Setup, num_rejected: int) -> str:
     lines = [
         f"{setup.source}; world {c.world.world_size} ({c.world.num_nodes} nodes x "
         f"{c.world.ranks_per_node}), token budget {c.token_budget}, buffer {c.buffer_size}/rank",
-        f"odbd: grouping {c.grouping.value}, balance {c.balance.value}, {mode}, "
+        f"odbd: {c.collate.value} batches"
+        + (f" of <= {c.max_patches} patches" if c.max_patches else "")
+        + f", grouping {c.grouping.value}, balance {c.balance.value}, {mode}, "
         f"{setup.epochs} epoch(s), seed {c.seed}, fresh groups {fresh}; "
         f"cost a={c.cost.a:g} b={c.cost.b:g} c={c.cost.c:g} (token-equivalents)",
     ]

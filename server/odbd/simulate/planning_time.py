@@ -116,4 +116,4 @@ def _offer_payload(units: list[UnitSummary], config: PlannerConfig, node: int) -
 
 def _zeros(n: int) -> SampleTable:
     z = np.zeros(n, dtype=np.int64)
-    return SampleTable(z, z, z, z)
+    return SampleTable(z, z, z, z, z)

@@ -44,7 +44,12 @@ def execute(setup: Setup) -> Outcome:
     """Runs the planner, then (with --compare) fixed-batch, paper and oracle baselines."""
     trace = RoundTrace() if setup.planning_time else None
     result = simulate(
-        setup.lengths, setup.config, epochs=setup.epochs, join=setup.join, trace=trace
+        setup.lengths,
+        setup.config,
+        epochs=setup.epochs,
+        join=setup.join,
+        patches=setup.patches,
+        trace=trace,
     )
     ours = summarize_config(result, setup.config)
     planning = planning_report(trace, setup.config) if trace is not None else None

@@ -27,20 +27,22 @@ class LeaseRequest(_message.Message):
     def __init__(self, count: _Optional[int] = ...) -> None: ...
 
 class CommitBatch(_message.Message):
-    __slots__ = ("view_keys", "offsets", "nbytes", "lengths", "loss_tokens", "schema_hashes")
+    __slots__ = ("view_keys", "offsets", "nbytes", "lengths", "loss_tokens", "schema_hashes", "patches")
     VIEW_KEYS_FIELD_NUMBER: _ClassVar[int]
     OFFSETS_FIELD_NUMBER: _ClassVar[int]
     NBYTES_FIELD_NUMBER: _ClassVar[int]
     LENGTHS_FIELD_NUMBER: _ClassVar[int]
     LOSS_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SCHEMA_HASHES_FIELD_NUMBER: _ClassVar[int]
+    PATCHES_FIELD_NUMBER: _ClassVar[int]
     view_keys: bytes
     offsets: bytes
     nbytes: bytes
     lengths: bytes
     loss_tokens: bytes
     schema_hashes: bytes
-    def __init__(self, view_keys: _Optional[bytes] = ..., offsets: _Optional[bytes] = ..., nbytes: _Optional[bytes] = ..., lengths: _Optional[bytes] = ..., loss_tokens: _Optional[bytes] = ..., schema_hashes: _Optional[bytes] = ...) -> None: ...
+    patches: bytes
+    def __init__(self, view_keys: _Optional[bytes] = ..., offsets: _Optional[bytes] = ..., nbytes: _Optional[bytes] = ..., lengths: _Optional[bytes] = ..., loss_tokens: _Optional[bytes] = ..., schema_hashes: _Optional[bytes] = ..., patches: _Optional[bytes] = ...) -> None: ...
 
 class Rejection(_message.Message):
     __slots__ = ("view_key", "reason", "detail")
@@ -89,7 +91,7 @@ class Lane(_message.Message):
     def __init__(self, segment: _Optional[int] = ..., offset: _Optional[int] = ..., size: _Optional[int] = ...) -> None: ...
 
 class IngestWelcome(_message.Message):
-    __slots__ = ("job_id", "segments", "layout_version", "length_key", "labels_key", "lane", "lease_timeout_s", "dataset_size")
+    __slots__ = ("job_id", "segments", "layout_version", "length_key", "labels_key", "lane", "lease_timeout_s", "dataset_size", "patch_key", "patch_count_key", "concat_keys")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     SEGMENTS_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -98,6 +100,9 @@ class IngestWelcome(_message.Message):
     LANE_FIELD_NUMBER: _ClassVar[int]
     LEASE_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     DATASET_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PATCH_KEY_FIELD_NUMBER: _ClassVar[int]
+    PATCH_COUNT_KEY_FIELD_NUMBER: _ClassVar[int]
+    CONCAT_KEYS_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     segments: _containers.RepeatedScalarFieldContainer[str]
     layout_version: int
@@ -106,7 +111,10 @@ class IngestWelcome(_message.Message):
     lane: Lane
     lease_timeout_s: float
     dataset_size: int
-    def __init__(self, job_id: _Optional[str] = ..., segments: _Optional[_Iterable[str]] = ..., layout_version: _Optional[int] = ..., length_key: _Optional[str] = ..., labels_key: _Optional[str] = ..., lane: _Optional[_Union[Lane, _Mapping]] = ..., lease_timeout_s: _Optional[float] = ..., dataset_size: _Optional[int] = ...) -> None: ...
+    patch_key: str
+    patch_count_key: str
+    concat_keys: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, job_id: _Optional[str] = ..., segments: _Optional[_Iterable[str]] = ..., layout_version: _Optional[int] = ..., length_key: _Optional[str] = ..., labels_key: _Optional[str] = ..., lane: _Optional[_Union[Lane, _Mapping]] = ..., lease_timeout_s: _Optional[float] = ..., dataset_size: _Optional[int] = ..., patch_key: _Optional[str] = ..., patch_count_key: _Optional[str] = ..., concat_keys: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class LeaseGrant(_message.Message):
     __slots__ = ("view_keys", "identities")

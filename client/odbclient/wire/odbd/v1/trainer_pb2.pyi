@@ -75,7 +75,7 @@ class PadValue(_message.Message):
     def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
 
 class TrainerWelcome(_message.Message):
-    __slots__ = ("job_id", "segments", "layout_version", "world_size", "length_key", "pads", "loss_scaling")
+    __slots__ = ("job_id", "segments", "layout_version", "world_size", "length_key", "pads", "loss_scaling", "collate", "concat_keys", "labels_key")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     SEGMENTS_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -83,6 +83,9 @@ class TrainerWelcome(_message.Message):
     LENGTH_KEY_FIELD_NUMBER: _ClassVar[int]
     PADS_FIELD_NUMBER: _ClassVar[int]
     LOSS_SCALING_FIELD_NUMBER: _ClassVar[int]
+    COLLATE_FIELD_NUMBER: _ClassVar[int]
+    CONCAT_KEYS_FIELD_NUMBER: _ClassVar[int]
+    LABELS_KEY_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     segments: _containers.RepeatedScalarFieldContainer[str]
     layout_version: int
@@ -90,7 +93,10 @@ class TrainerWelcome(_message.Message):
     length_key: str
     pads: _containers.RepeatedCompositeFieldContainer[PadValue]
     loss_scaling: str
-    def __init__(self, job_id: _Optional[str] = ..., segments: _Optional[_Iterable[str]] = ..., layout_version: _Optional[int] = ..., world_size: _Optional[int] = ..., length_key: _Optional[str] = ..., pads: _Optional[_Iterable[_Union[PadValue, _Mapping]]] = ..., loss_scaling: _Optional[str] = ...) -> None: ...
+    collate: str
+    concat_keys: _containers.RepeatedScalarFieldContainer[str]
+    labels_key: str
+    def __init__(self, job_id: _Optional[str] = ..., segments: _Optional[_Iterable[str]] = ..., layout_version: _Optional[int] = ..., world_size: _Optional[int] = ..., length_key: _Optional[str] = ..., pads: _Optional[_Iterable[_Union[PadValue, _Mapping]]] = ..., loss_scaling: _Optional[str] = ..., collate: _Optional[str] = ..., concat_keys: _Optional[_Iterable[str]] = ..., labels_key: _Optional[str] = ...) -> None: ...
 
 class StepBatch(_message.Message):
     __slots__ = ("epoch", "step", "is_idle", "loss_scale", "num_samples", "num_tokens", "global_num_samples", "global_num_tokens", "sample_ids", "segments", "offsets", "nbytes", "filler_schema", "progress", "update")
