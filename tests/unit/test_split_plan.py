@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from odbd.daemon import summary_codec
 from odbd.errors import InvariantError
 from odbd.planner.completion import combine, complete_node
-from odbd.planner.config import Balance, Grouping, LossScaling, PlannerConfig
+from odbd.planner.config import Balance, Collate, CostModel, Grouping, LossScaling, PlannerConfig
 from odbd.planner.decision import decide_round
 from odbd.planner.node_plan import plan_node
 from odbd.planner.round import assemble, plan_round, units_of_node
@@ -36,23 +36,31 @@ SPLIT_SETTINGS = settings(
 
 @st.composite
 def rounds(draw):
-    """A config and one round's offers: random lengths (some over the budget), ages, dry flags."""
+    """A config and one round's offers: random lengths (some over the budget), ages, dry flags,
+    vision patches; padded or packed batches, with or without a patch budget (issue 13)."""
     per_node = draw(st.integers(1, 4))
     nodes = draw(st.integers(1, 5))
     budget = draw(st.integers(50, 2000))
     windows = draw(st.sampled_from(["none", "accumulate", "tokens"]))
+    grouping = draw(st.sampled_from(list(Grouping)))
+    # Packed groups and a patch budget are min-time only (the paper's grouping is padded).
+    collate = Collate.PADDED if grouping is Grouping.PAPER else draw(st.sampled_from(list(Collate)))
+    max_patches = 0 if grouping is Grouping.PAPER else draw(st.sampled_from([0, 1, 7, 64]))
     config = make_config(
         world=nodes * per_node,
         per_node=per_node,
         budget=budget,
         buffer=draw(st.integers(1, 12)),
-        grouping=draw(st.sampled_from(list(Grouping))),
+        grouping=grouping,
         balance=draw(st.sampled_from(list(Balance))),
         loss_scaling=draw(st.sampled_from(list(LossScaling))),
         seed=draw(st.integers(0, 3)),
         accumulate=draw(st.integers(2, 4)) if windows == "accumulate" else 1,
         tokens_per_update=draw(st.integers(1, 4 * budget)) if windows == "tokens" else 0,
+        collate=collate,
+        max_patches=max_patches,
     )
+    config = dataclasses.replace(config, cost=CostModel(p=draw(st.sampled_from([0.0, 1.0, 10.0]))))
     offers, first = [], 0
     for unit in range(config.num_units):
         n = draw(st.integers(0, config.unit_capacity))
@@ -60,7 +68,8 @@ def rounds(draw):
         lengths = draw(st.lists(long_or_short, min_size=n, max_size=n))
         tokens = [draw(st.integers(0, x)) for x in lengths]
         ages = draw(st.lists(st.integers(0, 2), min_size=n, max_size=n))
-        table = SampleTable.of(np.arange(first, first + n), lengths, tokens, ages)
+        patches = draw(st.lists(st.sampled_from([0, 0, 1, 3, 16, 80]), min_size=n, max_size=n))
+        table = SampleTable.of(np.arange(first, first + n), lengths, tokens, ages, patches)
         offers.append(UnitOffer(unit, table, draw(st.booleans())))
         first += n
     return config, offers, draw(st.integers(0, 50))
@@ -104,7 +113,7 @@ def assert_same_plan(a: RoundPlan, b: RoundPlan) -> None:
         assert ua.unit == ub.unit and ua.num_splits == ub.num_splits
         assert np.array_equal(ua.slot_offsets, ub.slot_offsets)
         for table in ("emitted", "leftover"):
-            for col in ("views", "lengths", "tokens", "ages"):
+            for col in ("views", "lengths", "tokens", "ages", "patches"):
                 x, y = getattr(getattr(ua, table), col), getattr(getattr(ub, table), col)
                 assert np.array_equal(x, y)
     for f in dataclasses.fields(a.stats):
@@ -137,6 +146,8 @@ def test_node_parts_assemble_into_the_whole_world_plan(case):
     assert_same_plan(assemble(parts, decisions[0]), whole)
     # The global totals each node received are what the whole plan's ranks sum to.
     assert np.array_equal(parts[0].global_num_tokens, whole.stats.global_num_tokens)
+    if config.collate is Collate.PACKED:  # padding-free: the padded tokens are the real ones
+        assert np.array_equal(whole.stats.padded_tokens, whole.stats.real_tokens)
 
 
 @SPLIT_SETTINGS
@@ -153,6 +164,20 @@ def test_each_node_plans_exactly_its_own_ranks_and_samples(case):
             offered = offers[unit.unit].samples.views
             planned = np.concatenate([unit.emitted.views, unit.leftover.views])
             assert sorted(planned.tolist()) == sorted(offered.tolist())  # no loss, no dupes
+            assert_groups_within_budgets(unit, config)
+
+
+def assert_groups_within_budgets(unit, config: PlannerConfig) -> None:
+    """DESIGN 3.5 on a node's own groups: padded area (packed: sum of lengths) <= L and, with
+    --max-patches, patches <= N, unless the group is a single sample."""
+    packed = config.collate is Collate.PACKED
+    for start, end in zip(unit.slot_offsets[:-1], unit.slot_offsets[1:], strict=True):
+        lengths = unit.emitted.lengths[start:end]
+        if len(lengths) > 1:
+            area = int(lengths.sum()) if packed else int(lengths.max()) * len(lengths)
+            assert area <= config.token_budget
+            if config.max_patches:
+                assert int(unit.emitted.patches[start:end].sum()) <= config.max_patches
 
 
 @SPLIT_SETTINGS
