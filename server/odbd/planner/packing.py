@@ -65,7 +65,8 @@ def _first_fit_decreasing(
     item). "Longest left that fits" is a table lookup (the first row no longer than each room,
     from one searchsorted) followed by a jump to the next sample not yet taken (a union-find
     over taken positions, path halving), so a buffer of n samples packs in O(n) amortised
-    plain-int steps, not O(n x bins). With a patch budget the candidate must fit both; the next
+    plain-int steps, not O(n x bins), and equal lengths that fit together enter in one step
+    (_run_ends). With a patch budget the candidate must fit both; the next
     PATCH_PROBES candidates are tried before the bin closes. A sample over either budget opens
     a bin whose room is negative, so nothing joins it.
     """
@@ -75,6 +76,7 @@ def _first_fit_decreasing(
     cap = max(min(budget, int(lengths[0]) if n else 0), 0)
     first_fitting = np.searchsorted(-lengths, -np.arange(cap + 1), side="left").tolist()
     after = list(range(n + 1))  # union-find: after[i] leads to the first untaken index >= i
+    run_end = _run_ends(lengths, patch_budget)
     bin_of = [0] * n
     num_bins = 0
     first = 0
@@ -91,6 +93,12 @@ def _first_fit_decreasing(
                 k = _probe_patches(after, patches_of, patch_room, k, n)
             if k >= n:
                 break
+            take = min(run_end[k] - k, room // length_of[k])
+            if take > 1:  # equal lengths: the next ones would be taken one by one anyway
+                bin_of[k : k + take] = [num_bins] * take
+                after[k] = k + take
+                room -= take * length_of[k]
+                continue
             after[k] = k + 1
             room -= length_of[k]
             patch_room -= patches_of[k]
@@ -102,6 +110,17 @@ def _first_fit_decreasing(
     sizes = np.bincount(bins, minlength=num_bins)
     ends = np.cumsum(sizes).astype(np.int64)
     return Groups(order[by_bin], ends - sizes, ends)
+
+
+def _run_ends(lengths: np.ndarray, patch_budget: int) -> list[int]:
+    """Per row, the end of its run of equal lengths: a bin with room for several takes them at
+    once, as it would one by one (rows of a run are taken first to last, and the lookup of the
+    smaller room lands on the run again). With a patch budget the probes skip rows inside a
+    run, so each row is its own run."""
+    n = int(lengths.shape[0])
+    if patch_budget < _NO_PATCH_BUDGET:
+        return list(range(1, n + 1))
+    return np.searchsorted(-lengths, -lengths, side="right").tolist()
 
 
 def _probe_patches(after: list[int], patches_of: list[int], patch_room: int, k: int, n: int) -> int:
