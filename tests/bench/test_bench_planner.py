@@ -422,7 +422,7 @@ def test_bench_planning_time_per_daemon() -> None:
         "slowest daemon = per round the slowest, median over rounds; whole world = every node "
         "+ decisions, what each daemon computed before the split. Payloads are every node's "
         "encoded payloads of a round (what each daemon receives): summaries + step totals "
-        "(daemon/summary_codec.py) vs the full offers (daemon/offer_codec.py, 20 bytes per "
+        "(daemon/summary_codec.py) vs the full offers (daemon/offer_codec.py v3, 24 bytes per "
         "buffered sample), and the time one daemon takes to decode every node's payloads of a "
         f"round. Repetitions: 9 rounds, 3 above W=1024, after a warm-up; one "
         f"process ({platform.processor() or platform.machine()}, {_cpu_count()} cores, "

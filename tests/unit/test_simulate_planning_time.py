@@ -25,7 +25,7 @@ def test_trace_times_every_node_of_every_round_and_sizes_the_payloads():
     assert [len(t) for t in trace.totals] == [num_nodes] * num_rounds
     report = planning_report(trace, config)
     assert (report.num_rounds, report.num_nodes) == (num_rounds, num_nodes)
-    # The offers carry 20 bytes per buffered sample; a full round buffers 8 x 64 samples.
-    assert report.offer_bytes >= 20 * config.world.world_size * config.buffer_size * 0.5
+    # The offers carry 24 bytes per buffered sample; a full round buffers 8 x 64 samples.
+    assert report.offer_bytes >= 24 * config.world.world_size * config.buffer_size * 0.5
     assert report.summary_bytes + report.totals_bytes < report.offer_bytes
     assert "per daemon" in render_planning(report)

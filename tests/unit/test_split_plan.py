@@ -206,7 +206,7 @@ def test_summary_payload_does_not_grow_with_the_buffer():
     offer = UnitOffer(0, SampleTable.of(np.arange(8192), lengths), False)
     summary = summarize(group_unit(offer, config, 0))
     payload = summary_codec.encode_summary(summary_codec.NodeSummary(0, 0, (summary,)))
-    assert len(payload) < 1024  # vs 20 bytes per sample (164 KiB) in the offer payload
+    assert len(payload) < 1024  # vs 24 bytes per sample (192 KiB) in the offer payload
     decoded = summary_codec.decode_summary(payload).units[0]
     assert decoded.profile.tobytes() == summary.profile.tobytes()
     assert dataclasses.replace(decoded, profile=summary.profile) == summary

@@ -16,7 +16,7 @@ Totals payload, version 1:
     [num_steps float64 approx weights]
 
 Sizes do not grow with the buffer: ~0.6 KiB per unit plus 8 bytes per step, against offer
-codec's 20 bytes per buffered sample (164 KiB per 8-rank node at --buffer 1024). Floats travel
+codec's 24 bytes per buffered sample (192 KiB per 8-rank node at --buffer 1024). Floats travel
 as their IEEE bytes, so every daemon decides from bit-identical summaries.
 """
 
