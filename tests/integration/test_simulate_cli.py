@@ -125,3 +125,19 @@ def test_two_epochs_report_the_groups_they_repeat_with_and_without_fresh_groups(
     assert exact["repeated_groups"]["repeated"] > 4 * fresh["repeated_groups"]["repeated"]
     assert fresh["steps"] <= exact["steps"]
     assert abs(fresh["efficiency"] - exact["efficiency"]) < 0.01
+
+
+@pytest.mark.timeout(180)
+def test_planning_time_reports_per_daemon_time_and_payload_bytes() -> None:
+    args = ["--dist", "sharegpt4o", "--num-samples", "40000", "--world", "32", "--buffer", "256"]
+    proc = simulate(*args, "--planning-time", "--json")
+    assert proc.returncode == 0, proc.stderr
+    planning = json.loads(proc.stdout)["planning"]
+    assert planning["num_nodes"] == 4 and planning["num_rounds"] >= 2
+    # One daemon plans its own node: less than planning all four (timing noise aside, 4x less
+    # work; asserted loosely), and the summaries are far smaller than the samples' offers.
+    assert planning["daemon_ms_median"] < planning["whole_world_ms_median"]
+    assert planning["summary_bytes"] + planning["totals_bytes"] < planning["offer_bytes"] / 4
+    table = simulate(*args, "--planning-time")
+    assert table.returncode == 0, table.stderr
+    assert "per daemon (own node + shared decisions)" in table.stdout

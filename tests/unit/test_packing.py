@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from odbd.errors import ConfigError
 from odbd.planner.config import Collate, CostModel, Grouping
-from odbd.planner.grouping import group_buffer
+from odbd.planner.grouping import group_buffer, sort_longest_first
 from odbd.planner.packing import group_with_budgets
 from odbd.planner.round import plan_round
 from odbd.planner.types import SampleTable, UnitOffer
@@ -83,3 +85,35 @@ def test_paper_grouping_refuses_packed_and_patch_budgets():
         make_config(grouping=Grouping.PAPER, max_patches=10)
     with pytest.raises(ConfigError, match="--max-patches"):
         make_config(max_patches=-1)
+
+
+def first_fit_decreasing_item_by_item(table: SampleTable, budget: int) -> list[list[int]]:
+    """Textbook first-fit decreasing: each sample, longest first, into the first bin it fits."""
+    bins: list[list[int]] = []
+    rooms: list[int] = []
+    for row in sort_longest_first(table).tolist():
+        length = int(table.lengths[row])
+        fit = next((b for b, room in enumerate(rooms) if room >= length), None)
+        if fit is None:
+            bins.append([])
+            rooms.append(budget)
+            fit = len(bins) - 1
+        bins[fit].append(row)
+        rooms[fit] -= length
+    return [sorted(b) for b in bins]
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.integers(1, 400),
+    st.lists(
+        st.one_of(st.integers(1, 60), st.integers(1, 900), st.sampled_from([5, 50])), max_size=120
+    ),
+)
+def test_packed_bins_are_first_fit_decreasing_item_by_item(budget, lengths):
+    # The bin-by-bin build (lookup table, union-find, runs of equal lengths taken at once) must
+    # give exactly the bins of first-fit decreasing, ties in the longest-first order included.
+    table = SampleTable.of(np.arange(len(lengths)), lengths)
+    groups = group_with_budgets(table, budget, 0, Collate.PACKED)
+    bins = [sorted(groups.members(g).tolist()) for g in range(len(groups))]
+    assert bins == first_fit_decreasing_item_by_item(table, budget)

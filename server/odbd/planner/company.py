@@ -11,7 +11,8 @@ recirculates its costliest *fresh* groups instead, as many as bring its cost pro
 costs sorted, position by position) closest to the round's median profile over all units. Only
 groups never recirculated before may wait, so a group waits at most one round (the termination
 bound of DESIGN.md section 3.3 keeps its form), and only the unit's surplus may wait, so T does
-not change. Every daemon sees every unit's groups, so the choice is the same everywhere.
+not change. The reference is the median of every unit's profile, which each unit's summary carries
+(summary.py), so every daemon computes the same one; a unit's own choice is made on its node.
 
 plan_round searches only rounds that hold a group over the budget (a giant): on the named
 distributions, which have none, waiting moved the oracle ratio by <= 0.002 for ~5 % of
@@ -33,26 +34,52 @@ def waiting_groups(
     """Per unit, a bool mask over its groups: True = recirculate this round.
 
     costs[u]: (groups,) work of unit u's groups; fresh[u]: (groups,) True if no member was
-    recirculated before; num_slots: groups each unit runs this round (T * G).
+    recirculated before; num_slots: groups each unit runs this round (T * G). The split planner
+    runs the same two steps on different daemons: reference_profile from every unit's
+    top_profile (the round's summaries), unit_waits on the unit's own node.
     """
-    waits = [np.zeros(len(c), dtype=bool) for c in costs]
     if num_slots == 0 or not any(len(c) > num_slots for c in costs):
-        return waits
+        return [np.zeros(len(c), dtype=bool) for c in costs]
+    reference = reference_profile([top_profile(c, PROFILE_DEPTH) for c in costs], num_slots)
+    return [
+        unit_waits(c, f, num_slots, max_waits, reference) for c, f in zip(costs, fresh, strict=True)
+    ]
+
+
+def top_profile(cost: FloatArray, depth: int) -> FloatArray:
+    """(<= depth,) the unit's `depth` largest group costs, descending: its cost profile."""
+    return -np.sort(-np.asarray(cost, dtype=np.float64))[:depth]
+
+
+def reference_profile(profiles: Sequence[FloatArray], num_slots: int) -> FloatArray:
+    """(depth,) the median over units of their profiles (zero beyond a unit's groups), depth =
+    min(num_slots, PROFILE_DEPTH). np.median sorts each column: the same on every daemon."""
     depth = min(num_slots, PROFILE_DEPTH)
-    orders = [_costliest_first(c, depth + max_waits) for c in costs]
-    profiles = np.zeros((len(costs), depth))
-    for u, (c, order) in enumerate(zip(costs, orders, strict=True)):
-        top = c[order[:depth]]
-        profiles[u, : len(top)] = top
-    reference = np.median(profiles, axis=0)
+    matrix = np.zeros((len(profiles), depth))
+    for u, profile in enumerate(profiles):
+        top = profile[:depth]
+        matrix[u, : len(top)] = top
+    return np.asarray(np.median(matrix, axis=0), dtype=np.float64)
+
+
+def unit_waits(
+    cost: FloatArray, fresh: np.ndarray, num_slots: int, max_waits: int, reference: FloatArray
+) -> np.ndarray:
+    """One unit's waits (bool over its groups) given the round's reference profile."""
+    wait = np.zeros(len(cost), dtype=bool)
+    if len(cost) <= num_slots or num_slots == 0:
+        return wait
+    depth = len(reference)
+    order = _costliest_first(cost, depth + max_waits)
+    profile = np.zeros(depth)
+    top = cost[order[:depth]]
+    profile[: len(top)] = top
     # A unit whose profile never rises above the reference cannot come closer by waiting (that
     # only lowers its profile), so it is not searched (~1 unit in 5 on a heavy tail).
-    above: np.ndarray = np.asarray((profiles > reference[None, :]).any(axis=1))
-    for u, (c, f, order) in enumerate(zip(costs, fresh, orders, strict=True)):
-        if len(c) > num_slots and above[u]:
-            surplus = min(len(c) - num_slots, max_waits)
-            waits[u] = _closest_shift(c, f, order, surplus, reference)
-    return waits
+    if not bool((profile > reference).any()):
+        return wait
+    surplus = min(len(cost) - num_slots, max_waits)
+    return _closest_shift(cost, fresh, order, surplus, reference)
 
 
 # Positions of the profile compared: the costliest groups, where a heavy tail's giants sit.

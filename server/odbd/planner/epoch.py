@@ -21,7 +21,7 @@ import numpy as np
 from odbd.errors import ConfigError, InvariantError
 from odbd.planner.config import CostModel, PlannerConfig
 from odbd.planner.ledger import ViewLedger
-from odbd.planner.round import plan_round
+from odbd.planner.round import RoundTrace, plan_round
 from odbd.planner.sampler import num_views, sampler_identities, views_of_ranks
 from odbd.planner.types import IntArray, RoundPlan, SampleTable, StepStats, UnitOffer
 from odbd.planner.view_keys import by_iteration
@@ -112,18 +112,21 @@ def simulate(
     arrivals_per_round: Sequence[int] | None = None,
     costs: Sequence[CostModel] = (),
     patches: np.ndarray | None = None,
+    trace: RoundTrace | None = None,
 ) -> SimulationResult:
     """Plans `epochs` trainer epochs of a dataset whose sample i has length lengths[i]
     (and patches[i] vision patches, default 0).
 
     `costs`: round r plans with costs[r % len(costs)], as under --cost-model auto, where the
-    daemons refit the model as the run goes (default: config.cost throughout).
+    daemons refit the model as the run goes (default: config.cost throughout). `trace` records
+    every round's per-node planning time and payloads (round.RoundTrace).
     """
     lengths = np.asarray(lengths, dtype=np.int64)
     loss_tokens = lengths if tokens is None else np.asarray(tokens, dtype=np.int64)
     _check_inputs(lengths, loss_tokens, epochs, arrivals_per_round, config, join)
     sim = _Simulation(lengths, loss_tokens, config, shuffle, arrivals_per_round)
     sim.costs = list(costs)
+    sim.trace = trace
     if patches is not None:
         sim.patches = np.asarray(patches, dtype=np.int64)
         if sim.patches.shape != lengths.shape or (sim.patches.size and sim.patches.min() < 0):
@@ -167,6 +170,7 @@ class _Simulation:
     ) -> None:
         self.lengths, self.tokens, self.config, self.shuffle = lengths, tokens, config, shuffle
         self.costs: list[CostModel] = []  # per round, cycled; empty: config.cost
+        self.trace: RoundTrace | None = None
         self.patches = np.zeros_like(lengths)  # (N,) vision patches per dataset identity
         self.num_samples = int(lengths.shape[0])
         world = config.world.world_size
@@ -239,7 +243,7 @@ class _Simulation:
             config = dataclasses.replace(
                 config, cost=self.costs[len(self.rounds) % len(self.costs)]
             )
-        plan = plan_round(offers, config, len(self.rounds))
+        plan = plan_round(offers, config, len(self.rounds), self.trace)
         for unit, feed in zip(plan.units, self.feeds, strict=True):
             feed.buffer = unit.leftover
         return plan

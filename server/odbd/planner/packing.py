@@ -16,8 +16,6 @@ Groups keep the planner's layout (grouping.Groups): each group is a contiguous r
 
 from __future__ import annotations
 
-import bisect
-
 import numpy as np
 
 from odbd.planner.config import Collate
@@ -53,7 +51,7 @@ def _longest_first(table: SampleTable, rng: np.random.Generator | None) -> np.nd
     if rng is None or len(table) == 0:
         return sort_longest_first(table)
     # Packed bins only: equal lengths in random order, so epochs over the same buffer vary
-    # their groups; the order stays sorted, which first-fit's bisection needs.
+    # their groups; the order stays sorted, which first-fit's lookup table needs.
     return np.lexsort((rng.random(len(table)), -table.lengths))
 
 
@@ -64,31 +62,43 @@ def _first_fit_decreasing(
 
     Each bin opens with the longest sample left, then repeatedly takes the longest sample left
     that still fits its room (for one budget this is exactly first-fit decreasing, item by
-    item). "Longest left that fits" is a bisection into the static sorted lengths followed by a
-    jump to the next sample not yet taken (a union-find over taken positions), so a buffer of n
-    samples packs in O(n log n) plain-int steps, not O(n x bins). With a patch budget the
-    candidate must fit both; the next PATCH_PROBES candidates are tried before the bin closes.
-    A sample over either budget opens a bin whose room is negative, so nothing joins it.
+    item). "Longest left that fits" is a table lookup (the first row no longer than each room,
+    from one searchsorted) followed by a jump to the next sample not yet taken (a union-find
+    over taken positions, path halving), so a buffer of n samples packs in O(n) amortised
+    plain-int steps, not O(n x bins), and equal lengths that fit together enter in one step
+    (_run_ends). With a patch budget the candidate must fit both; the next
+    PATCH_PROBES candidates are tried before the bin closes. A sample over either budget opens
+    a bin whose room is negative, so nothing joins it.
     """
     n = int(lengths.shape[0])
     length_of, patches_of = lengths.tolist(), patches.tolist()
-    negated = (-lengths).tolist()  # ascending (rows arrive longest first), for bisect
+    # first_fitting[r]: the first row of length <= r; a room past cap fits what cap fits.
+    cap = max(min(budget, int(lengths[0]) if n else 0), 0)
+    first_fitting = np.searchsorted(-lengths, -np.arange(cap + 1), side="left").tolist()
     after = list(range(n + 1))  # union-find: after[i] leads to the first untaken index >= i
+    run_end = _run_ends(lengths, patch_budget)
     bin_of = [0] * n
     num_bins = 0
-    first = _next_free(after, 0)
+    first = 0
     while first < n:
         after[first] = first + 1
         room, patch_room = budget - length_of[first], patch_budget - patches_of[first]
         bin_of[first] = num_bins
         while room > 0:
-            k = _next_free(after, bisect.bisect_left(negated, -room))
-            for _ in range(PATCH_PROBES):
-                if k >= n or patches_of[k] <= patch_room:
-                    break
-                k = _next_free(after, k + 1)
-            if k >= n or patches_of[k] > patch_room:
+            k = first_fitting[room if room < cap else cap]
+            while after[k] != k:  # the first untaken row >= k (inlined: the hot loop)
+                after[k] = after[after[k]]
+                k = after[k]
+            if k < n and patches_of[k] > patch_room:
+                k = _probe_patches(after, patches_of, patch_room, k, n)
+            if k >= n:
                 break
+            take = min(run_end[k] - k, room // length_of[k])
+            if take > 1:  # equal lengths: the next ones would be taken one by one anyway
+                bin_of[k : k + take] = [num_bins] * take
+                after[k] = k + take
+                room -= take * length_of[k]
+                continue
             after[k] = k + 1
             room -= length_of[k]
             patch_room -= patches_of[k]
@@ -100,6 +110,26 @@ def _first_fit_decreasing(
     sizes = np.bincount(bins, minlength=num_bins)
     ends = np.cumsum(sizes).astype(np.int64)
     return Groups(order[by_bin], ends - sizes, ends)
+
+
+def _run_ends(lengths: np.ndarray, patch_budget: int) -> list[int]:
+    """Per row, the end of its run of equal lengths: a bin with room for several takes them at
+    once, as it would one by one (rows of a run are taken first to last, and the lookup of the
+    smaller room lands on the run again). With a patch budget the probes skip rows inside a
+    run, so each row is its own run."""
+    n = int(lengths.shape[0])
+    if patch_budget < _NO_PATCH_BUDGET:
+        return list(range(1, n + 1))
+    return np.searchsorted(-lengths, -lengths, side="right").tolist()
+
+
+def _probe_patches(after: list[int], patches_of: list[int], patch_room: int, k: int, n: int) -> int:
+    """The first of the next PATCH_PROBES untaken rows after k whose patches fit; n if none."""
+    for _ in range(PATCH_PROBES):
+        k = _next_free(after, k + 1)
+        if k >= n or patches_of[k] <= patch_room:
+            return k
+    return n
 
 
 # Candidates a bin tries past one whose patches do not fit, before it closes (patch budget).

@@ -1,7 +1,9 @@
 """Inputs and outputs of the planner stages (DESIGN.md section 7 is the glossary).
 
-Data path: SampleTable (a unit's buffer) -> Groups (grouping) -> UnitPlan (alignment and step
-assignment) -> RoundPlan (all units, with per-(step, rank) stats and loss scales).
+Data path: SampleTable (a unit's buffer) -> Groups (grouping) -> UnitSummary (what the other
+daemons learn of it) -> RoundDecision (from every unit's summary) -> UnitPlan (alignment and step
+assignment, on the unit's node) and StepTotals (what every node learns of them) -> NodeRoundPlan
+(one node's part, with per-(step, rank) stats and loss scales) -> RoundPlan (every node's part).
 Arrays are numpy int64 unless noted; shapes are documented on the fields.
 """
 
@@ -165,3 +167,60 @@ class RoundPlan:
     def group_lengths(self, step: int, rank: int, ranks_per_unit: int) -> IntArray:
         unit = self.units[rank // ranks_per_unit]
         return unit.emitted.lengths[unit.slot(step, rank % ranks_per_unit, ranks_per_unit)]
+
+
+@dataclass(frozen=True, slots=True)
+class StepTotals:
+    """One node's per-step totals after phase 2 (node_plan.py): the round's second payload.
+
+    Every node's totals, summed, are the round's global per-step facts: the token totals exact
+    loss scales divide by, and the updates of --tokens-per-update.
+    """
+
+    node: int
+    num_tokens: IntArray  # (T,) loss-bearing tokens over the node's ranks
+    num_samples: IntArray  # (T,)
+    approx_weights: FloatArray  # (T,) sum of --loss-scaling approx weights; (0,) in other modes
+    drained: bool  # the node's units left nothing to recirculate (with all dry: the last round)
+
+
+@dataclass(frozen=True, slots=True)
+class NodeRoundPlan:
+    """One node's part of a round: what its daemon queues. The round-wide fields (num_steps,
+    final, windows, global totals) are identical on every node; RoundPlan is every node's
+    NodeRoundPlan put side by side (round.py)."""
+
+    node: int
+    round_index: int
+    num_steps: int
+    units: tuple[UnitPlan, ...]  # this node's units, in unit order
+    stats: StepStats  # (num_steps, this node's ranks)
+    global_num_samples: IntArray  # (num_steps,) over every rank of the world
+    global_num_tokens: IntArray  # (num_steps,)
+    final: bool
+    windows: Windows
+
+
+@dataclass(frozen=True, slots=True)
+class UnitSummary:
+    """What the other daemons learn of one unit's buffer in a round (the round payload)."""
+
+    unit: int
+    dry: bool  # nothing more arrives for this unit this epoch
+    num_samples: int  # buffered samples (the paper's S_r)
+    num_groups: int  # groups the buffer was cut into (G_r)
+    max_length: int  # its longest sample: a group over the budget turns company.py on
+    # (<= company.PROFILE_DEPTH,) its costliest groups' work, descending (company.py's profile)
+    profile: FloatArray
+
+
+@dataclass(frozen=True, slots=True)
+class RoundDecision:
+    """The round's shared decisions; identical on every daemon."""
+
+    round_index: int
+    num_steps: int  # T: every rank runs this many steps (before --tokens-per-update cuts)
+    step_order: IntArray  # (T,) step_order[k] = step of the k-th costliest run (assignment.py)
+    all_dry: bool  # every unit is dry: the epoch flushes
+    # (depth,) company.py's reference profile, None when no group waits this round
+    reference: FloatArray | None

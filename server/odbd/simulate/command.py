@@ -54,6 +54,7 @@ class Setup:
     compare_batch_sizes: tuple[int, ...]  # empty = no --compare
     as_json: bool
     plan_out: str | None
+    planning_time: bool = False  # report per-daemon planning time and payload bytes
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -174,6 +175,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     output.add_argument(
         "--plan-out", metavar="FILE", help="write the plan as JSON lines, one per step"
     )
+    output.add_argument(
+        "--planning-time",
+        action="store_true",
+        help="report each daemon's planning time per round and the round payload bytes",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -238,6 +244,7 @@ def build_setup(args: argparse.Namespace) -> Setup:
         compare_batch_sizes=_batch_sizes(args.compare_batch_sizes) if args.compare else (),
         as_json=args.json,
         plan_out=args.plan_out,
+        planning_time=args.planning_time,
     )
 
 
@@ -305,6 +312,8 @@ def _write_outputs(setup: Setup, outcome: Outcome) -> None:
             report["repeated_groups"] = freshness.as_json()
         if setup.config.windows:
             report["updates"] = summarize_updates(outcome.result).as_json()
+        if outcome.planning is not None:
+            report["planning"] = outcome.planning.as_json()
         print(json.dumps(report))
         return
     print(_header(setup, outcome.num_rejected))
@@ -313,6 +322,10 @@ def _write_outputs(setup: Setup, outcome: Outcome) -> None:
         print(render_freshness(freshness))
     if setup.config.windows:
         print(render_updates(summarize_updates(outcome.result)))
+    if outcome.planning is not None:
+        from odbd.simulate.planning_time import render_planning  # the planner is loaded by now
+
+        print(render_planning(outcome.planning))
 
 
 def _header(setup: Setup, num_rejected: int) -> str:

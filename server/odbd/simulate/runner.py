@@ -13,8 +13,10 @@ from typing import TYPE_CHECKING
 from odbd.errors import ConfigError
 from odbd.planner.config import Balance, Grouping, PlannerConfig
 from odbd.planner.epoch import SimulationResult, simulate
+from odbd.planner.round import RoundTrace
 from odbd.simulate.baselines import fixed_batch_stats
 from odbd.simulate.oracle import oracle_stats
+from odbd.simulate.planning_time import PlanningReport, planning_report
 from odbd.simulate.report import Summary, summarize
 
 if TYPE_CHECKING:
@@ -28,6 +30,7 @@ class Outcome:
     result: SimulationResult
     ours: Summary
     baselines: tuple[tuple[str, Summary], ...]  # (name, summary) in table order
+    planning: PlanningReport | None = None  # with --planning-time
 
     @property
     def num_rejected(self) -> int:
@@ -39,10 +42,17 @@ class Outcome:
 
 def execute(setup: Setup) -> Outcome:
     """Runs the planner, then (with --compare) fixed-batch, paper and oracle baselines."""
+    trace = RoundTrace() if setup.planning_time else None
     result = simulate(
-        setup.lengths, setup.config, epochs=setup.epochs, join=setup.join, patches=setup.patches
+        setup.lengths,
+        setup.config,
+        epochs=setup.epochs,
+        join=setup.join,
+        patches=setup.patches,
+        trace=trace,
     )
     ours = summarize_config(result, setup.config)
+    planning = planning_report(trace, setup.config) if trace is not None else None
     baselines: list[tuple[str, Summary]] = []
     for batch_size in setup.compare_batch_sizes:
         baselines.append((f"fixed-{batch_size}", fixed_batch_summary(setup, batch_size)))
@@ -51,7 +61,7 @@ def execute(setup: Setup) -> Outcome:
         paper_result = simulate(setup.lengths, paper, epochs=setup.epochs, join=setup.join)
         baselines.append(("paper", summarize_config(paper_result, paper)))
         baselines.append(("oracle", oracle_summary(setup)))
-    return Outcome(result, ours, tuple(baselines))
+    return Outcome(result, ours, tuple(baselines), planning)
 
 
 def paper_config(config: PlannerConfig) -> PlannerConfig:

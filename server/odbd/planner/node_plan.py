@@ -1,0 +1,141 @@
+"""Phase 2 of a round (summary.py lists the phases): a node fits and places its own groups.
+
+Input: this node's GroupedUnits (phase 0) and the round's RoundDecision (phase 1). Output: a
+NodeDraft (its units' UnitPlans and per (step, rank) columns) and StepTotals, the small payload
+every node sends so that each can compute exact loss scales and updates (completion.py).
+Cost O(this node's samples): nothing here depends on another node's buffer, only on T, the
+shared step order and the company reference, which are the same on every daemon.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from odbd.planner import alignment, assignment, company
+from odbd.planner.config import Grouping, LossScaling, PlannerConfig
+from odbd.planner.decision import max_waits
+from odbd.planner.loss_scaling import step_weights
+from odbd.planner.summary import GroupedUnit, SortedBuffer, range_max
+from odbd.planner.types import (
+    FloatArray,
+    Groups,
+    IntArray,
+    RoundDecision,
+    SampleTable,
+    StepTotals,
+    UnitPlan,
+)
+
+COLUMNS = ("num_samples", "num_tokens", "real_tokens", "padded_tokens", "sum_sq", "patches")
+
+
+@dataclass(frozen=True, slots=True)
+class NodeDraft:
+    """A node's units placed on (rank, step), before loss scales and updates."""
+
+    node: int
+    units: tuple[UnitPlan, ...]  # in unit order
+    columns: dict[str, np.ndarray]  # COLUMNS -> (T, this node's ranks)
+    mean_tokens: FloatArray  # (this node's ranks,) its unit's mean loss tokens per sample
+    totals: StepTotals
+
+
+def plan_node(
+    node: int, units: Sequence[GroupedUnit], decision: RoundDecision, config: PlannerConfig
+) -> NodeDraft:
+    """Phase 2: fits every local unit to T steps and assigns its groups to (rank, step)."""
+    g, num_steps = config.ranks_per_unit, decision.num_steps
+    plans: list[UnitPlan] = []
+    parts: list[dict[str, np.ndarray]] = []
+    for unit in units:
+        fitted = _fit(unit, num_steps * g, config, decision)
+        slot_stats = unit.buffer.range_stats(fitted.starts, fitted.ends)
+        if config.grouping is Grouping.PAPER:
+            group_of_slot = assignment.slots_in_order(len(fitted.starts))
+        else:
+            work = config.cost.work(
+                slot_stats["padded_tokens"], slot_stats["sum_sq"], slot_stats["patches"]
+            )
+            group_of_slot = assignment.slots_by_cost(work, g, decision.step_order)
+        plans.append(_unit_plan(unit.offer.unit, unit.offer.samples, fitted, group_of_slot))
+        parts.append({k: v[group_of_slot].reshape(num_steps, g) for k, v in slot_stats.items()})
+    columns = {
+        k: np.concatenate([p[k] for p in parts], axis=1)
+        if parts
+        else np.zeros((num_steps, 0), dtype=np.int64)
+        for k in COLUMNS
+    }
+    mean_tokens = np.repeat([_mean_tokens(u.offer.samples) for u in units], g).astype(np.float64)
+    totals = _step_totals(node, columns, mean_tokens, plans, config)
+    return NodeDraft(node, tuple(plans), columns, mean_tokens, totals)
+
+
+def _step_totals(
+    node: int,
+    columns: dict[str, np.ndarray],
+    mean_tokens: FloatArray,
+    plans: Sequence[UnitPlan],
+    config: PlannerConfig,
+) -> StepTotals:
+    samples, tokens = columns["num_samples"], columns["num_tokens"]
+    approx = np.zeros(0)
+    if config.loss_scaling is LossScaling.APPROX:
+        approx = step_weights(config.loss_scaling, samples, tokens, mean_tokens).sum(axis=1)
+    return StepTotals(
+        node=node,
+        num_tokens=tokens.sum(axis=1).astype(np.int64),
+        num_samples=samples.sum(axis=1).astype(np.int64),
+        approx_weights=approx,
+        drained=all(len(p.leftover) == 0 for p in plans),
+    )
+
+
+def _fit(
+    unit: GroupedUnit, num_slots: int, config: PlannerConfig, decision: RoundDecision
+) -> alignment.FittedGroups:
+    if config.grouping is Grouping.PAPER:
+        return alignment.fit_groups_paper(unit.groups, num_slots)
+    priority = _keep_priority(unit.groups, unit.buffer, config)
+    if decision.reference is not None:
+        wait = company.unit_waits(
+            unit.work, unit.fresh, num_slots, max_waits(config), decision.reference
+        )
+        if wait.any():  # below every keep priority (those are >= 0): recirculated first
+            priority = np.where(wait, -1.0, priority)
+    return alignment.fit_groups(unit.groups, num_slots, priority)
+
+
+def _keep_priority(groups: Groups, buffer: SortedBuffer, config: PlannerConfig) -> FloatArray:
+    """Which groups min-time keeps when a unit has more than T steps' worth.
+
+    Older samples first (age counts twice), so a recirculated sample waits at most a round or
+    two; then groups the greedy cut filled to capacity, since only the last, partial group gains
+    from being regrouped with new arrivals; then fuller groups.
+    """
+    if len(groups) == 0:
+        return np.zeros(0)
+    longest = buffer.lengths[groups.starts]
+    capacity = np.maximum(config.token_budget // longest, 1)
+    # Packed groups have no capacity in samples: how full they are (fill) says it all.
+    full = np.zeros(len(groups)) if buffer.packed else (groups.sizes() >= capacity).astype(float)
+    real = buffer.csum_len[groups.ends] - buffer.csum_len[groups.starts]
+    fill = np.minimum(real / config.token_budget, 1.0)
+    oldest = range_max(buffer.ages, groups)
+    return 2.0 * oldest + full + fill
+
+
+def _unit_plan(
+    unit: int, samples: SampleTable, fitted: alignment.FittedGroups, group_of_slot: IntArray
+) -> UnitPlan:
+    starts, ends = fitted.starts[group_of_slot], fitted.ends[group_of_slot]
+    rows = fitted.order[alignment.concat_ranges(starts, ends)]
+    offsets = np.concatenate([[0], np.cumsum(ends - starts)]).astype(np.int64)
+    leftover = samples.take(fitted.leftover_rows).aged()
+    return UnitPlan(unit, samples.take(rows), offsets, leftover, fitted.num_splits)
+
+
+def _mean_tokens(table: SampleTable) -> float:
+    return float(table.tokens.mean()) if len(table) else 0.0
