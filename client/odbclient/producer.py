@@ -296,10 +296,13 @@ class Producer:
         elif kind == "free":
             core.on_free(np.frombuffer(message.free.offsets, "<u8").tolist())
         elif kind == "shutdown":
-            self.shutdown_reason = message.shutdown.reason
-            log.info("producer %s: daemon shutdown (%s)", self.name, message.shutdown.reason)
+            self._take_shutdown(message.shutdown)
             return False
         return True
+
+    def _take_shutdown(self, shutdown: ingest_pb2.Shutdown) -> None:
+        self.shutdown_reason = shutdown.reason
+        log.info("producer %s: daemon shutdown (%s)", self.name, shutdown.reason)
 
     def _await_welcome(self, inbox: queue.SimpleQueue[object]) -> ingest_pb2.IngestWelcome | None:
         """The daemon's welcome, or None when it answered with Shutdown (the job had ended)."""
@@ -313,8 +316,7 @@ class Producer:
         if isinstance(item, Failure):
             raise item.error
         if isinstance(item, ingest_pb2.IngestMessage) and item.HasField("shutdown"):
-            self.shutdown_reason = item.shutdown.reason
-            log.info("producer %s: daemon shutdown (%s)", self.name, self.shutdown_reason)
+            self._take_shutdown(item.shutdown)
             return None
         if not (isinstance(item, ingest_pb2.IngestMessage) and item.HasField("welcome")):
             raise ProtocolError(f"odbd sent {item!r} before its welcome; versions differ")
