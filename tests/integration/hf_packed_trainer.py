@@ -60,7 +60,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rank", type=int, required=True)
     p.add_argument("--socket", required=True)
     p.add_argument("--report", required=True)
-    p.add_argument("--epochs", type=int, default=1)
+    # The daemon's --epochs decides how many epochs the client yields; the harness passes every
+    # trainer module --epochs, so it is accepted and not used.
+    p.add_argument("--epochs", type=int, default=1, help=argparse.SUPPRESS)
     p.add_argument("--data-arg", action="append", default=[], metavar="KEY=VALUE")
     args = p.parse_args(argv)
     dataset = LongTailTokens(**data_kwargs(args.data_arg))
