@@ -491,9 +491,11 @@ class NodeState:
             return False
         e = self.epoch
         exhausted = unit.iteration > e or (unit.iteration == e and unit.cursor == len(unit.views))
+        if not exhausted:  # the usual case, checked on every commit: skip the scans below
+            return False
         in_flight = any(k // max(self.views_per_iteration, 1) == e for k in unit.leased)
         retrying = any(k // max(self.views_per_iteration, 1) == e for k in unit.retry)
-        return exhausted and not in_flight and not retrying
+        return not in_flight and not retrying
 
     def units_ready(self) -> bool:
         slot = self._plan_slot()

@@ -530,11 +530,12 @@ class RoundLoop:
         tail = unit.emitted.take(np.arange(end, len(unit.emitted)))  # past the quota: not run
         self.state.return_samples(unit.unit, unit.leftover.concat(tail))
         emitted = _EmittedColumns.gather(self.state, self.lanes, unit.emitted.views[:end])
+        progress_messages = [_progress_message(p) for p in progress]  # one per step, every rank
         for local_rank, rank in enumerate(ranks):
             items = [
                 self._step_item(
                     plan, unit, emitted, step, rank, unit.slot(step, local_rank, g),
-                    step_epochs[step], step_numbers[step], progress[step], updates[step],
+                    step_epochs[step], step_numbers[step], progress_messages[step], updates[step],
                 )
                 for step in range(kept)
             ]  # fmt: skip
@@ -584,7 +585,7 @@ class RoundLoop:
         rows: slice,
         epoch: int,
         number: int,
-        progress: Progress,
+        progress: trainer_pb2.Progress,
         update: trainer_pb2.Update | None,
     ) -> QueuedItem:
         stats = plan.stats
@@ -614,7 +615,7 @@ class RoundLoop:
             offsets=emitted.offsets[rows].tobytes(),
             nbytes=emitted.nbytes[rows].tobytes(),
             filler_schema=self.filler_schema if idle else "",
-            progress=trainer_pb2.Progress(**dataclasses.asdict(progress)),
+            progress=progress,
         )
         if update is not None:
             batch.update.CopyFrom(update)
@@ -742,3 +743,16 @@ class _EmittedColumns:
             offsets.astype("<u8"),
             locations.nbytes.astype("<u8"),
         )
+
+
+def _progress_message(progress: Progress) -> trainer_pb2.Progress:
+    """StepBatch.progress; field by field (dataclasses.asdict deep-copies, and ran per item)."""
+    return trainer_pb2.Progress(
+        epoch_steps_estimate=progress.epoch_steps_estimate,
+        epoch_steps_exact=progress.epoch_steps_exact,
+        epoch_sample_fraction=progress.epoch_sample_fraction,
+        epoch_token_fraction=progress.epoch_token_fraction,
+        epoch_tokens=progress.epoch_tokens,
+        job_fraction=progress.job_fraction,
+        job_steps_estimate=progress.job_steps_estimate,
+    )
