@@ -20,10 +20,12 @@ from odbd.ingest.validate import MalformedMessage, decode_commit
 from odbd.world import World
 
 
-def make_state(dataset_size: int = 64, join: bool = True) -> NodeState:
+def make_state(dataset_size: int = 64, join: bool = True, nodes: int = 1) -> NodeState:
+    peers = tuple(f"127.0.0.1:{9000 + n}" for n in range(nodes)) if nodes > 1 else ()
     config = DaemonConfig(
-        world=World(1, 1), buffer=8, token_budget=64, dataset_size=dataset_size, join=join
-    )
+        world=World(nodes, 1), peers=peers, buffer=8, token_budget=64,
+        dataset_size=dataset_size, join=join,
+    )  # fmt: skip
     return NodeState(config, dataset_size)
 
 
@@ -69,6 +71,22 @@ def test_locations_are_found_across_iterations() -> None:
     offsets = [64 * (i + 1) for i in range(len(keys))]
     state.commit(0, keys, at(offsets), ones, ones, ones)
     assert state.locations_of(keys[::-1].copy()).offsets.tolist() == offsets[::-1]
+
+
+@pytest.mark.parametrize("nodes", [1, 2])  # with 2, the other node's views never come here
+def test_an_iteration_drops_its_location_columns_once_every_view_is_emitted(nodes: int) -> None:
+    state = make_state(dataset_size=4 * nodes, join=False, nodes=nodes)
+    keys = state.lease(producer=0, count=8, deadline=10.0)
+    assert len(keys) == 8
+    ones = np.ones(len(keys), np.int64)
+    state.commit(0, keys, at([64 * (i + 1) for i in range(len(keys))]), ones, ones, ones)
+    first, second = keys[keys < 4 * nodes], keys[keys >= 4 * nodes]
+    assert len(first) == 4
+    state.mark_emitted(first[:2])
+    assert state.iteration(0).where is not None  # two views of iteration 0 still buffered
+    state.mark_emitted(np.sort(first[2:]))
+    assert state.iteration(0).where is None
+    assert state.locations_of(second).offsets.size == len(second)  # iteration 1 keeps its own
 
 
 @pytest.fixture

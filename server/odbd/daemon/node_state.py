@@ -20,7 +20,7 @@ from odbclient.shm import SampleMeta, ShmLayoutError
 from odbd.config import DaemonConfig
 from odbd.errors import InvariantError
 from odbd.ingest.rejections import PRODUCER_CRASH
-from odbd.planner.ledger import ViewLedger
+from odbd.planner.ledger import ViewLedger, ViewState
 from odbd.planner.sampler import num_views, sampler_identities, views_of_ranks
 from odbd.planner.types import IntArray, SampleTable, UnitOffer
 from odbd.planner.view_keys import by_iteration
@@ -172,6 +172,7 @@ class NodeState:
         self.epoch = 0  # the epoch being planned (join) / trainer epoch (non-join)
         self._iterations: dict[int, _Iteration] = {}
         self._units = [self._new_unit(u) for u in self._local_units()]
+        self._num_local_views = sum(len(u.views) for u in self._units)  # per iteration
         self.leases: dict[int, tuple[int, float]] = {}  # key -> (producer, deadline)
         self.schema_hash: int | None = None
         self.first_schema: SampleMeta | None = None  # the first sample's, to name a mismatch
@@ -524,8 +525,18 @@ class NodeState:
             local.buffers.setdefault(self._plan_slot(), []).insert(0, table)
 
     def mark_emitted(self, keys: IntArray) -> None:
-        if keys.size:
-            self._transition(keys, "emit")
+        """Emitted views' locations are gathered by the caller first (round_loop), so an
+        iteration with no view left to buffer drops its location columns: non-join jobs chain
+        iterations without end, and 24 bytes per view each would add up."""
+        if not keys.size:
+            return
+        for it, _, views in by_iteration(keys, self.views_per_iteration):
+            iteration = self.iteration(it)
+            iteration.ledger.emit(views)
+            ledger = iteration.ledger
+            done = ledger.count(ViewState.EMITTED) + ledger.count(ViewState.REJECTED)
+            if done == self._num_local_views:  # the ledger spans every node's views
+                iteration.where = None
 
     def take_rejected_delta(self) -> dict[str, int]:
         delta = dict(self.rejected)

@@ -525,11 +525,11 @@ class RoundLoop:
         ranks = self.state.planner.unit_ranks(unit.unit)
         kept = len(step_epochs)
         end = int(unit.slot_offsets[kept * g])
-        self.state.mark_emitted(unit.emitted.views[:end])
+        emitted = _EmittedColumns.gather(self.state, self.lanes, unit.emitted.views[:end])
+        self.state.mark_emitted(unit.emitted.views[:end])  # after the gather: it may drop them
         self._count_oversized(unit.emitted.take(np.arange(end)))
         tail = unit.emitted.take(np.arange(end, len(unit.emitted)))  # past the quota: not run
         self.state.return_samples(unit.unit, unit.leftover.concat(tail))
-        emitted = _EmittedColumns.gather(self.state, self.lanes, unit.emitted.views[:end])
         progress_messages = [_progress_message(p) for p in progress]  # one per step, every rank
         for local_rank, rank in enumerate(ranks):
             items = [
