@@ -23,6 +23,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -47,6 +48,7 @@ from odbclient.lane import (
     LaneAllocator,
     LeaseCredits,
 )
+from odbclient.sample_plan import SamplePlan, SamplePlanner
 from odbclient.samples import (
     PLAIN_SAMPLES,
     RejectReason,
@@ -54,15 +56,24 @@ from odbclient.samples import (
     SampleForm,
     SampleRejected,
     fetch_sample,
-    inspect_sample,
 )
-from odbclient.shm import ArenaView, encode_into
+from odbclient.shm import ArenaView
 from odbclient.wire.odbd.v1 import ingest_pb2, ingest_pb2_grpc
 
 __all__ = ["Producer", "ProducerCore", "RejectReason"]
 
 log = logging.getLogger("odbclient.producer")
 _MAX_LOGGED_TRACEBACKS = 5  # then rejections are only counted by the daemon
+
+
+@dataclass(frozen=True, slots=True)
+class _Made:
+    """A sample made by dataset[i] and inspected, on its way into the lane."""
+
+    view_key: int
+    sample: Any
+    facts: SampleFacts
+    plan: SamplePlan | None  # None: encoded the generic way
 
 
 class ProducerCore:
@@ -82,16 +93,17 @@ class ProducerCore:
         form: SampleForm = PLAIN_SAMPLES,
     ) -> None:
         self._dataset = dataset
-        self._form = form  # the daemon's --concat / patch source: checked per sample
+        # Validation and layout per sample structure (the daemon's --concat / patch source
+        # included): a sample of a known structure is not checked again, only copied.
+        self._planner = SamplePlanner(length_key=length_key, labels_key=labels_key, form=form)
         self._lane_buffer = lane_buffer  # the lane's bytes: index 0 is lane offset 0
         self.lane = LaneAllocator(lane_offset, len(lane_buffer), LANE_HEADER_BYTES)
         self.in_flight = InFlightMark(lane_buffer)
         self.in_flight.clear()
-        self._length_key, self._labels_key = length_key, labels_key
         self.commits = CommitBuffer(max_rows=commit_batch, interval_s=commit_interval_s)
         self.credits = LeaseCredits(max_ids=lease_batch)
         self._work: deque[tuple[int, int]] = deque()  # (view_key, identity) granted, not made
-        self._stalled: tuple[int, Any, SampleFacts] | None = None  # waiting for lane space
+        self._stalled: _Made | None = None  # waiting for lane space
         self._lane_full_sent = False  # LaneFull told for the current wait
         self._num_tracebacks = 0
 
@@ -111,15 +123,14 @@ class ProducerCore:
 
     def can_work(self) -> bool:
         if self._stalled is not None:
-            return self.lane.fits_now(self._stalled[2].nbytes)
+            return self.lane.fits_now(self._stalled.facts.nbytes)
         return bool(self._work)
 
     def work_one(self, now_s: float) -> None:
         """Makes one sample: the stalled one if it fits now, else the next granted id."""
         if self._stalled is not None:
-            view_key, sample, facts = self._stalled
-            self._stalled = None
-            self._place(view_key, sample, facts, now_s)
+            made, self._stalled = self._stalled, None
+            self._place(made, now_s)
             return
         view_key, identity = self._work.popleft()
         # If dataset[identity] kills this process (sys.exit, abort, a segfault in a C
@@ -131,9 +142,7 @@ class ProducerCore:
     def _make(self, view_key: int, identity: int, now_s: float) -> None:
         try:
             sample = fetch_sample(self._dataset, identity)
-            facts = inspect_sample(
-                sample, length_key=self._length_key, labels_key=self._labels_key, form=self._form
-            )
+            facts, plan = self._planner.facts(sample)
             if not self.lane.fits_ever(facts.nbytes):
                 raise SampleRejected(
                     RejectReason.TOO_LARGE,
@@ -143,7 +152,7 @@ class ProducerCore:
         except SampleRejected as rejected:
             self._reject(view_key, rejected, now_s)
             return
-        self._place(view_key, sample, facts, now_s)
+        self._place(_Made(view_key, sample, facts, plan), now_s)
 
     def messages(self, now_s: float) -> list[ingest_pb2.ProducerMessage]:
         """What to send now: due commits (all of them when no work can proceed), LaneFull once
@@ -152,7 +161,7 @@ class ProducerCore:
         if self.commits.due(now_s) or (len(self.commits) and not self.can_work()):
             out.extend(self.commits.take())
         if self._stalled is not None and not self._lane_full_sent and not self.can_work():
-            lane_full = ingest_pb2.LaneFull(nbytes=self._stalled[2].nbytes)
+            lane_full = ingest_pb2.LaneFull(nbytes=self._stalled.facts.nbytes)
             out.append(ingest_pb2.ProducerMessage(lane_full=lane_full))
             self._lane_full_sent = True
         count = self.credits.request(self.in_hand)
@@ -160,13 +169,15 @@ class ProducerCore:
             out.append(ingest_pb2.ProducerMessage(lease=ingest_pb2.LeaseRequest(count=count)))
         return out
 
-    def _place(self, view_key: int, sample: Any, facts: SampleFacts, now_s: float) -> None:
+    def _place(self, made: _Made, now_s: float) -> None:
+        view_key, facts = made.view_key, made.facts
         offset = self.lane.allocate(facts.nbytes)
         if offset is None:
-            self._stalled = (view_key, sample, facts)  # backpressure: wait for a FreeBatch
+            self._stalled = made  # backpressure: wait for a FreeBatch
             return
         try:
-            encode_into(self._lane_buffer[offset : offset + facts.nbytes], sample)
+            where = self._lane_buffer[offset : offset + facts.nbytes]
+            self._planner.encode(where, made.sample, made.plan)
         except Exception as exc:  # e.g. a tensor whose copy fails; inspect_sample passed it
             self.lane.free(offset)
             rejected = SampleRejected(RejectReason.PREPROCESS_ERROR, f"encoding raised {exc!r}")

@@ -12,7 +12,7 @@ import numpy as np
 
 from odbclient.wire.odbd.v1 import ingest_pb2
 from odbd.config import DaemonConfig
-from odbd.daemon.node_state import RUN_AHEAD_BUFFERS, Location, NodeState
+from odbd.daemon.node_state import RUN_AHEAD_BUFFERS, Locations, NodeState
 from odbd.ingest.arena import Arena
 from odbd.ingest.lanes import Lanes
 from odbd.ingest.service import IngestService, ProducerSession
@@ -30,11 +30,11 @@ def make_state(dataset_size: int = 64) -> NodeState:
 
 def commit_all(state: NodeState, producer: int, keys: np.ndarray) -> int:
     n = len(keys)
-    locations = [Location(0, 64 * i, 8) for i in range(n)]
+    locations = Locations.in_lane(0, 64 * np.arange(n), np.full(n, 8))
     ones = np.ones(n, dtype=np.int64)
-    accepted, rejected, stale = state.commit(producer, keys, locations, ones * 3, ones * 3, ones)
-    assert rejected == [] and stale == []
-    return accepted
+    outcome = state.commit(producer, keys, locations, ones * 3, ones * 3, ones)
+    assert outcome.rejections == [] and not outcome.stale.any()
+    return outcome.num_accepted
 
 
 def test_producers_lease_up_to_the_run_ahead_buffers_and_no_more() -> None:
@@ -72,10 +72,10 @@ def test_a_commit_for_a_lease_another_producer_now_holds_is_freed_not_buffered()
     state.release(state.leases_of(0))  # e.g. the lease expired
     again = state.lease(producer=1, count=2, deadline=10.0)
     assert sorted(again.tolist()) == sorted(keys.tolist())
-    location = Location(0, 0, 8)
+    locations = Locations.in_lane(0, np.array([64, 128]), np.full(2, 8))
     ones = np.ones(2, dtype=np.int64)
-    accepted, _, stale = state.commit(0, keys, [location] * 2, ones * 3, ones * 3, ones)
-    assert accepted == 0 and stale == [location, location]
+    outcome = state.commit(0, keys, locations, ones * 3, ones * 3, ones)
+    assert outcome.num_accepted == 0 and outcome.stale.tolist() == [True, True]
     assert state.buffered_now() == 0
 
 
@@ -104,7 +104,7 @@ def test_lanes_are_full_once_every_lease_holder_waits_for_lane_space() -> None:
     assert not service.lanes_full()  # producer 1 holds leases and can still commit
     service.sessions[1].lane_full = True
     assert service.lanes_full()
-    service.give_back({1: [0]})  # a FreeBatch may make room: producer 1 says again if not
+    service.give_back({1: np.array([0])})  # a FreeBatch may make room: producer 1 says again if not
     assert not service.sessions[1].lane_full and not service.lanes_full()
     state.release(state.leases_of(1))  # producer 1 holds nothing: only producer 0 matters
     assert service.lanes_full()

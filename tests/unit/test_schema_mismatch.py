@@ -11,7 +11,7 @@ import torch
 from odbclient.samples import schema_difference, schema_hash
 from odbclient.shm import SampleMeta, encode_into, encoded_size, read_meta
 from odbd.config import DaemonConfig
-from odbd.daemon.node_state import Location, NodeState
+from odbd.daemon.node_state import Locations, NodeState
 from odbd.world import World
 
 
@@ -72,9 +72,10 @@ def test_node_state_rejects_a_mismatch_naming_the_key_when_it_can_read_headers()
     keys = state.lease(producer=0, count=2, deadline=10.0)
     hashes = np.array([schema_hash(samples[0]), schema_hash(samples[64])], np.uint64).view(np.int64)
     lengths = np.array([52, 1], np.int64)
-    locations = [Location(0, 0, 8), Location(0, 64, 8)]
-    accepted, rejected, _ = state.commit(0, keys, locations, lengths, lengths, hashes)
-    assert accepted == 1 and [r.reason for r in rejected] == ["schema_mismatch"]
+    locations = Locations.in_lane(0, np.array([0, 64]), np.full(2, 8))
+    outcome = state.commit(0, keys, locations, lengths, lengths, hashes)
+    rejected = outcome.rejections
+    assert outcome.num_accepted == 1 and [r.reason for r in rejected] == ["schema_mismatch"]
     assert rejected[0].detail.startswith(
         "key 'input_ids' is int64 of shape [1, 37] here but int64 of shape [52] in the first "
         "sample; only the first dimension may differ between samples; every sample needs"
@@ -87,7 +88,6 @@ def test_without_a_header_reader_the_message_stays_generic() -> None:
     keys = state.lease(producer=0, count=2, deadline=10.0)
     ones = np.ones(2, np.int64)
     hashes = np.array([1, 2], np.int64)
-    _, rejected, _ = state.commit(
-        0, keys, [Location(0, 0, 8), Location(0, 64, 8)], ones, ones, hashes
-    )
+    locations = Locations.in_lane(0, np.array([0, 64]), np.full(2, 8))
+    rejected = state.commit(0, keys, locations, ones, ones, hashes).rejections
     assert rejected[0].detail.startswith("keys, dtypes or shapes differ from the first sample's")

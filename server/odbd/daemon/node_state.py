@@ -18,8 +18,9 @@ import numpy as np
 from odbclient.samples import schema_difference
 from odbclient.shm import SampleMeta, ShmLayoutError
 from odbd.config import DaemonConfig
+from odbd.errors import InvariantError
 from odbd.ingest.rejections import PRODUCER_CRASH
-from odbd.planner.ledger import ViewLedger
+from odbd.planner.ledger import ViewLedger, ViewState
 from odbd.planner.sampler import num_views, sampler_identities, views_of_ranks
 from odbd.planner.types import IntArray, SampleTable, UnitOffer
 from odbd.planner.view_keys import by_iteration
@@ -51,10 +52,85 @@ class Rejected:
     location: Location | None  # to free, when the bytes were already written
 
 
+@dataclass(frozen=True, slots=True)
+class Locations:
+    """Where committed samples' bytes lie, as columns: row i is one sample (a Location).
+
+    The hot path (commit, step building, frees) moves these arrays, never a Python object per
+    sample."""
+
+    lanes: IntArray  # (n,) int64 lane id
+    offsets: IntArray  # (n,) int64 byte offset inside the lane
+    nbytes: IntArray  # (n,) int64
+
+    def __len__(self) -> int:
+        return int(self.offsets.shape[0])
+
+    @staticmethod
+    def empty() -> Locations:
+        z = np.zeros(0, dtype=np.int64)
+        return Locations(z, z, z)
+
+    @staticmethod
+    def in_lane(lane: int, offsets: IntArray, nbytes: IntArray) -> Locations:
+        offsets = np.asarray(offsets, dtype=np.int64)
+        return Locations(
+            np.full(offsets.shape, lane, dtype=np.int64),
+            offsets,
+            np.asarray(nbytes, dtype=np.int64),
+        )
+
+    @staticmethod
+    def concat(parts: list[Locations]) -> Locations:
+        if len(parts) == 1:
+            return parts[0]
+        if not parts:
+            return Locations.empty()
+        return Locations(
+            np.concatenate([p.lanes for p in parts]),
+            np.concatenate([p.offsets for p in parts]),
+            np.concatenate([p.nbytes for p in parts]),
+        )
+
+    def take(self, rows: IntArray | slice) -> Locations:
+        return Locations(self.lanes[rows], self.offsets[rows], self.nbytes[rows])
+
+    def at(self, row: int) -> Location:
+        return Location(int(self.lanes[row]), int(self.offsets[row]), int(self.nbytes[row]))
+
+
+@dataclass(frozen=True, slots=True)
+class CommitOutcome:
+    """What NodeState.commit decided for each row of a CommitBatch: exactly one of accepted
+    (buffered), rejected, or stale (its key is no longer this producer's lease)."""
+
+    accepted: np.ndarray  # (n,) bool
+    rejections: list[Rejected]  # in row order; their bytes go back to the producer
+    stale: np.ndarray  # (n,) bool; their bytes go back to the producer
+
+    @property
+    def num_accepted(self) -> int:
+        return int(np.count_nonzero(self.accepted))
+
+
 @dataclass(slots=True)
 class _Iteration:
     identities: IntArray  # (M,) view -> dataset identity
     ledger: ViewLedger
+    # view -> where its committed sample lies; valid while the ledger says BUFFERED (or the
+    # view was emitted and its step is queued). Allocated at the iteration's first commit:
+    # 24 bytes per view, next to the identities' 8.
+    where: Locations | None = None
+
+    def store(self, views: IntArray, locations: Locations) -> None:
+        if self.where is None:
+            m = len(self.identities)
+            self.where = Locations(
+                np.zeros(m, np.int64), np.zeros(m, np.int64), np.zeros(m, np.int64)
+            )
+        self.where.lanes[views] = locations.lanes
+        self.where.offsets[views] = locations.offsets
+        self.where.nbytes[views] = locations.nbytes
 
 
 @dataclass(slots=True)
@@ -96,7 +172,7 @@ class NodeState:
         self.epoch = 0  # the epoch being planned (join) / trainer epoch (non-join)
         self._iterations: dict[int, _Iteration] = {}
         self._units = [self._new_unit(u) for u in self._local_units()]
-        self.locations: dict[int, Location] = {}
+        self._num_local_views = sum(len(u.views) for u in self._units)  # per iteration
         self.leases: dict[int, tuple[int, float]] = {}  # key -> (producer, deadline)
         self.schema_hash: int | None = None
         self.first_schema: SampleMeta | None = None  # the first sample's, to name a mismatch
@@ -240,37 +316,92 @@ class NodeState:
         self,
         producer: int,
         keys: IntArray,
-        locations: list[Location],
+        locations: Locations,
         lengths: IntArray,
         loss_tokens: IntArray,
         schema_hashes: IntArray,
         patches: IntArray | None = None,  # (n,) vision patches; None = all 0
-    ) -> tuple[int, list[Rejected], list[Location]]:
-        """Buffers committed samples. Returns (accepted, rejections, locations to free now).
+    ) -> CommitOutcome:
+        """Buffers committed samples, validated and booked as arrays (rows in commit order).
 
         A commit for a key this producer no longer holds (its lease expired and went to another
-        producer) is dropped and its bytes freed: the sample will be (or was) made again.
+        producer) is stale: dropped and its bytes freed, the sample will be (or was) made again.
         """
-        rejections: list[Rejected] = []
-        stale: list[Location] = []
-        good: list[int] = []  # row indices accepted
-        for i, key in enumerate(keys.tolist()):
-            holder = self.leases.get(key)
-            if holder is None or holder[0] != producer:
-                stale.append(locations[i])
-                continue
-            reason = self._reason_to_reject(int(lengths[i]), int(schema_hashes[i]), locations[i])
-            if reason is not None:
-                rejections.append(self._reject_leased(key, reason[0], reason[1], locations[i]))
-                continue
-            del self.leases[key]
-            self.locations[key] = locations[i]
-            good.append(i)
-        if good:
+        held = self._held_by(producer, keys)
+        bad_length = held & (lengths <= 0)
+        candidates = np.flatnonzero(held & ~bad_length)
+        if self.schema_hash is None and candidates.size:  # the job's first sample sets it
+            first = int(candidates[0])
+            self.schema_hash = int(schema_hashes[first])
+            self.first_schema = self._schema_at(locations.at(first))  # read once per job
+        mismatch = np.zeros_like(held)
+        if candidates.size:
+            mismatch[candidates] = schema_hashes[candidates] != self.schema_hash
+        rejections = [
+            self._reject_row(int(keys[i]), bool(bad_length[i]), locations.at(int(i)))
+            for i in np.flatnonzero(bad_length | mismatch).tolist()
+        ]  # rare: a loop is fine here
+        accepted = held & ~bad_length & ~mismatch
+        rows = np.flatnonzero(accepted)
+        if rows.size:
+            good = keys[rows]
+            for key in good.tolist():  # C-speed dict deletes; no object per sample
+                del self.leases[key]
+            for it, mask, views in by_iteration(good, self.views_per_iteration):
+                self.iteration(it).store(views, locations.take(rows[mask]))
             if patches is None:
                 patches = np.zeros_like(lengths)
-            self._buffer_rows(np.asarray(good), keys, lengths, loss_tokens, patches)
-        return len(good), rejections, stale
+            self._buffer_rows(rows, keys, lengths, loss_tokens, patches)
+        return CommitOutcome(accepted, rejections, ~held)
+
+    def _held_by(self, producer: int, keys: IntArray) -> np.ndarray:
+        """(n,) bool: the key's lease is this producer's, and it is the key's first row (a
+        repeated key in one commit is stale after its first row, as with one row at a time)."""
+        leases = self.leases
+        holders = np.fromiter(
+            (h[0] if (h := leases.get(k)) is not None else -1 for k in keys.tolist()),
+            dtype=np.int64,
+            count=len(keys),
+        )
+        held = holders == producer
+        if len(keys) > 1:
+            _, first = np.unique(keys, return_index=True)
+            if len(first) < len(keys):
+                once = np.zeros(len(keys), dtype=bool)
+                once[first] = True
+                held &= once
+        return held
+
+    def _reject_row(self, key: int, zero_length: bool, location: Location) -> Rejected:
+        if zero_length:
+            return self._reject_leased(
+                key, "zero_length", f"{self.config.length_key} has length 0", location
+            )
+        first, this = self.first_schema, self._schema_at(location)
+        what = (
+            schema_difference(first, this)
+            if first is not None and this is not None
+            else "keys, dtypes or shapes differ from the first sample's"
+        )
+        detail = (
+            f"{what}; every sample needs the first sample's keys and dtypes, and the same "
+            "dimensions after the first; make them uniform in preprocessing"
+        )
+        return self._reject_leased(key, "schema_mismatch", detail, location)
+
+    def locations_of(self, keys: IntArray) -> Locations:
+        """Where the committed samples of these (buffered or emitted) keys lie."""
+        if keys.size == 0:
+            return Locations.empty()
+        out = Locations(np.empty_like(keys), np.empty_like(keys), np.empty_like(keys))
+        for it, mask, views in by_iteration(keys, self.views_per_iteration):
+            where = self.iteration(it).where
+            if where is None:
+                raise InvariantError(f"iteration {it} has no committed sample; this is an odbd bug")
+            out.lanes[mask] = where.lanes[views]
+            out.offsets[mask] = where.offsets[views]
+            out.nbytes[mask] = where.nbytes[views]
+        return out
 
     def _buffer_rows(
         self,
@@ -300,27 +431,6 @@ class NodeState:
         if not self.config.join:
             return np.zeros_like(keys)
         return keys // self.views_per_iteration
-
-    def _reason_to_reject(
-        self, length: int, schema: int, location: Location
-    ) -> tuple[str, str] | None:
-        if length <= 0:
-            return "zero_length", f"{self.config.length_key} has length 0"
-        if self.schema_hash is None:
-            self.schema_hash = schema
-            self.first_schema = self._schema_at(location)  # read once per job
-        elif schema != self.schema_hash:
-            first, this = self.first_schema, self._schema_at(location)
-            what = (
-                schema_difference(first, this)
-                if first is not None and this is not None
-                else "keys, dtypes or shapes differ from the first sample's"
-            )
-            return "schema_mismatch", (
-                f"{what}; every sample needs the first sample's keys and dtypes, and the same "
-                "dimensions after the first; make them uniform in preprocessing"
-            )
-        return None
 
     def _schema_at(self, location: Location) -> SampleMeta | None:
         """A committed sample's keys, dtypes and shapes; None without a reader or if unreadable."""
@@ -382,9 +492,11 @@ class NodeState:
             return False
         e = self.epoch
         exhausted = unit.iteration > e or (unit.iteration == e and unit.cursor == len(unit.views))
+        if not exhausted:  # the usual case, checked on every commit: skip the scans below
+            return False
         in_flight = any(k // max(self.views_per_iteration, 1) == e for k in unit.leased)
         retrying = any(k // max(self.views_per_iteration, 1) == e for k in unit.retry)
-        return exhausted and not in_flight and not retrying
+        return not in_flight and not retrying
 
     def units_ready(self) -> bool:
         slot = self._plan_slot()
@@ -413,8 +525,18 @@ class NodeState:
             local.buffers.setdefault(self._plan_slot(), []).insert(0, table)
 
     def mark_emitted(self, keys: IntArray) -> None:
-        if keys.size:
-            self._transition(keys, "emit")
+        """Emitted views' locations are gathered by the caller first (round_loop), so an
+        iteration with no view left to buffer drops its location columns: non-join jobs chain
+        iterations without end, and 24 bytes per view each would add up."""
+        if not keys.size:
+            return
+        for it, _, views in by_iteration(keys, self.views_per_iteration):
+            iteration = self.iteration(it)
+            iteration.ledger.emit(views)
+            ledger = iteration.ledger
+            done = ledger.count(ViewState.EMITTED) + ledger.count(ViewState.REJECTED)
+            if done == self._num_local_views:  # the ledger spans every node's views
+                iteration.where = None
 
     def take_rejected_delta(self) -> dict[str, int]:
         delta = dict(self.rejected)

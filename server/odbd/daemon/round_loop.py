@@ -27,7 +27,7 @@ from odbd.config import DaemonConfig
 from odbd.daemon import offer_codec
 from odbd.daemon.cost_learning import CostLearner
 from odbd.daemon.journal import Journal, ResumeState
-from odbd.daemon.node_state import NodeState
+from odbd.daemon.node_state import Locations, NodeState
 from odbd.daemon.updates import UpdateNumbering
 from odbd.errors import InvariantError, OdbdError
 from odbd.ingest.lanes import Lanes
@@ -525,15 +525,17 @@ class RoundLoop:
         ranks = self.state.planner.unit_ranks(unit.unit)
         kept = len(step_epochs)
         end = int(unit.slot_offsets[kept * g])
-        self.state.mark_emitted(unit.emitted.views[:end])
+        emitted = _EmittedColumns.gather(self.state, self.lanes, unit.emitted.views[:end])
+        self.state.mark_emitted(unit.emitted.views[:end])  # after the gather: it may drop them
         self._count_oversized(unit.emitted.take(np.arange(end)))
         tail = unit.emitted.take(np.arange(end, len(unit.emitted)))  # past the quota: not run
         self.state.return_samples(unit.unit, unit.leftover.concat(tail))
+        progress_messages = [_progress_message(p) for p in progress]  # one per step, every rank
         for local_rank, rank in enumerate(ranks):
             items = [
                 self._step_item(
-                    plan, unit, step, rank, unit.slot(step, local_rank, g),
-                    step_epochs[step], step_numbers[step], progress[step], updates[step],
+                    plan, unit, emitted, step, rank, unit.slot(step, local_rank, g),
+                    step_epochs[step], step_numbers[step], progress_messages[step], updates[step],
                 )
                 for step in range(kept)
             ]  # fmt: skip
@@ -577,19 +579,17 @@ class RoundLoop:
         self,
         plan: RoundPlan,
         unit: UnitPlan,
+        emitted: _EmittedColumns,
         step: int,
         rank: int,
         rows: slice,
         epoch: int,
         number: int,
-        progress: Progress,
+        progress: trainer_pb2.Progress,
         update: trainer_pb2.Update | None,
     ) -> QueuedItem:
-        keys = unit.emitted.views[rows]
-        locations = [self.state.locations.pop(int(k)) for k in keys.tolist()]
-        where = [self.lanes.resolve(loc) for loc in locations]
         stats = plan.stats
-        idle = len(keys) == 0
+        idle = rows.stop <= rows.start
         lengths = unit.emitted.lengths[rows].astype(np.float64)
         padded = int(stats.padded_tokens[step, rank])
         # Patches enter the fit as p token-equivalents each (the planner's own weight), so the
@@ -597,7 +597,10 @@ class RoundLoop:
         linear = padded + self.cost.model.p * float(unit.emitted.patches[rows].sum())
         self.cost.expect(rank, epoch, number, linear, float((lengths * lengths).sum()))
         if not idle and not self.filler_schema:
-            self._learn_schema(where[0], locations[0].nbytes)
+            self._learn_schema(
+                (int(emitted.segments[rows.start]), int(emitted.offsets[rows.start])),
+                int(emitted.locations.nbytes[rows.start]),
+            )
         batch = trainer_pb2.StepBatch(
             epoch=epoch,
             step=number,
@@ -607,16 +610,17 @@ class RoundLoop:
             num_tokens=int(stats.num_tokens[step, rank]),
             global_num_samples=int(stats.global_num_samples[step]),
             global_num_tokens=int(stats.global_num_tokens[step]),
-            sample_ids=self.state.identities_of(keys).astype("<i8").tobytes(),
-            segments=np.asarray([s for s, _ in where], dtype="<u4").tobytes(),
-            offsets=np.asarray([o for _, o in where], dtype="<u8").tobytes(),
-            nbytes=np.asarray([loc.nbytes for loc in locations], dtype="<u8").tobytes(),
+            sample_ids=emitted.sample_ids[rows].tobytes(),
+            segments=emitted.segments[rows].tobytes(),
+            offsets=emitted.offsets[rows].tobytes(),
+            nbytes=emitted.nbytes[rows].tobytes(),
             filler_schema=self.filler_schema if idle else "",
-            progress=trainer_pb2.Progress(**dataclasses.asdict(progress)),
+            progress=progress,
         )
         if update is not None:
             batch.update.CopyFrom(update)
-        return QueuedItem(epoch, number, trainer_pb2.TrainerEvent(step=batch), locations)
+        freed = [emitted.locations.take(rows)] if not idle else []
+        return QueuedItem(epoch, number, trainer_pb2.TrainerEvent(step=batch), freed)
 
     def _learn_schema(self, where: tuple[int, int], nbytes: int) -> None:
         meta = read_meta(self.read_sample(where[0], where[1], nbytes))
@@ -715,3 +719,40 @@ class RoundLoop:
             for queue in self.queues.values():
                 queue.drop_unsent()
             self._end_job(reason, failed=True)
+
+
+@dataclass(frozen=True, slots=True)
+class _EmittedColumns:
+    """A unit's emitted samples of one round, gathered once as the StepBatch's wire arrays
+    (fancy indexing); each step then slices its rows, with no Python object per sample."""
+
+    locations: Locations  # (n,) where each sample lies, freed once its step is delivered
+    sample_ids: np.ndarray  # (n,) <i8 dataset identities
+    segments: np.ndarray  # (n,) <u4 arena segment index
+    offsets: np.ndarray  # (n,) <u8 byte offset in the segment
+    nbytes: np.ndarray  # (n,) <u8
+
+    @staticmethod
+    def gather(state: NodeState, lanes: Lanes, keys: np.ndarray) -> _EmittedColumns:
+        locations = state.locations_of(keys)
+        segments, offsets = lanes.resolve_many(locations)
+        return _EmittedColumns(
+            locations,
+            state.identities_of(keys).astype("<i8"),
+            segments.astype("<u4"),
+            offsets.astype("<u8"),
+            locations.nbytes.astype("<u8"),
+        )
+
+
+def _progress_message(progress: Progress) -> trainer_pb2.Progress:
+    """StepBatch.progress; field by field (dataclasses.asdict deep-copies, and ran per item)."""
+    return trainer_pb2.Progress(
+        epoch_steps_estimate=progress.epoch_steps_estimate,
+        epoch_steps_exact=progress.epoch_steps_exact,
+        epoch_sample_fraction=progress.epoch_sample_fraction,
+        epoch_token_fraction=progress.epoch_token_fraction,
+        epoch_tokens=progress.epoch_tokens,
+        job_fraction=progress.job_fraction,
+        job_steps_estimate=progress.job_steps_estimate,
+    )

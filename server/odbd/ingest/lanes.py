@@ -15,12 +15,13 @@ when the producer's stream ends, to learn which id (if any) was in flight when i
 from __future__ import annotations
 
 import struct
-from collections import defaultdict
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from odbclient.lane import IDLE
 from odbclient.shm import Allocation
-from odbd.daemon.node_state import Location
+from odbd.daemon.node_state import Location, Locations
 from odbd.errors import InvariantError
 from odbd.ingest.arena import Arena
 
@@ -57,13 +58,13 @@ class Lanes:
     def get(self, lane_id: int) -> Lane:
         return self._lanes[lane_id]
 
-    def hold(self, location: Location) -> None:
-        lane = self._lanes[location.lane]
-        if location.offset in lane.live:
-            raise InvariantError(f"lane {lane.lane_id} offset {location.offset} committed twice")
-        if location.offset + location.nbytes > lane.allocation.length:
-            raise InvariantError(f"sample at lane offset {location.offset} overruns its lane")
-        lane.live.add(location.offset)
+    def hold(self, lane_id: int, offsets: np.ndarray) -> None:
+        """Marks committed samples live (decode_commit checked bounds and overlaps)."""
+        live = self._lanes[lane_id].live
+        before = len(live)
+        live.update(offsets.tolist())
+        if len(live) != before + len(offsets):
+            raise InvariantError(f"lane {lane_id}: an offset was committed twice")
 
     def in_flight(self, lane_id: int) -> int | None:
         """The view key the lane's producer was making (its header), None between samples."""
@@ -76,21 +77,44 @@ class Lanes:
         lane = self._lanes[location.lane]
         return lane.segment_index, lane.allocation.offset + location.offset
 
+    def resolve_many(self, locations: Locations) -> tuple[np.ndarray, np.ndarray]:
+        """(segment indices, byte offsets in the segments) of samples, as arrays."""
+        if len(locations) == 0:
+            return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+        ids = np.unique(locations.lanes)
+        if len(ids) == 1:  # one lane (one producer): no per-lane lookup table
+            lane = self._lanes[int(ids[0])]
+            segments = np.full(len(locations), lane.segment_index, dtype=np.int64)
+            return segments, locations.offsets + lane.allocation.offset
+        index = np.searchsorted(ids, locations.lanes)
+        lanes = [self._lanes[i] for i in ids.tolist()]
+        segment_of = np.asarray([lane.segment_index for lane in lanes], dtype=np.int64)
+        base_of = np.asarray([lane.allocation.offset for lane in lanes], dtype=np.int64)
+        return segment_of[index], locations.offsets + base_of[index]
+
     def orphan(self, lane_id: int) -> None:
         lane = self._lanes[lane_id]
         lane.producer = None
         self._maybe_reclaim(lane)
 
-    def free(self, locations: list[Location]) -> dict[int, list[int]]:
+    def free(self, groups: list[Locations]) -> dict[int, np.ndarray]:
         """Frees delivered samples; returns producer -> lane offsets to hand back to it."""
-        back: dict[int, list[int]] = defaultdict(list)
-        for location in locations:
-            lane = self._lanes.get(location.lane)
+        freed = Locations.concat(groups)
+        back: dict[int, np.ndarray] = {}
+        if len(freed) == 0:
+            return back
+        ids = np.unique(freed.lanes)
+        for lane_id in ids.tolist():
+            lane = self._lanes.get(lane_id)
             if lane is None:
                 continue
-            lane.live.discard(location.offset)
+            offsets = freed.offsets if len(ids) == 1 else freed.offsets[freed.lanes == lane_id]
+            lane.live.difference_update(offsets.tolist())
             if lane.producer is not None:
-                back[lane.producer].append(location.offset)
+                previous = back.get(lane.producer)
+                back[lane.producer] = (
+                    offsets if previous is None else np.concatenate([previous, offsets])
+                )
             else:
                 self._maybe_reclaim(lane)
         return back

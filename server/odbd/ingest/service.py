@@ -11,7 +11,7 @@ import grpc
 import numpy as np
 
 from odbclient.wire.odbd.v1 import ingest_pb2, ingest_pb2_grpc
-from odbd.daemon.node_state import Location, NodeState, Rejected
+from odbd.daemon.node_state import Locations, NodeState, Rejected
 from odbd.ingest.lanes import Lane, Lanes
 from odbd.ingest.validate import MalformedMessage, check_rejections, decode_commit
 from odbd.metrics.stats import DaemonStats
@@ -149,11 +149,8 @@ class IngestService(ingest_pb2_grpc.IngestServicer):
     def _commit(self, session: ProducerSession, batch: ingest_pb2.CommitBatch) -> None:
         rows = decode_commit(batch, session.lane.allocation.length, session.lane.live)
         lane = session.lane.lane_id
-        locations = [
-            Location(lane, o, n)
-            for o, n in zip(rows.offsets.tolist(), rows.nbytes.tolist(), strict=True)
-        ]
-        accepted, rejections, stale = self._state.commit(
+        locations = Locations.in_lane(lane, rows.offsets, rows.nbytes)
+        outcome = self._state.commit(
             session.producer,
             rows.view_keys.astype(np.int64),
             locations,
@@ -162,20 +159,16 @@ class IngestService(ingest_pb2_grpc.IngestServicer):
             rows.schema_hashes.astype(np.uint64).view(np.int64),
             rows.patches.astype(np.int64),
         )
-        rejected_at = {r.location for r in rejections}
-        for location in locations:
-            if location not in rejected_at and location not in stale:
-                self._lanes.hold(location)
-                self._stats.ingest_bytes += location.nbytes
-        self._stats.ingest_samples += accepted
-        for rejected in rejections:
+        kept = locations.offsets[outcome.accepted]
+        self._lanes.hold(lane, kept)
+        self._stats.ingest_bytes += int(locations.nbytes[outcome.accepted].sum())
+        self._stats.ingest_samples += len(kept)
+        for rejected in outcome.rejections:
             self._on_rejected(rejected)
-        give_back = [r.location.offset for r in rejections if r.location] + [
-            s.offset for s in stale
-        ]
-        if give_back:
+        give_back = locations.offsets[~outcome.accepted]  # rejected or stale rows
+        if give_back.size:
             self._send_free(session, give_back)
-        if rejections:
+        if outcome.rejections:
             self.pump_leases()  # rejected ids left the lease budget (see _read)
         self._on_progress()
 
@@ -196,13 +189,13 @@ class IngestService(ingest_pb2_grpc.IngestServicer):
             )
             session.outbox.put_nowait(ingest_pb2.IngestMessage(lease=grant))
 
-    def give_back(self, offsets_by_producer: dict[int, list[int]]) -> None:
+    def give_back(self, offsets_by_producer: dict[int, np.ndarray]) -> None:
         for producer, offsets in offsets_by_producer.items():
             session = self.sessions.get(producer)
-            if session is not None and offsets:
+            if session is not None and offsets.size:
                 self._send_free(session, offsets)
 
-    def _send_free(self, session: ProducerSession, offsets: list[int]) -> None:
+    def _send_free(self, session: ProducerSession, offsets: np.ndarray) -> None:
         session.lane_full = False  # it says LaneFull again if this made too little room
         session.outbox.put_nowait(_free_message(offsets))
 
@@ -306,6 +299,6 @@ def _lane_message(lane: Lane) -> ingest_pb2.Lane:
     )
 
 
-def _free_message(offsets: list[int]) -> ingest_pb2.IngestMessage:
-    packed = np.asarray(offsets, dtype="<u8").tobytes()
+def _free_message(offsets: np.ndarray) -> ingest_pb2.IngestMessage:
+    packed = offsets.astype("<u8").tobytes()
     return ingest_pb2.IngestMessage(free=ingest_pb2.FreeBatch(offsets=packed))

@@ -59,15 +59,17 @@ def decode_commit(batch: ingest_pb2.CommitBatch, lane_bytes: int, live: set[int]
     if not len(patches):
         columns["patches"] = np.zeros(len(columns["view_keys"]), dtype="<u4")
     rows = CommitRows(**columns)
-    offsets, nbytes = rows.offsets.tolist(), rows.nbytes.tolist()
-    for offset, size in zip(offsets, nbytes, strict=True):
-        if size == 0 or offset < LANE_HEADER_BYTES or offset + size > lane_bytes:
-            raise MalformedMessage(
-                f"a committed sample at lane offset {offset} with {size} bytes does not lie "
-                f"inside the producer's {lane_bytes}-byte lane after its "
-                f"{LANE_HEADER_BYTES}-byte header"
-            )
-    if len(set(offsets)) != len(offsets) or live.intersection(offsets):
+    offsets, nbytes = rows.offsets, rows.nbytes
+    outside = (nbytes == 0) | (offsets < LANE_HEADER_BYTES) | (offsets > lane_bytes)
+    outside |= ~outside & (nbytes > lane_bytes - np.minimum(offsets, lane_bytes))  # no overflow
+    if outside.any():
+        i = int(np.flatnonzero(outside)[0])
+        raise MalformedMessage(
+            f"a committed sample at lane offset {int(offsets[i])} with {int(nbytes[i])} bytes "
+            f"does not lie inside the producer's {lane_bytes}-byte lane after its "
+            f"{LANE_HEADER_BYTES}-byte header"
+        )
+    if len(np.unique(offsets)) != len(offsets) or not live.isdisjoint(offsets.tolist()):
         raise MalformedMessage(
             "a CommitBatch reuses a lane offset that holds a live sample; a producer may only "
             "reuse offsets the daemon freed"

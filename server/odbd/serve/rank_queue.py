@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from odbclient.wire.odbd.v1 import trainer_pb2
-from odbd.daemon.node_state import Location
+from odbd.daemon.node_state import Locations as Location  # one per step: its samples, as columns
 
 
 @dataclass(slots=True)

@@ -11,7 +11,7 @@ import grpc
 
 from odbclient.connect import DEFAULT_PREFETCH
 from odbclient.wire.odbd.v1 import trainer_pb2, trainer_pb2_grpc
-from odbd.daemon.node_state import Location
+from odbd.daemon.node_state import Locations as Location  # one per step: its samples, as columns
 from odbd.serve.hello import read_hello
 from odbd.serve.rank_queue import QueuedItem, RankQueue
 

@@ -1,0 +1,119 @@
+"""A/B of the node data path between two source trees, alternated, with DataLoader(2 workers).
+
+    .venv/bin/python tests/bench/datapath_ab.py --base /work/main --rounds 4 [--nbytes 8192]
+
+Each round runs, in turn: torch's DataLoader with 2 workers, odbd from --base, odbd from this
+tree (the order of the two odbd runs alternates by round), each in a child process whose
+PYTHONPATH puts that tree's server/ and client/ first, so the daemon, producer and trainer it
+spawns all run that tree's code. The same machine load hits every variant of a round. Prints
+one line per run and the medians: samples/s, CPU us per sample (daemon / producer / trainer),
+and ratios against the DataLoader of the same round.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parents[2]
+_CHILD = """
+import json, sys
+from tests.bench.datapath_run import DatapathCase, run_datapath
+case = DatapathCase(**json.loads(sys.argv[1]))
+run = run_datapath(case, timeout_s=300.0)
+us = {k: v / run.window_samples * 1e6 for k, v in run.cpu_s.items()}
+print(json.dumps({"samples_per_s": run.samples_per_s, "cpu_us": us}))
+"""
+
+
+def _case(nbytes: int) -> dict[str, object]:
+    if nbytes >= 1 << 20:
+        return dict(nbytes=nbytes, num_samples=5_000, batch_samples=8, buffer=64,
+                    steps_ahead=8, shm_bytes=512 << 20)  # fmt: skip
+    return dict(nbytes=nbytes, num_samples=30_000, batch_samples=16, buffer=256,
+                steps_ahead=16, shm_bytes=256 << 20)  # fmt: skip
+
+
+def run_tree(tree: Path, case: dict[str, object]) -> dict[str, object]:
+    """One odbd run with `tree`'s code; raises with the child's stderr if it fails."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(tree / "server"), str(tree / "client"), str(HERE)])
+    done = subprocess.run(
+        [sys.executable, "-c", _CHILD, json.dumps(case)],
+        cwd=HERE,  # the bench scripts (dataset, trainer) are this tree's
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"odbd run from {tree} failed: {done.stderr[-3000:]}")
+    return dict(json.loads(done.stdout.strip().splitlines()[-1]))
+
+
+def run_dataloader_2(case: dict[str, object]) -> float:
+    sys.path.insert(0, str(HERE))
+    from tests.bench.datapath_dataloader import DataLoaderCase, run_dataloader
+
+    dl = DataLoaderCase(
+        nbytes=int(case["nbytes"]),  # type: ignore[call-overload]
+        num_samples=int(case["num_samples"]),  # type: ignore[call-overload]
+        batch_samples=int(case["batch_samples"]),  # type: ignore[call-overload]
+        num_workers=2,
+    )
+    return run_dataloader(dl).samples_per_s
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--base", type=Path, required=True, help="the other source tree")
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--nbytes", type=int, default=8192)
+    parser.add_argument("--no-dataloader", action="store_true")
+    args = parser.parse_args()
+    case = _case(args.nbytes)
+    trees = {"base": args.base.resolve(), "this": HERE}
+    rows: dict[str, list[dict[str, object]]] = {"base": [], "this": []}
+    loader: list[float] = []
+    for r in range(args.rounds):
+        if not args.no_dataloader:
+            loader.append(run_dataloader_2(case))
+            print(f"round {r} DataLoader(2 workers): {loader[-1]:,.0f} samples/s", flush=True)
+        for name in ("base", "this") if r % 2 == 0 else ("this", "base"):
+            result = run_tree(trees[name], case)
+            rows[name].append(result)
+            cpu = result["cpu_us"]
+            assert isinstance(cpu, dict)
+            print(
+                f"round {r} {name}: {result['samples_per_s']:,.0f} samples/s, CPU us/sample "
+                + " / ".join(f"{k} {cpu.get(k, 0):.1f}" for k in ("daemon", "producer", "trainer")),
+                flush=True,
+            )
+    for name, results in rows.items():
+        rate = statistics.median(float(x["samples_per_s"]) for x in results)  # type: ignore[arg-type]
+        cpu = {
+            k: statistics.median(float(x["cpu_us"].get(k, 0.0)) for x in results)  # type: ignore[union-attr]
+            for k in ("daemon", "producer", "trainer")
+        }
+        line = f"median {name} ({trees[name]}): {rate:,.0f} samples/s, CPU us/sample " + " / ".join(
+            f"{k} {v:.1f}" for k, v in cpu.items()
+        )
+        if loader:
+            ratios = [float(x["samples_per_s"]) / dl for x, dl in zip(results, loader, strict=True)]  # type: ignore[arg-type]
+            line += (
+                f"; vs DataLoader(2 workers) median {statistics.median(ratios):.2f}x "
+                f"(rounds: {', '.join(f'{x:.2f}' for x in ratios)})"
+            )
+        print(line, flush=True)
+    if loader:
+        print(f"median DataLoader(2 workers): {statistics.median(loader):,.0f} samples/s")
+
+
+if __name__ == "__main__":
+    main()
