@@ -1,5 +1,5 @@
-"""company.py: a unit's costliest fresh groups wait a round when that brings its cost profile
-closest to the round's median profile."""
+"""company.py: each unit runs its costly groups only as deep as the round's shared cap profile
+allows; the rest wait (recirculated), at most MAX_HOLD_ROUNDS rounds."""
 
 from __future__ import annotations
 
@@ -11,70 +11,81 @@ from hypothesis import strategies as st
 
 from odbd.planner import company
 from odbd.planner.round import plan_round
+from odbd.planner.types import SampleTable, UnitOffer
 from tests.unit.planner_factories import make_config, make_offers
 
 
-def _brute_force(cost, fresh, max_waits, reference):
-    order = np.argsort(-cost, kind="stable")
-    removable = np.flatnonzero(fresh[order])[:max_waits]
-    distances = []
-    for s in range(len(removable) + 1):
-        kept = np.delete(cost[order], removable[:s])[: len(reference)]
-        distances.append(np.abs(kept - reference).sum())
-    best = int(np.argmin(np.round(distances, 6)))
-    wait = np.zeros(len(cost), dtype=bool)
-    wait[order[removable[:best]]] = True
-    return wait
+def _walk(cost: np.ndarray, cap: np.ndarray) -> int:
+    """The rule as written in the module docstring, one group at a time."""
+    held, position = 0, 0
+    for c in sorted(cost.tolist(), reverse=True)[: len(cap)]:
+        if c > cap[position]:
+            held += 1
+        else:
+            position += 1
+    return held
 
 
-@settings(max_examples=80, deadline=None)
+def test_the_cap_is_the_quantile_unit_at_the_end_of_each_run() -> None:
+    # Five units, G = 2: the quantile row is the int(0.25 * 4) = 1st smallest of each column,
+    # then every position takes the value at the end of its run of 2; zeros end the cap.
+    profiles = [
+        np.array([9.0, 8, 7, 6, 5]),
+        np.array([9.0, 9, 9, 9]),
+        np.array([4.0, 3, 2]),
+        np.array([8.0, 8, 8, 8, 8]),
+        np.array([7.0, 6, 6, 5, 4]),
+    ]
+    # column (2nd smallest per position): [7, 6, 6, 5, 0]; run ends at 1, 1, 3, 3, 4; the 0
+    # (two units have no 5th group) ends the cap, so a 5th group is never held.
+    assert company.cap_profile(profiles, 2).tolist() == [6.0, 6.0, 5.0, 5.0]
+    assert company.cap_profile([np.zeros(0)] * 3, 2).tolist() == []
+
+
+@settings(max_examples=150, deadline=None)
 @given(
-    costs=st.lists(st.integers(1, 50), min_size=2, max_size=40),
-    fresh_bits=st.lists(st.booleans(), min_size=40, max_size=40),
-    slots=st.integers(1, 30),
-    max_waits=st.integers(0, 12),
-    reference=st.lists(st.integers(0, 50), min_size=30, max_size=30),
+    costs=st.lists(st.lists(st.integers(1, 30), min_size=0, max_size=40), min_size=1, max_size=6),
+    ranks_per_unit=st.integers(1, 4),
 )
-def test_the_one_gather_search_matches_dropping_groups_one_by_one(
-    costs, fresh_bits, slots, max_waits, reference
-):
-    cost = np.asarray(costs, dtype=np.float64)
-    fresh = np.asarray(fresh_bits[: len(cost)])
-    depth = min(slots, len(cost) - 1)
-    surplus = min(len(cost) - depth, max_waits)
-    ref = np.asarray(reference[:depth], dtype=np.float64)
-    order = np.argsort(-cost, kind="stable")
-    got = company._closest_shift(cost, fresh, order, surplus, ref)
-    assert got.tolist() == _brute_force(cost, fresh, surplus, ref).tolist()
+def test_every_daemon_counts_the_holds_each_unit_makes(costs, ranks_per_unit):
+    """held_counts (every daemon, from profiles) == unit_holds (the unit, from its groups) ==
+    the one-by-one walk, whenever nothing is too old to wait."""
+    arrays = [np.asarray(c, dtype=np.float64) for c in costs]
+    profiles = [company.top_profile(c, company.PROFILE_DEPTH) for c in arrays]
+    cap = company.cap_profile(profiles, ranks_per_unit)
+    assert (np.diff(cap) <= 0).all()
+    counts = company.held_counts(profiles, cap)
+    for cost, count in zip(arrays, counts, strict=True):
+        young = np.zeros(len(cost), dtype=np.int64)
+        hold = company.unit_holds(cost, young, cap)
+        assert int(hold.sum()) == int(count) == _walk(cost, cap)
+        # Only the costliest len(cap) groups (what the profiles show) may wait.
+        assert not hold[np.argsort(-cost, kind="stable")[len(cap) :]].any()
 
 
-def test_a_unit_with_extra_giants_holds_back_fresh_ones_only():
-    giant, full = 40.0, 10.0
-    # Four units, four slots each; unit 0 has three giants (one already recirculated), the others
-    # one each: unit 0's second and third giant would run beside the others' ordinary groups.
-    costs = [np.array([giant, giant, giant, full, full, full, full, full])] + [
-        np.array([giant, full, full, full, full, full]) for _ in range(3)
-    ]
-    fresh = [np.array([False, True, True, True, True, True, True, True])] + [
-        np.ones(6, dtype=bool) for _ in range(3)
-    ]
-    waits = company.waiting_groups(costs, fresh, num_slots=4, max_waits=8)
-    assert waits[0].tolist() == [False, True, True, False, False, False, False, False]
-    assert not any(w.any() for w in waits[1:])
-    # No surplus, no wait: T * G slots must all be filled from the unit's own groups.
-    assert not company.waiting_groups(costs, fresh, num_slots=8, max_waits=8)[0].any()
-    assert not company.waiting_groups(costs, fresh, num_slots=4, max_waits=0)[0].any()
+def test_groups_recirculated_max_hold_rounds_times_run_whatever_the_cap() -> None:
+    cost = np.array([50.0, 40.0, 10.0, 10.0])
+    cap = np.array([10.0, 10.0, 10.0, 10.0])
+    young = np.zeros(4, dtype=np.int64)
+    assert company.unit_holds(cost, young, cap).tolist() == [True, True, False, False]
+    old = np.array([company.MAX_HOLD_ROUNDS, 0, 0, 0])
+    assert company.unit_holds(cost, old, cap).tolist() == [False, True, False, False]
 
 
-def test_plan_round_recirculates_the_waiting_giant_with_its_age_counted():
+def _three_nodes():
     # Three nodes of one rank, budget 1000, exact sort. Node 0 has two 5000-token giants, the
-    # others one: each cuts its giants, two singles of 900 and four groups of 4 x 250.
+    # others one: each cuts its giants, four groups of 4 x 250 and two singles of 900.
     config = replace(make_config(world=3, per_node=1, budget=1000, buffer=64), fresh_groups=False)
     node0 = [5000, 5000] + [250] * 16 + [900] * 2
     other = [5000] + [250] * 16 + [900] * 2
-    plan = plan_round(make_offers(config, [node0, other, other]), config, 0)
-    # T = 7 (the others' group count); node 0 has 8 and recirculates one: its second giant waits
-    # for company rather than run beside the others' 900s (its age counts from now on).
+    return config, make_offers(config, [node0, other, other])
+
+
+def test_plan_round_holds_the_extra_giant_and_takes_t_without_it():
+    config, offers = _three_nodes()
+    plan = plan_round(offers, config, 0)
+    # The cap is the others' profile (giant, 4 x 1003, 2 x 910): node 0's second giant waits
+    # for company rather than run beside the others' ordinary groups; T = 7 without it.
     assert plan.num_steps == 7
     assert plan.units[0].leftover.lengths.tolist() == [5000]
     assert plan.units[0].leftover.ages.tolist() == [1]
@@ -82,11 +93,14 @@ def test_plan_round_recirculates_the_waiting_giant_with_its_age_counted():
     assert int(giant_steps.sum()) == 1  # the three kept giants share one step
 
 
-@settings(max_examples=80, deadline=None)
-@given(costs=st.lists(st.integers(0, 6), min_size=1, max_size=60), count=st.integers(1, 70))
-def test_costliest_first_is_a_prefix_of_the_full_stable_sort(costs, count):
-    cost = np.asarray(costs, dtype=np.float64)
-    full = np.argsort(-cost, kind="stable")
-    got = company._costliest_first(cost, count)
-    assert len(got) >= min(count, len(cost))
-    assert got.tolist() == full[: len(got)].tolist()
+def test_a_giant_that_waited_max_hold_rounds_runs_and_dry_rounds_hold_nothing():
+    config, offers = _three_nodes()
+    table = offers[0].samples
+    ages = np.where(np.arange(len(table)) == 1, company.MAX_HOLD_ROUNDS, 0)
+    aged = SampleTable(table.views, table.lengths, table.tokens, ages, table.patches)
+    plan = plan_round([UnitOffer(0, aged, False), *offers[1:]], config, 0)
+    assert 5000 not in plan.units[0].leftover.lengths.tolist()  # it ran
+    assert int((plan.stats.padded_tokens > 1000).any(axis=1).sum()) == 2
+    dry = [UnitOffer(o.unit, o.samples, True) for o in offers]
+    flushed = plan_round(dry, config, 0)
+    assert all(len(u.leftover) == 0 for u in flushed.units)

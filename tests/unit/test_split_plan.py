@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from odbd.daemon import summary_codec
 from odbd.errors import InvariantError
+from odbd.planner import company
 from odbd.planner.completion import combine, complete_node
 from odbd.planner.config import Balance, Collate, CostModel, Grouping, LossScaling, PlannerConfig
 from odbd.planner.decision import decide_round
@@ -206,7 +207,9 @@ def test_summary_payload_does_not_grow_with_the_buffer():
     offer = UnitOffer(0, SampleTable.of(np.arange(8192), lengths), False)
     summary = summarize(group_unit(offer, config, 0))
     payload = summary_codec.encode_summary(summary_codec.NodeSummary(0, 0, (summary,)))
-    assert len(payload) < 1024  # vs 24 bytes per sample (192 KiB) in the offer payload
+    # company.PROFILE_DEPTH float64s (2 KiB) and a header, whatever the buffer size, vs 24
+    # bytes per sample (192 KiB here) in the offer payload
+    assert len(payload) < 8 * company.PROFILE_DEPTH + 128
     decoded = summary_codec.decode_summary(payload).units[0]
     assert decoded.profile.tobytes() == summary.profile.tobytes()
     assert dataclasses.replace(decoded, profile=summary.profile) == summary

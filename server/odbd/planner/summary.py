@@ -84,7 +84,7 @@ class GroupedUnit:
     buffer: SortedBuffer
     # (num_groups,) a * padded + b * sum l^2 + p * patches of each group (min-time only)
     work: FloatArray
-    fresh: np.ndarray  # (num_groups,) bool: no member was recirculated before
+    ages: IntArray  # (num_groups,) the most rounds any member was recirculated (min-time only)
 
 
 def group_unit(offer: UnitOffer, config: PlannerConfig, round_index: int) -> GroupedUnit:
@@ -92,10 +92,11 @@ def group_unit(offer: UnitOffer, config: PlannerConfig, round_index: int) -> Gro
     groups = _group(offer, config, round_index)
     buffer = SortedBuffer.of(offer.samples, groups.order, config.collate is Collate.PACKED)
     if config.grouping is Grouping.PAPER or len(groups) == 0:
-        return GroupedUnit(offer, groups, buffer, np.zeros(len(groups)), np.zeros(0, bool))
+        return GroupedUnit(
+            offer, groups, buffer, np.zeros(len(groups)), np.zeros(len(groups), dtype=np.int64)
+        )
     work = buffer.work(groups.starts, groups.ends, config.cost)
-    fresh = range_max(buffer.ages, groups) == 0
-    return GroupedUnit(offer, groups, buffer, work, fresh)
+    return GroupedUnit(offer, groups, buffer, work, range_max(buffer.ages, groups))
 
 
 def summarize(unit: GroupedUnit) -> UnitSummary:
