@@ -38,8 +38,10 @@ def test_the_cap_is_the_quantile_unit_at_the_end_of_each_run() -> None:
     ]
     # column (2nd smallest per position): [7, 6, 6, 5, 0]; run ends at 1, 1, 3, 3, 4; the 0
     # (two units have no 5th group) ends the cap, so a 5th group is never held.
-    assert company.cap_profile(profiles, 2).tolist() == [6.0, 6.0, 5.0, 5.0]
-    assert company.cap_profile([np.zeros(0)] * 3, 2).tolist() == []
+    matrix, lengths = company.profile_matrix(profiles)
+    assert lengths.tolist() == [5, 4, 3, 5, 5]
+    assert company.cap_profile(matrix, 2).tolist() == [6.0, 6.0, 5.0, 5.0]
+    assert company.cap_profile(company.profile_matrix([np.zeros(0)] * 3)[0], 2).tolist() == []
 
 
 @settings(max_examples=150, deadline=None)
@@ -52,9 +54,10 @@ def test_every_daemon_counts_the_holds_each_unit_makes(costs, ranks_per_unit):
     the one-by-one walk, whenever nothing is too old to wait."""
     arrays = [np.asarray(c, dtype=np.float64) for c in costs]
     profiles = [company.top_profile(c, company.PROFILE_DEPTH) for c in arrays]
-    cap = company.cap_profile(profiles, ranks_per_unit)
+    matrix, lengths = company.profile_matrix(profiles)
+    cap = company.cap_profile(matrix, ranks_per_unit)
     assert (np.diff(cap) <= 0).all()
-    counts = company.held_counts(profiles, cap)
+    counts = company.held_counts(matrix, lengths, cap)
     for cost, count in zip(arrays, counts, strict=True):
         young = np.zeros(len(cost), dtype=np.int64)
         hold = company.unit_holds(cost, young, cap)

@@ -21,8 +21,7 @@ def decide_round(
     """Phase 1: T, the step order and the company cap from every unit's summary."""
     _check_summaries(summaries, config)
     all_dry = all(s.dry for s in summaries)
-    cap = _cap(summaries, config)
-    held = company.held_counts([s.profile for s in summaries], cap) if cap is not None else None
+    cap, held = _cap_and_holds(summaries, config)
     num_steps = windows.round_step_count(
         _target_steps(summaries, config, held), config.accumulate, all_dry
     )
@@ -30,17 +29,22 @@ def decide_round(
     return RoundDecision(round_index, num_steps, order, all_dry, cap)
 
 
-def _cap(summaries: Sequence[UnitSummary], config: PlannerConfig) -> FloatArray | None:
-    """company.py's cap profile, in min-time rounds that hold a giant (a sample over the
-    budget) while every unit still fills; None otherwise (no group waits)."""
+def _cap_and_holds(
+    summaries: Sequence[UnitSummary], config: PlannerConfig
+) -> tuple[FloatArray | None, IntArray | None]:
+    """company.py's cap profile and every unit's held count, in min-time rounds that hold a
+    giant (a sample over the budget) while every unit still fills; no group waits in others."""
     if (
         config.grouping is Grouping.PAPER
         or any(s.dry for s in summaries)
         or all(s.max_length <= config.token_budget for s in summaries)
     ):
-        return None
-    cap = company.cap_profile([s.profile for s in summaries], config.ranks_per_unit)
-    return cap if len(cap) else None
+        return None, None
+    matrix, lengths = company.profile_matrix([s.profile for s in summaries])
+    cap = company.cap_profile(matrix, config.ranks_per_unit)
+    if len(cap) == 0:
+        return None, None
+    return cap, company.held_counts(matrix, lengths, cap)
 
 
 def _target_steps(
