@@ -16,7 +16,8 @@ from tests.unit.planner_factories import make_config, make_offers
 
 
 def _walk(cost: np.ndarray, cap: np.ndarray) -> int:
-    """The rule as written in the module docstring, one group at a time."""
+    """The rule as written in the module docstring, one group at a time (cap: as deep as the
+    unit's profile)."""
     held, position = 0, 0
     for c in sorted(cost.tolist(), reverse=True)[: len(cap)]:
         if c > cap[position]:
@@ -36,12 +37,14 @@ def test_the_cap_is_the_quantile_unit_at_the_end_of_each_run() -> None:
         np.array([8.0, 8, 8, 8, 8]),
         np.array([7.0, 6, 6, 5, 4]),
     ]
-    # column (2nd smallest per position): [7, 6, 6, 5, 0]; run ends at 1, 1, 3, 3, 4; the 0
-    # (two units have no 5th group) ends the cap, so a 5th group is never held.
+    # column (2nd smallest per position): [7, 6, 6, 5, 0]; run ends at 1, 1, 3, 3, 4; where the
+    # quantile unit has no 5th group, nothing costlier than its last capped one (5) may run.
     matrix, lengths = company.profile_matrix(profiles)
     assert lengths.tolist() == [5, 4, 3, 5, 5]
-    assert company.cap_profile(matrix, 2).tolist() == [6.0, 6.0, 5.0, 5.0]
-    assert company.cap_profile(company.profile_matrix([np.zeros(0)] * 3)[0], 2).tolist() == []
+    assert company.cap_profile(matrix, 2, threshold=1.0).tolist() == [6.0, 6.0, 5.0, 5.0, 5.0]
+    # No unit shows a profile (no outsized group): nothing outsized may run, and none is seen.
+    empty, none = company.profile_matrix([np.zeros(0)] * 3)
+    assert none.tolist() == [0, 0, 0] and company.cap_profile(empty, 2, 1.0).tolist() == []
 
 
 @settings(max_examples=150, deadline=None)
@@ -53,26 +56,29 @@ def test_every_daemon_counts_the_holds_each_unit_makes(costs, ranks_per_unit):
     """held_counts (every daemon, from profiles) == unit_holds (the unit, from its groups) ==
     the one-by-one walk, whenever nothing is too old to wait."""
     arrays = [np.asarray(c, dtype=np.float64) for c in costs]
-    profiles = [company.top_profile(c, company.PROFILE_DEPTH) for c in arrays]
+    threshold = 10.0  # costs above it are outsized; a unit without one shows no profile
+    profiles = [company.cost_profile(c, threshold) for c in arrays]
     matrix, lengths = company.profile_matrix(profiles)
-    cap = company.cap_profile(matrix, ranks_per_unit)
+    cap = company.cap_profile(matrix, ranks_per_unit, threshold)
     assert (np.diff(cap) <= 0).all()
     counts = company.held_counts(matrix, lengths, cap)
-    for cost, count in zip(arrays, counts, strict=True):
+    for cost, profile, count in zip(arrays, profiles, counts, strict=True):
         young = np.zeros(len(cost), dtype=np.int64)
-        hold = company.unit_holds(cost, young, cap)
-        assert int(hold.sum()) == int(count) == _walk(cost, cap)
-        # Only the costliest len(cap) groups (what the profiles show) may wait.
-        assert not hold[np.argsort(-cost, kind="stable")[len(cap) :]].any()
+        hold = company.unit_holds(cost, young, cap, len(profile))
+        shown = min(len(cap), len(profile))
+        assert int(hold.sum()) == int(count) == _walk(cost, cap[:shown])
+        # Only the groups the profile shows may wait.
+        assert not hold[np.argsort(-cost, kind="stable")[shown:]].any()
 
 
 def test_groups_recirculated_max_hold_rounds_times_run_whatever_the_cap() -> None:
     cost = np.array([50.0, 40.0, 10.0, 10.0])
     cap = np.array([10.0, 10.0, 10.0, 10.0])
     young = np.zeros(4, dtype=np.int64)
-    assert company.unit_holds(cost, young, cap).tolist() == [True, True, False, False]
+    assert company.unit_holds(cost, young, cap, 4).tolist() == [True, True, False, False]
     old = np.array([company.MAX_HOLD_ROUNDS, 0, 0, 0])
-    assert company.unit_holds(cost, old, cap).tolist() == [False, True, False, False]
+    assert company.unit_holds(cost, old, cap, 4).tolist() == [False, True, False, False]
+    assert not company.unit_holds(cost, young, cap, 0).any()  # a unit showing no profile
 
 
 def _three_nodes():

@@ -25,8 +25,13 @@ Bounds: a group whose samples were recirculated MAX_HOLD_ROUNDS times runs whate
 says (the unit then runs more than the others counted, which only adds surplus), so a sample
 waits at most that many rounds and DESIGN.md section 3.3's O(N/W + D) rounds keeps its form;
 nothing waits once a unit is dry (the epoch's last rounds drain); and only rounds with a sample
-over the budget (a giant) cap anything: on the named distributions, which have none, capping
-every round moved odbd/node-local by <= 0.001 (docs/bench/planner.md).
+over the budget (a giant) cap anything: capping every round moved sharegpt4o's odbd/node-local
+at W=128 by 0.0007.
+
+The numbers below are odbd/node-local oracle on bench-planner's workloads at W=128 (reproduce
+one by setting the constant and running the oracle table with ODBD_BENCH_ORACLE_WORLDS=128);
+before this cap (the median-profile search it replaced) the heavy tail measured 0.959 and 3 %
+over the budget 0.974.
 """
 
 from __future__ import annotations
@@ -35,43 +40,61 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from odbd.planner.config import PlannerConfig
 from odbd.planner.types import FloatArray, IntArray
 
-# Profile positions compared, i.e. the costliest groups each summary carries (8 bytes each).
-# On bench-planner's heavy tail at W=128, depth 32 / 64 / 128 / 256 gave odbd/node-local
-# 0.959 / 0.970 / 0.974 / 0.974, and 3 % over the budget 0.976 / 0.979 / 0.984 (256).
+# Profile positions compared, i.e. the costliest groups a summary carries (8 bytes each):
+# depth 32 / 64 / 128 / 256 gave 0.959 / 0.973 / 0.974 / 0.975 on the heavy tail, and
+# 64 / 128 / 256 gave 0.976 / 0.979 / 0.984 over the budget (~245 giants per unit and round).
 PROFILE_DEPTH = 256
 # Which quantile of the units' profiles caps a position (0 = the unit with the fewest costly
-# groups): at W=128, 0.1 / 0.25 / 0.5 gave 0.971 / 0.974 / 0.970 on the heavy tail.
+# groups): 0.1 / 0.25 / 0.5 gave 0.971 / 0.973 / 0.970 on the heavy tail (depth 64).
 CAP_QUANTILE = 0.25
-# Rounds a group may wait: 6 / 8 / 12 gave 0.969 / 0.975 / 0.974 (fewer rounds force giants
-# out while the other units have none to match them).
+# Rounds a group may wait: 6 / 12 gave 0.969 / 0.973 at depth 64, 8 / 12 gave 0.975 / 0.974 at
+# depth 256 (fewer rounds force giants out while the other units have none to match them).
 MAX_HOLD_ROUNDS = 8
 # Units whose profiles set the cap, every k-th from unit 0 past this many: the quantile of 256
 # units is as good a cap as that of all, and np.partition over 1,024 units (W=8192) took ~7 ms.
 CAP_SAMPLE_UNITS = 256
 
 
-def top_profile(cost: FloatArray, depth: int) -> FloatArray:
-    """(<= depth,) the unit's `depth` largest group costs, descending: its cost profile."""
-    return -np.sort(-np.asarray(cost, dtype=np.float64))[:depth]
+def outsized_work(config: PlannerConfig) -> float:
+    """The most work a group within the budget can have (padded <= L, sum l^2 <= L^2, patches
+    <= --max-patches): only groups above it, one sample longer than L, are capped."""
+    budget = float(config.token_budget)
+    return float(config.cost.work(budget, budget * budget, float(config.max_patches)))
+
+
+def cost_profile(cost: FloatArray, threshold: float) -> FloatArray:
+    """(<= PROFILE_DEPTH,) the unit's costliest groups' costs, descending, if any is outsized;
+    empty otherwise (no payload for buffers without a giant).
+
+    Its ordinary groups count too: where the quantile unit runs ordinary groups, the cap holds
+    back another unit's giants (outsized only: 0.971 on the heavy tail at W=128 vs 0.975).
+    """
+    cost = np.asarray(cost, dtype=np.float64)
+    if not bool((cost > threshold).any()):
+        return np.zeros(0)
+    return -np.sort(-cost)[:PROFILE_DEPTH]
 
 
 def profile_matrix(profiles: Sequence[FloatArray]) -> tuple[FloatArray, IntArray]:
-    """(units, PROFILE_DEPTH) every unit's profile, zero past its groups, and (units,) how many
+    """(units, longest profile) every unit's profile, zero past its end, and (units,) how many
     entries each has: the one array phase 1 reads."""
     lengths = np.asarray([min(len(p), PROFILE_DEPTH) for p in profiles], dtype=np.int64)
-    if len(profiles) and bool((lengths == PROFILE_DEPTH).all()):
-        return np.stack([p[:PROFILE_DEPTH] for p in profiles]).astype(np.float64), lengths
-    matrix = np.zeros((len(profiles), PROFILE_DEPTH))
+    width = int(lengths.max(initial=0))
+    if len(profiles) and bool((lengths == width).all()):
+        return np.stack([p[:width] for p in profiles]).astype(np.float64), lengths
+    matrix = np.zeros((len(profiles), width))
     for u, profile in enumerate(profiles):
         matrix[u, : lengths[u]] = profile[: lengths[u]]
     return matrix, lengths
 
 
-def cap_profile(matrix: FloatArray, ranks_per_unit: int) -> FloatArray:
-    """(<= PROFILE_DEPTH,) the cap at each position, non-increasing; it ends where too few
-    units have that many groups (deeper groups are not capped). matrix: profile_matrix's.
+def cap_profile(matrix: FloatArray, ranks_per_unit: int, threshold: float) -> FloatArray:
+    """(matrix width,) the cap at each position, non-increasing, never below `threshold`: where
+    the quantile unit has no outsized group left, no outsized group may run. matrix:
+    profile_matrix's; groups past its width are within the budget and never capped.
 
     np.partition picks a value of the matrix (no interpolation), the same on every daemon.
     """
@@ -84,8 +107,12 @@ def cap_profile(matrix: FloatArray, ranks_per_unit: int) -> FloatArray:
     column = np.partition(sample, k, axis=0)[k]
     g = max(ranks_per_unit, 1)
     run_end = np.minimum(np.arange(depth) // g * g + g - 1, depth - 1)
-    cap = column[run_end]  # each row is non-increasing, so are its quantile and cap
-    return cap[: int(np.count_nonzero(cap > 0))]
+    cap = column[run_end]  # each row is non-increasing, so are its quantile and the cap
+    # Past the quantile unit's profile, nothing costlier than its last capped group may run
+    # (forward fill keeps the cap non-increasing); with no profile at all, nothing outsized.
+    positive = np.flatnonzero(cap > 0)
+    floor = cap[positive[-1]] if positive.size else threshold
+    return np.where(cap > 0, cap, floor)
 
 
 def held_counts(matrix: FloatArray, lengths: IntArray, cap: FloatArray) -> IntArray:
@@ -110,14 +137,15 @@ def held_counts(matrix: FloatArray, lengths: IntArray, cap: FloatArray) -> IntAr
     return seen - (runs_at < seen[:, None]).sum(axis=1)
 
 
-def unit_holds(cost: FloatArray, ages: IntArray, cap: FloatArray) -> np.ndarray:
+def unit_holds(cost: FloatArray, ages: IntArray, cap: FloatArray, depth: int) -> np.ndarray:
     """(groups,) bool: True = this group waits (recirculated) this round.
 
     cost: the unit's group costs; ages: per group, the most rounds any member was recirculated.
-    Groups past the profile depth never wait: the other daemons do not see them.
+    depth: the length of the unit's own profile. Only the groups it shows may wait: the other
+    daemons count the holds from it (held_counts).
     """
     hold = np.zeros(len(cost), dtype=bool)
-    order = np.argsort(-np.asarray(cost), kind="stable")[: len(cap)]
+    order = np.argsort(-np.asarray(cost), kind="stable")[: min(len(cap), depth)]
     position = 0
     for group in order.tolist():
         if cost[group] > cap[position] and ages[group] < MAX_HOLD_ROUNDS:

@@ -41,7 +41,7 @@ def _cap_and_holds(
     ):
         return None, None
     matrix, lengths = company.profile_matrix([s.profile for s in summaries])
-    cap = company.cap_profile(matrix, config.ranks_per_unit)
+    cap = company.cap_profile(matrix, config.ranks_per_unit, company.outsized_work(config))
     if len(cap) == 0:
         return None, None
     return cap, company.held_counts(matrix, lengths, cap)

@@ -99,7 +99,7 @@ def _fit(
         return alignment.fit_groups_paper(unit.groups, num_slots)
     priority = _keep_priority(unit.groups, unit.buffer, config)
     if decision.reference is not None:
-        hold = company.unit_holds(unit.work, unit.ages, decision.reference)
+        hold = company.unit_holds(unit.work, unit.ages, decision.reference, len(unit.profile))
         if hold.any():  # below every keep priority (those are >= 0): recirculated first
             priority = np.where(hold, -1.0, priority)
     return alignment.fit_groups(unit.groups, num_slots, priority)

@@ -210,7 +210,8 @@ class UnitSummary:
     num_samples: int  # buffered samples (the paper's S_r)
     num_groups: int  # groups the buffer was cut into (G_r)
     max_length: int  # its longest sample: a group over the budget turns company.py's cap on
-    # (<= company.PROFILE_DEPTH,) its costliest groups' work, descending (company.py's profile)
+    # (<= company.PROFILE_DEPTH,) its costliest groups' work, descending (company.py's
+    # profile); empty in a buffer without an outsized group (one sample over the budget)
     profile: FloatArray
 
 
