@@ -113,3 +113,27 @@ def test_a_giant_that_waited_max_hold_rounds_runs_and_dry_rounds_hold_nothing():
     dry = [UnitOffer(o.unit, o.samples, True) for o in offers]
     flushed = plan_round(dry, config, 0)
     assert all(len(u.leftover) == 0 for u in flushed.units)
+
+
+def test_past_cap_sample_units_every_kth_unit_sets_the_cap_and_the_others_never_split():
+    assert company.sampled_units(company.CAP_SAMPLE_UNITS) == slice(None, None, 1)
+    assert company.sampled_units(company.CAP_SAMPLE_UNITS + 1) == slice(None, None, 2)
+    # 300 one-rank units (every 2nd sampled): the odd ones have three giants and only three
+    # ordinary groups, so T (from the sampled units, which hold their extra giants) leaves
+    # them too little room to hold theirs: they run the cheapest held giant, split nothing.
+    num_units = 300
+    config = replace(
+        make_config(world=num_units, per_node=1, budget=1000, buffer=64), fresh_groups=False
+    )
+    sampled = [5000] + [250] * 16 + [900] * 2  # giant, 4 x (4 x 250), 2 x 900: 7 groups
+    odd = [5200, 5100, 5000] + [250] * 12  # 3 giants + 3 x (4 x 250): 6 groups
+    plan = plan_round(
+        make_offers(config, [odd if u % 2 else sampled for u in range(num_units)]), config, 0
+    )
+    assert plan.num_steps == 6  # min(7 sampled, 6 odd): every unit fills it
+    assert all(u.num_splits == 0 for u in plan.units)
+    # A sampled unit recirculates its surplus (a 900 single, the least full group) as always.
+    assert all(u.leftover.lengths.tolist() == [900] for u in plan.units[::2])
+    # An odd unit would hold two giants (costlier than the cap's 5000) but runs all 6 groups:
+    # the others did not count its holds, and it has no room for them.
+    assert all(len(u.leftover) == 0 for u in plan.units[1::2])

@@ -53,9 +53,16 @@ CAP_QUANTILE = 0.25
 # Rounds a group may wait: 6 / 12 gave 0.969 / 0.973 at depth 64, 8 / 12 gave 0.975 / 0.974 at
 # depth 256 (fewer rounds force giants out while the other units have none to match them).
 MAX_HOLD_ROUNDS = 8
-# Units whose profiles set the cap, every k-th from unit 0 past this many: the quantile of 256
-# units is as good a cap as that of all, and np.partition over 1,024 units (W=8192) took ~7 ms.
+# Units whose profiles set the cap and T, every k-th from unit 0 past this many (W > 2048):
+# the quantile of 256 units is as good a cap as that of all, and phase 1 over all 1,024 units
+# of W=8192 took ~20 ms a round (np.partition and held_counts). A unit left out that lacks
+# room for T steps without its held groups runs the cheapest of them (node_plan.py).
 CAP_SAMPLE_UNITS = 256
+
+
+def sampled_units(num_units: int) -> slice:
+    """The units phase 1 reads profiles of: all, or every k-th from unit 0."""
+    return slice(None, None, max(-(-num_units // CAP_SAMPLE_UNITS), 1))
 
 
 def outsized_work(config: PlannerConfig) -> float:
@@ -92,19 +99,17 @@ def profile_matrix(profiles: Sequence[FloatArray]) -> tuple[FloatArray, IntArray
 
 
 def cap_profile(matrix: FloatArray, ranks_per_unit: int, threshold: float) -> FloatArray:
-    """(matrix width,) the cap at each position, non-increasing, never below `threshold`: where
-    the quantile unit has no outsized group left, no outsized group may run. matrix:
-    profile_matrix's; groups past its width are within the budget and never capped.
+    """(matrix width,) the cap at each position, non-increasing: where the quantile unit's
+    profile ends, nothing costlier than its last capped group may run, and with no profile at
+    all nothing over `threshold`. matrix: profile_matrix's of sampled_units'.
 
     np.partition picks a value of the matrix (no interpolation), the same on every daemon.
     """
-    stride = -(-matrix.shape[0] // CAP_SAMPLE_UNITS)
-    sample = matrix[::stride] if stride > 1 else matrix
-    units, depth = sample.shape
+    units, depth = matrix.shape
     if units == 0:
         return np.zeros(0)
     k = int(CAP_QUANTILE * (units - 1))
-    column = np.partition(sample, k, axis=0)[k]
+    column = np.partition(matrix, k, axis=0)[k]
     g = max(ranks_per_unit, 1)
     run_end = np.minimum(np.arange(depth) // g * g + g - 1, depth - 1)
     cap = column[run_end]  # each row is non-increasing, so are its quantile and the cap
@@ -116,7 +121,8 @@ def cap_profile(matrix: FloatArray, ranks_per_unit: int, threshold: float) -> Fl
 
 
 def held_counts(matrix: FloatArray, lengths: IntArray, cap: FloatArray) -> IntArray:
-    """(units,) how many groups each unit holds (`unit_holds` with nothing too old to wait).
+    """(units,) how many groups each unit holds (`unit_holds` with nothing too old to wait);
+    matrix and lengths as profile_matrix gives them, for every unit or sampled_units'.
 
     Walking costs c_0 >= c_1 >= ... against cap (non-increasing), the j-th group to run is the
     first after the (j-1)-th with c_i <= cap[j]: r_j = max(s_j, r_(j-1) + 1), s_j = #{i: c_i >

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
+
 from odbd.errors import InvariantError
 from odbd.planner import alignment, assignment, company, windows
 from odbd.planner.config import Grouping, PlannerConfig
@@ -32,19 +34,23 @@ def decide_round(
 def _cap_and_holds(
     summaries: Sequence[UnitSummary], config: PlannerConfig
 ) -> tuple[FloatArray | None, IntArray | None]:
-    """company.py's cap profile and every unit's held count, in min-time rounds that hold a
-    giant (a sample over the budget) while every unit still fills; no group waits in others."""
+    """company.py's cap profile and every unit's held count (0 for units it does not sample),
+    in min-time rounds that hold a giant (a sample over the budget) while every unit still
+    fills; no group waits in the others."""
     if (
         config.grouping is Grouping.PAPER
         or any(s.dry for s in summaries)
         or all(s.max_length <= config.token_budget for s in summaries)
     ):
         return None, None
-    matrix, lengths = company.profile_matrix([s.profile for s in summaries])
+    sample = company.sampled_units(len(summaries))
+    matrix, lengths = company.profile_matrix([s.profile for s in summaries[sample]])
     cap = company.cap_profile(matrix, config.ranks_per_unit, company.outsized_work(config))
     if len(cap) == 0:
         return None, None
-    return cap, company.held_counts(matrix, lengths, cap)
+    held = np.zeros(len(summaries), dtype=np.int64)
+    held[sample] = company.held_counts(matrix, lengths, cap)
+    return cap, held
 
 
 def _target_steps(

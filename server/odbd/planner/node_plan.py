@@ -100,8 +100,10 @@ def _fit(
     priority = _keep_priority(unit.groups, unit.buffer, config)
     if decision.reference is not None:
         hold = company.unit_holds(unit.work, unit.ages, decision.reference, len(unit.profile))
-        if hold.any():  # below every keep priority (those are >= 0): recirculated first
-            priority = np.where(hold, -1.0, priority)
+        if hold.any():  # below every keep priority (those are >= 0): recirculated first, and
+            # the costliest last should the unit lack room for T steps without them
+            rank = unit.work / max(float(unit.work.max()), 1e-300)
+            priority = np.where(hold, -1.0 - rank, priority)
     return alignment.fit_groups(unit.groups, num_slots, priority)
 
 
