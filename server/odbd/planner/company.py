@@ -19,7 +19,8 @@ So each round every unit runs its costly groups only as deep as a shared cap all
    than the cap at the next free position waits (recirculated, sorted again with the next
    round's arrivals); the rest run. Every daemon computes each unit's held count from its
    profile (`held_counts`) and takes T from the groups every unit can run without them, so
-   holding never forces a split.
+   holding never forces a split (past CAP_SAMPLE_UNITS units, every k-th unit's; a unit left
+   out that lacks room runs its cheapest held groups).
 
 Bounds: a group whose samples were recirculated MAX_HOLD_ROUNDS times runs whatever the cap
 says (the unit then runs more than the others counted, which only adds surplus), so a sample

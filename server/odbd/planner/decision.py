@@ -1,8 +1,9 @@
 """Phase 1 of a round (summary.py lists the phases): what every daemon decides from summaries.
 
-Input: one UnitSummary per unit (~2 KiB each); output: the round's step count T, the shared
-step order, and company.py's cap profile. Cost O(units x PROFILE_DEPTH), no sample is looked
-at, and every daemon computes the same RoundDecision from the same summaries.
+Input: one UnitSummary per unit (~40 bytes, 2 KiB with company.py's profile); output: the
+round's step count T, the shared step order, and company.py's cap profile. Cost O(units +
+min(units, CAP_SAMPLE_UNITS) x PROFILE_DEPTH), no sample is looked at, and every daemon
+computes the same RoundDecision from the same summaries.
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ def _target_steps(
     summaries: Sequence[UnitSummary], config: PlannerConfig, held: IntArray | None
 ) -> int:
     counts = [s.num_groups for s in summaries]
-    if held is not None:  # T is what every unit fills without its held groups: none splits
+    if held is not None:  # T: what every sampled unit fills without its held groups
         counts = [c - int(h) for c, h in zip(counts, held, strict=True)]
     if config.grouping is Grouping.PAPER:
         samples = [s.num_samples for s in summaries]

@@ -3,7 +3,7 @@
 A round is planned in phases so that no daemon touches another node's samples (issue 14, part 2):
 
 0. local  (this module): each node groups its own units' buffers and sends a `UnitSummary` per
-   unit, a few hundred bytes whatever the buffer size
+   unit, ~40 bytes (2 KiB with a sample over the budget) whatever the buffer size
 1. global (decision.py): every daemon decides the round's step count and shared orders from
    the summaries of every unit (O(units), the same on every daemon)
 2. local  (node_plan.py): each node fits and assigns its own groups to (rank, step)
