@@ -137,3 +137,35 @@ def test_past_cap_sample_units_every_kth_unit_sets_the_cap_and_the_others_never_
     # An odd unit would hold two giants (costlier than the cap's 5000) but runs all 6 groups:
     # the others did not count its holds, and it has no room for them.
     assert all(len(u.leftover) == 0 for u in plan.units[1::2])
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    per_node=st.integers(1, 4),
+    nodes=st.integers(1, 5),
+    budget=st.integers(50, 2000),
+    data=st.data(),
+)
+def test_a_capped_round_splits_nothing_and_recirculates_what_it_holds(
+    per_node, nodes, budget, data
+):
+    """While every unit still fills, holding lowers T instead of splitting a group, and every
+    buffered sample is run or recirculated (none lost, none twice). Each unit starts with G
+    giants, so it has the G groups a step needs (fewer would split whatever the cap)."""
+    config = make_config(world=nodes * per_node, per_node=per_node, budget=budget, buffer=24)
+    lengths = [
+        [budget + 1] * per_node
+        + data.draw(
+            st.lists(
+                st.one_of(st.integers(1, 3 * budget), st.integers(1, max(budget // 6, 1))),
+                max_size=config.unit_capacity - per_node,
+            )
+        )
+        for _ in range(config.num_units)
+    ]
+    offers = make_offers(config, lengths)
+    plan = plan_round(offers, config, data.draw(st.integers(0, 5)))
+    assert all(u.num_splits == 0 for u in plan.units)
+    for offer, unit in zip(offers, plan.units, strict=True):
+        seen = np.concatenate([unit.emitted.views, unit.leftover.views])
+        assert sorted(seen.tolist()) == sorted(offer.samples.views.tolist())
