@@ -1,5 +1,5 @@
-"""company.py: a unit's costliest fresh groups wait a round when that brings its cost profile
-closest to the round's median profile."""
+"""company.py: each unit runs its costly groups only as deep as the round's shared cap profile
+allows; the rest wait (recirculated), at most MAX_HOLD_ROUNDS rounds."""
 
 from __future__ import annotations
 
@@ -11,70 +11,90 @@ from hypothesis import strategies as st
 
 from odbd.planner import company
 from odbd.planner.round import plan_round
+from odbd.planner.types import SampleTable, UnitOffer
 from tests.unit.planner_factories import make_config, make_offers
 
 
-def _brute_force(cost, fresh, max_waits, reference):
-    order = np.argsort(-cost, kind="stable")
-    removable = np.flatnonzero(fresh[order])[:max_waits]
-    distances = []
-    for s in range(len(removable) + 1):
-        kept = np.delete(cost[order], removable[:s])[: len(reference)]
-        distances.append(np.abs(kept - reference).sum())
-    best = int(np.argmin(np.round(distances, 6)))
-    wait = np.zeros(len(cost), dtype=bool)
-    wait[order[removable[:best]]] = True
-    return wait
+def _walk(cost: np.ndarray, cap: np.ndarray) -> int:
+    """The rule as written in the module docstring, one group at a time (cap: as deep as the
+    unit's profile)."""
+    held, position = 0, 0
+    for c in sorted(cost.tolist(), reverse=True)[: len(cap)]:
+        if c > cap[position]:
+            held += 1
+        else:
+            position += 1
+    return held
 
 
-@settings(max_examples=80, deadline=None)
+def test_the_cap_is_the_quantile_unit_at_the_end_of_each_run() -> None:
+    # Five units, G = 2: the quantile row is the int(0.25 * 4) = 1st smallest of each column,
+    # then every position takes the value at the end of its run of 2; zeros end the cap.
+    profiles = [
+        np.array([9.0, 8, 7, 6, 5]),
+        np.array([9.0, 9, 9, 9]),
+        np.array([4.0, 3, 2]),
+        np.array([8.0, 8, 8, 8, 8]),
+        np.array([7.0, 6, 6, 5, 4]),
+    ]
+    # column (2nd smallest per position): [7, 6, 6, 5, 0]; run ends at 1, 1, 3, 3, 4; where the
+    # quantile unit has no 5th group, nothing costlier than its last capped one (5) may run.
+    matrix, lengths = company.profile_matrix(profiles)
+    assert lengths.tolist() == [5, 4, 3, 5, 5]
+    assert company.cap_profile(matrix, 2, threshold=1.0).tolist() == [6.0, 6.0, 5.0, 5.0, 5.0]
+    # No unit shows a profile (no outsized group): nothing outsized may run, and none is seen.
+    empty, none = company.profile_matrix([np.zeros(0)] * 3)
+    assert none.tolist() == [0, 0, 0] and company.cap_profile(empty, 2, 1.0).tolist() == []
+
+
+@settings(max_examples=150, deadline=None)
 @given(
-    costs=st.lists(st.integers(1, 50), min_size=2, max_size=40),
-    fresh_bits=st.lists(st.booleans(), min_size=40, max_size=40),
-    slots=st.integers(1, 30),
-    max_waits=st.integers(0, 12),
-    reference=st.lists(st.integers(0, 50), min_size=30, max_size=30),
+    costs=st.lists(st.lists(st.integers(1, 30), min_size=0, max_size=40), min_size=1, max_size=6),
+    ranks_per_unit=st.integers(1, 4),
 )
-def test_the_one_gather_search_matches_dropping_groups_one_by_one(
-    costs, fresh_bits, slots, max_waits, reference
-):
-    cost = np.asarray(costs, dtype=np.float64)
-    fresh = np.asarray(fresh_bits[: len(cost)])
-    depth = min(slots, len(cost) - 1)
-    surplus = min(len(cost) - depth, max_waits)
-    ref = np.asarray(reference[:depth], dtype=np.float64)
-    order = np.argsort(-cost, kind="stable")
-    got = company._closest_shift(cost, fresh, order, surplus, ref)
-    assert got.tolist() == _brute_force(cost, fresh, surplus, ref).tolist()
+def test_every_daemon_counts_the_holds_each_unit_makes(costs, ranks_per_unit):
+    """held_counts (every daemon, from profiles) == unit_holds (the unit, from its groups) ==
+    the one-by-one walk, whenever nothing is too old to wait."""
+    arrays = [np.asarray(c, dtype=np.float64) for c in costs]
+    threshold = 10.0  # costs above it are outsized; a unit without one shows no profile
+    profiles = [company.cost_profile(c, threshold) for c in arrays]
+    matrix, lengths = company.profile_matrix(profiles)
+    cap = company.cap_profile(matrix, ranks_per_unit, threshold)
+    assert (np.diff(cap) <= 0).all()
+    counts = company.held_counts(matrix, lengths, cap)
+    for cost, profile, count in zip(arrays, profiles, counts, strict=True):
+        young = np.zeros(len(cost), dtype=np.int64)
+        hold = company.unit_holds(cost, young, cap, len(profile))
+        shown = min(len(cap), len(profile))
+        assert int(hold.sum()) == int(count) == _walk(cost, cap[:shown])
+        # Only the groups the profile shows may wait.
+        assert not hold[np.argsort(-cost, kind="stable")[shown:]].any()
 
 
-def test_a_unit_with_extra_giants_holds_back_fresh_ones_only():
-    giant, full = 40.0, 10.0
-    # Four units, four slots each; unit 0 has three giants (one already recirculated), the others
-    # one each: unit 0's second and third giant would run beside the others' ordinary groups.
-    costs = [np.array([giant, giant, giant, full, full, full, full, full])] + [
-        np.array([giant, full, full, full, full, full]) for _ in range(3)
-    ]
-    fresh = [np.array([False, True, True, True, True, True, True, True])] + [
-        np.ones(6, dtype=bool) for _ in range(3)
-    ]
-    waits = company.waiting_groups(costs, fresh, num_slots=4, max_waits=8)
-    assert waits[0].tolist() == [False, True, True, False, False, False, False, False]
-    assert not any(w.any() for w in waits[1:])
-    # No surplus, no wait: T * G slots must all be filled from the unit's own groups.
-    assert not company.waiting_groups(costs, fresh, num_slots=8, max_waits=8)[0].any()
-    assert not company.waiting_groups(costs, fresh, num_slots=4, max_waits=0)[0].any()
+def test_groups_recirculated_max_hold_rounds_times_run_whatever_the_cap() -> None:
+    cost = np.array([50.0, 40.0, 10.0, 10.0])
+    cap = np.array([10.0, 10.0, 10.0, 10.0])
+    young = np.zeros(4, dtype=np.int64)
+    assert company.unit_holds(cost, young, cap, 4).tolist() == [True, True, False, False]
+    old = np.array([company.MAX_HOLD_ROUNDS, 0, 0, 0])
+    assert company.unit_holds(cost, old, cap, 4).tolist() == [False, True, False, False]
+    assert not company.unit_holds(cost, young, cap, 0).any()  # a unit showing no profile
 
 
-def test_plan_round_recirculates_the_waiting_giant_with_its_age_counted():
+def _three_nodes():
     # Three nodes of one rank, budget 1000, exact sort. Node 0 has two 5000-token giants, the
-    # others one: each cuts its giants, two singles of 900 and four groups of 4 x 250.
+    # others one: each cuts its giants, four groups of 4 x 250 and two singles of 900.
     config = replace(make_config(world=3, per_node=1, budget=1000, buffer=64), fresh_groups=False)
     node0 = [5000, 5000] + [250] * 16 + [900] * 2
     other = [5000] + [250] * 16 + [900] * 2
-    plan = plan_round(make_offers(config, [node0, other, other]), config, 0)
-    # T = 7 (the others' group count); node 0 has 8 and recirculates one: its second giant waits
-    # for company rather than run beside the others' 900s (its age counts from now on).
+    return config, make_offers(config, [node0, other, other])
+
+
+def test_plan_round_holds_the_extra_giant_and_takes_t_without_it():
+    config, offers = _three_nodes()
+    plan = plan_round(offers, config, 0)
+    # The cap is the others' profile (giant, 4 x 1003, 2 x 910): node 0's second giant waits
+    # for company rather than run beside the others' ordinary groups; T = 7 without it.
     assert plan.num_steps == 7
     assert plan.units[0].leftover.lengths.tolist() == [5000]
     assert plan.units[0].leftover.ages.tolist() == [1]
@@ -82,11 +102,70 @@ def test_plan_round_recirculates_the_waiting_giant_with_its_age_counted():
     assert int(giant_steps.sum()) == 1  # the three kept giants share one step
 
 
-@settings(max_examples=80, deadline=None)
-@given(costs=st.lists(st.integers(0, 6), min_size=1, max_size=60), count=st.integers(1, 70))
-def test_costliest_first_is_a_prefix_of_the_full_stable_sort(costs, count):
-    cost = np.asarray(costs, dtype=np.float64)
-    full = np.argsort(-cost, kind="stable")
-    got = company._costliest_first(cost, count)
-    assert len(got) >= min(count, len(cost))
-    assert got.tolist() == full[: len(got)].tolist()
+def test_a_giant_that_waited_max_hold_rounds_runs_and_dry_rounds_hold_nothing():
+    config, offers = _three_nodes()
+    table = offers[0].samples
+    ages = np.where(np.arange(len(table)) == 1, company.MAX_HOLD_ROUNDS, 0)
+    aged = SampleTable(table.views, table.lengths, table.tokens, ages, table.patches)
+    plan = plan_round([UnitOffer(0, aged, False), *offers[1:]], config, 0)
+    assert 5000 not in plan.units[0].leftover.lengths.tolist()  # it ran
+    assert int((plan.stats.padded_tokens > 1000).any(axis=1).sum()) == 2
+    dry = [UnitOffer(o.unit, o.samples, True) for o in offers]
+    flushed = plan_round(dry, config, 0)
+    assert all(len(u.leftover) == 0 for u in flushed.units)
+
+
+def test_past_cap_sample_units_every_kth_unit_sets_the_cap_and_the_others_never_split():
+    assert company.sampled_units(company.CAP_SAMPLE_UNITS) == slice(None, None, 1)
+    assert company.sampled_units(company.CAP_SAMPLE_UNITS + 1) == slice(None, None, 2)
+    # 300 one-rank units (every 2nd sampled): the odd ones have three giants and only three
+    # ordinary groups, so T (from the sampled units, which hold their extra giants) leaves
+    # them too little room to hold theirs: they run the cheapest held giant, split nothing.
+    num_units = 300
+    config = replace(
+        make_config(world=num_units, per_node=1, budget=1000, buffer=64), fresh_groups=False
+    )
+    sampled = [5000] + [250] * 16 + [900] * 2  # giant, 4 x (4 x 250), 2 x 900: 7 groups
+    odd = [5200, 5100, 5000] + [250] * 12  # 3 giants + 3 x (4 x 250): 6 groups
+    plan = plan_round(
+        make_offers(config, [odd if u % 2 else sampled for u in range(num_units)]), config, 0
+    )
+    assert plan.num_steps == 6  # min(7 sampled, 6 odd): every unit fills it
+    assert all(u.num_splits == 0 for u in plan.units)
+    # A sampled unit recirculates its surplus (a 900 single, the least full group) as always.
+    assert all(u.leftover.lengths.tolist() == [900] for u in plan.units[::2])
+    # An odd unit would hold two giants (costlier than the cap's 5000) but runs all 6 groups:
+    # the others did not count its holds, and it has no room for them.
+    assert all(len(u.leftover) == 0 for u in plan.units[1::2])
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    per_node=st.integers(1, 4),
+    nodes=st.integers(1, 5),
+    budget=st.integers(50, 2000),
+    data=st.data(),
+)
+def test_a_capped_round_splits_nothing_and_recirculates_what_it_holds(
+    per_node, nodes, budget, data
+):
+    """While every unit still fills, holding lowers T instead of splitting a group, and every
+    buffered sample is run or recirculated (none lost, none twice). Each unit starts with G
+    giants, so it has the G groups a step needs (fewer would split whatever the cap)."""
+    config = make_config(world=nodes * per_node, per_node=per_node, budget=budget, buffer=24)
+    lengths = [
+        [budget + 1] * per_node
+        + data.draw(
+            st.lists(
+                st.one_of(st.integers(1, 3 * budget), st.integers(1, max(budget // 6, 1))),
+                max_size=config.unit_capacity - per_node,
+            )
+        )
+        for _ in range(config.num_units)
+    ]
+    offers = make_offers(config, lengths)
+    plan = plan_round(offers, config, data.draw(st.integers(0, 5)))
+    assert all(u.num_splits == 0 for u in plan.units)
+    for offer, unit in zip(offers, plan.units, strict=True):
+        seen = np.concatenate([unit.emitted.views, unit.leftover.views])
+        assert sorted(seen.tolist()) == sorted(offer.samples.views.tolist())

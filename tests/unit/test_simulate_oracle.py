@@ -7,12 +7,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from odbd.errors import ConfigError
 from odbd.planner.config import CostModel, Grouping, PlannerConfig
 from odbd.planner.epoch import simulate
 from odbd.planner.grouping import group_buffer
 from odbd.planner.sampler import sampler_identities
+from odbd.planner.types import StepStats
 from odbd.simulate.distributions import sample_lengths
-from odbd.simulate.oracle import node_oracle_stats, oracle_stats
+from odbd.simulate.oracle import node_local_bound, node_oracle_stats, oracle_stats
 from odbd.simulate.report import summarize
 from odbd.world import World
 from tests.unit.planner_factories import make_table
@@ -116,3 +118,48 @@ def test_node_oracle_deals_each_nodes_runs_by_cost_and_covers_every_view() -> No
         >= summarize(glob, LINEAR, 12288, 8).simulated_time
     )
     assert np.allclose(stats.loss_scale.sum(axis=1), 8.0)
+
+
+def test_node_local_bound_is_the_busiest_nodes_work_plus_its_steps() -> None:
+    # Node 0 (ranks 0, 1): three groups of work 10, 6, 4; node 1 (ranks 2, 3): one of work 9.
+    work = np.array([[10.0, 6.0, 9.0, 0.0], [4.0, 0.0, 0.0, 0.0]])
+    samples = (work > 0).astype(np.int64)
+    zeros = np.zeros_like(samples)
+    stats = StepStats(samples, samples, samples, samples, work, np.zeros_like(work))
+    bound = node_local_bound(stats, ranks_per_node=2, cost=LINEAR)
+    assert (bound.num_steps, bound.busiest_node_work) == (2, 10.0)  # ceil(3/2); (10+6+4)/2
+    assert bound.simulated_time == 2 * LINEAR.c + 10.0
+    with pytest.raises(ConfigError, match="ranks per node"):
+        node_local_bound(StepStats(*(zeros[:, :3],) * 4, work[:, :3], work[:, :3]),
+                         ranks_per_node=2, cost=LINEAR)  # fmt: skip
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    lengths=st.lists(st.integers(1, 5000), min_size=1, max_size=200),
+    num_nodes=st.integers(1, 3),
+    per_node=st.integers(1, 3),
+    budget=st.integers(500, 4000),
+)
+def test_no_data_local_plan_of_the_same_groups_beats_the_bound(
+    lengths: list[int], num_nodes: int, per_node: int, budget: int
+) -> None:
+    """The node-local oracle and odbd both keep data on its node: each runs at least its own
+    groups' bound; the oracle's sorted runs reach it when one node is the slowest in every step."""
+    arr = np.asarray(lengths, dtype=np.int64)
+    world = num_nodes * per_node
+    cost = CostModel()
+    oracle = node_oracle_stats(arr, world_size=world, ranks_per_node=per_node, budget=budget,
+                               cost=cost)  # fmt: skip
+    bound = node_local_bound(oracle, ranks_per_node=per_node, cost=cost)
+    oracle_time = summarize(oracle, cost, budget, world).simulated_time
+    assert oracle_time >= bound.simulated_time * (1 - 1e-12)
+    assert oracle.work.shape[0] == bound.num_steps
+    config = PlannerConfig(world=World(world, per_node), token_budget=budget, buffer_size=16)
+    ours = simulate(arr, config).stats()
+    ours_bound = node_local_bound(ours, ranks_per_node=per_node, cost=cost)
+    assert summarize(ours, cost, budget, world).simulated_time >= ours_bound.simulated_time * (
+        1 - 1e-12
+    )
+    if num_nodes == 1 and per_node == 1:  # one rank: every plan is its bound
+        assert oracle_time == pytest.approx(bound.simulated_time)

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from odbd.daemon import summary_codec
 from odbd.errors import InvariantError
+from odbd.planner import company
 from odbd.planner.completion import combine, complete_node
 from odbd.planner.config import Balance, Collate, CostModel, Grouping, LossScaling, PlannerConfig
 from odbd.planner.decision import decide_round
@@ -203,10 +204,16 @@ def test_exact_loss_scales_of_the_split_plan_are_per_token_over_the_world(case):
 def test_summary_payload_does_not_grow_with_the_buffer():
     config = make_config(world=8, per_node=8, budget=12288, buffer=1024)
     lengths = np.random.default_rng(0).integers(16, 12288, 8192)
+    ordinary = UnitOffer(0, SampleTable.of(np.arange(8192), lengths), False)
+    assert len(summarize(group_unit(ordinary, config, 0)).profile) == 0  # no giant, no profile
+    lengths[0] = 20_000  # one sample over the budget: the cost profile rides along
     offer = UnitOffer(0, SampleTable.of(np.arange(8192), lengths), False)
     summary = summarize(group_unit(offer, config, 0))
+    assert len(summary.profile) == company.PROFILE_DEPTH
     payload = summary_codec.encode_summary(summary_codec.NodeSummary(0, 0, (summary,)))
-    assert len(payload) < 1024  # vs 24 bytes per sample (192 KiB) in the offer payload
+    # company.PROFILE_DEPTH float64s (2 KiB) and a header, whatever the buffer size, vs 24
+    # bytes per sample (192 KiB here) in the offer payload
+    assert len(payload) < 8 * company.PROFILE_DEPTH + 128
     decoded = summary_codec.decode_summary(payload).units[0]
     assert decoded.profile.tobytes() == summary.profile.tobytes()
     assert dataclasses.replace(decoded, profile=summary.profile) == summary

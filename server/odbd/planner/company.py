@@ -1,22 +1,38 @@
-"""Costly groups wait a round for company (min-time; issue 14, item 1).
+"""Costly groups wait for company under one shared cap profile (min-time; issue 14, item 1).
 
 A step lasts as long as its costliest group, and every unit gives each step G groups from its
 own buffer (data stays on its node), the k-th costliest run of G on every unit sharing step k
-(assignment.py). When one unit holds more costly groups than the others (a heavy tail: a few
-giants more on one node), its extra giants land in steps where the other units run ordinary
-groups, and those steps cost a giant's time for the work of ordinary ones.
+(assignment.py). For a fixed set of groups that is the best placement (simulate/oracle.py,
+`node_local_bound`); what a round loses is in the set: at every cost level x a round needs
+max over units of ceil(n_u(x) / G) steps costing >= x, where n_u(x) counts unit u's groups
+costing >= x. One round holds a few costly groups per unit (a Pareto tail: ~40 per 8,192
+samples), a different few on every unit, so the unit with the most sets the steps at every
+level while the others run cheaper groups beside it. The node-local oracle, which sorts a whole
+epoch per node, pays that once per epoch instead of once per round.
 
-A unit that has more groups than the round's T * G slots recirculates some anyway. Here it
-recirculates its costliest *fresh* groups instead, as many as bring its cost profile (its groups'
-costs sorted, position by position) closest to the round's median profile over all units. Only
-groups never recirculated before may wait, so a group waits at most one round (the termination
-bound of DESIGN.md section 3.3 keeps its form), and only the unit's surplus may wait, so T does
-not change. The reference is the median of every unit's profile, which each unit's summary carries
-(summary.py), so every daemon computes the same one; a unit's own choice is made on its node.
+So each round every unit runs its costly groups only as deep as a shared cap allows:
 
-plan_round searches only rounds that hold a group over the budget (a giant): on the named
-distributions, which have none, waiting moved the oracle ratio by <= 0.002 for ~5 % of
-plan_round's time; on a Pareto heavy tail it gains 0.007-0.015 (docs/bench/planner.md).
+1. cap (every daemon, from the summaries' profiles): at each profile position j, the
+   CAP_QUANTILE-quantile over units of their j-th costliest group, then taken at the last
+   position of j's run of G, so a run's cap is what a quarter of the units can fill whole;
+2. hold (each unit on its node): walking its groups costliest first, a group that costs more
+   than the cap at the next free position waits (recirculated, sorted again with the next
+   round's arrivals); the rest run. Every daemon computes each unit's held count from its
+   profile (`held_counts`) and takes T from the groups every unit can run without them, so
+   holding never forces a split (past CAP_SAMPLE_UNITS units, every k-th unit's; a unit left
+   out that lacks room runs its cheapest held groups).
+
+Bounds: a group whose samples were recirculated MAX_HOLD_ROUNDS times runs whatever the cap
+says (the unit then runs more than the others counted, which only adds surplus), so a sample
+waits at most that many rounds and DESIGN.md section 3.3's O(N/W + D) rounds keeps its form;
+nothing waits once a unit is dry (the epoch's last rounds drain); and only rounds with a sample
+over the budget (a giant) cap anything: capping every round moved sharegpt4o's odbd/node-local
+at W=128 by 0.0007.
+
+The numbers below are odbd/node-local oracle on bench-planner's workloads at W=128 (reproduce
+one by setting the constant and running the oracle table with ODBD_BENCH_ORACLE_WORLDS=128);
+before this cap (the median-profile search it replaced) the heavy tail measured 0.959 and 3 %
+over the budget 0.974.
 """
 
 from __future__ import annotations
@@ -25,104 +41,122 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from odbd.planner.types import FloatArray
+from odbd.planner.config import PlannerConfig
+from odbd.planner.types import FloatArray, IntArray
+
+# Profile positions compared, i.e. the costliest groups a summary carries (8 bytes each):
+# depth 32 / 64 / 128 / 256 gave 0.959 / 0.973 / 0.974 / 0.975 on the heavy tail, and
+# 64 / 128 / 256 gave 0.976 / 0.979 / 0.984 over the budget (~245 giants per unit and round).
+PROFILE_DEPTH = 256
+# Which quantile of the units' profiles caps a position (0 = the unit with the fewest costly
+# groups): 0.1 / 0.25 / 0.5 gave 0.971 / 0.973 / 0.970 on the heavy tail (depth 64).
+CAP_QUANTILE = 0.25
+# Rounds a group may wait: 6 / 12 gave 0.969 / 0.973 at depth 64, 8 / 12 gave 0.975 / 0.974 at
+# depth 256 (fewer rounds force giants out while the other units have none to match them).
+MAX_HOLD_ROUNDS = 8
+# Units whose profiles set the cap and T, every k-th from unit 0 past this many (W > 2048):
+# the quantile of 256 units is as good a cap as that of all, and phase 1 over all 1,024 units
+# of W=8192 took ~20 ms a round (np.partition and held_counts). A unit left out that lacks
+# room for T steps without its held groups runs the cheapest of them (node_plan.py).
+CAP_SAMPLE_UNITS = 256
 
 
-def waiting_groups(
-    costs: Sequence[FloatArray], fresh: Sequence[np.ndarray], num_slots: int, max_waits: int
-) -> list[np.ndarray]:
-    """Per unit, a bool mask over its groups: True = recirculate this round.
+def sampled_units(num_units: int) -> slice:
+    """The units phase 1 reads profiles of: all, or every k-th from unit 0."""
+    return slice(None, None, max(-(-num_units // CAP_SAMPLE_UNITS), 1))
 
-    costs[u]: (groups,) work of unit u's groups; fresh[u]: (groups,) True if no member was
-    recirculated before; num_slots: groups each unit runs this round (T * G). The split planner
-    runs the same two steps on different daemons: reference_profile from every unit's
-    top_profile (the round's summaries), unit_waits on the unit's own node.
+
+def outsized_work(config: PlannerConfig) -> float:
+    """The most work a group within the budget can have (padded <= L, sum l^2 <= L^2, patches
+    <= --max-patches): only groups above it, one sample longer than L, are capped."""
+    budget = float(config.token_budget)
+    return float(config.cost.work(budget, budget * budget, float(config.max_patches)))
+
+
+def cost_profile(cost: FloatArray, threshold: float) -> FloatArray:
+    """(<= PROFILE_DEPTH,) the unit's costliest groups' costs, descending, if any is outsized;
+    empty otherwise (no payload for buffers without a giant).
+
+    Its ordinary groups count too: where the quantile unit runs ordinary groups, the cap holds
+    back another unit's giants (outsized only: 0.971 on the heavy tail at W=128 vs 0.975).
     """
-    if num_slots == 0 or not any(len(c) > num_slots for c in costs):
-        return [np.zeros(len(c), dtype=bool) for c in costs]
-    reference = reference_profile([top_profile(c, PROFILE_DEPTH) for c in costs], num_slots)
-    return [
-        unit_waits(c, f, num_slots, max_waits, reference) for c, f in zip(costs, fresh, strict=True)
-    ]
+    cost = np.asarray(cost, dtype=np.float64)
+    if not bool((cost > threshold).any()):
+        return np.zeros(0)
+    return -np.sort(-cost)[:PROFILE_DEPTH]
 
 
-def top_profile(cost: FloatArray, depth: int) -> FloatArray:
-    """(<= depth,) the unit's `depth` largest group costs, descending: its cost profile."""
-    return -np.sort(-np.asarray(cost, dtype=np.float64))[:depth]
-
-
-def reference_profile(profiles: Sequence[FloatArray], num_slots: int) -> FloatArray:
-    """(depth,) the median over units of their profiles (zero beyond a unit's groups), depth =
-    min(num_slots, PROFILE_DEPTH). np.median sorts each column: the same on every daemon."""
-    depth = min(num_slots, PROFILE_DEPTH)
-    matrix = np.zeros((len(profiles), depth))
+def profile_matrix(profiles: Sequence[FloatArray]) -> tuple[FloatArray, IntArray]:
+    """(units, longest profile) every unit's profile, zero past its end, and (units,) how many
+    entries each has: the one array phase 1 reads."""
+    lengths = np.asarray([min(len(p), PROFILE_DEPTH) for p in profiles], dtype=np.int64)
+    width = int(lengths.max(initial=0))
+    if len(profiles) and bool((lengths == width).all()):
+        return np.stack([p[:width] for p in profiles]).astype(np.float64), lengths
+    matrix = np.zeros((len(profiles), width))
     for u, profile in enumerate(profiles):
-        top = profile[:depth]
-        matrix[u, : len(top)] = top
-    return np.asarray(np.median(matrix, axis=0), dtype=np.float64)
+        matrix[u, : lengths[u]] = profile[: lengths[u]]
+    return matrix, lengths
 
 
-def unit_waits(
-    cost: FloatArray, fresh: np.ndarray, num_slots: int, max_waits: int, reference: FloatArray
-) -> np.ndarray:
-    """One unit's waits (bool over its groups) given the round's reference profile."""
-    wait = np.zeros(len(cost), dtype=bool)
-    if len(cost) <= num_slots or num_slots == 0:
-        return wait
-    depth = len(reference)
-    order = _costliest_first(cost, depth + max_waits)
-    profile = np.zeros(depth)
-    top = cost[order[:depth]]
-    profile[: len(top)] = top
-    # A unit whose profile never rises above the reference cannot come closer by waiting (that
-    # only lowers its profile), so it is not searched (~1 unit in 5 on a heavy tail).
-    if not bool((profile > reference).any()):
-        return wait
-    surplus = min(len(cost) - num_slots, max_waits)
-    return _closest_shift(cost, fresh, order, surplus, reference)
+def cap_profile(matrix: FloatArray, ranks_per_unit: int, threshold: float) -> FloatArray:
+    """(matrix width,) the cap at each position, non-increasing: where the quantile unit's
+    profile ends, nothing costlier than its last capped group may run, and with no profile at
+    all nothing over `threshold`. matrix: profile_matrix's of sampled_units'.
 
-
-# Positions of the profile compared: the costliest groups, where a heavy tail's giants sit.
-# Comparing whole profiles gained at most 0.003 more of the oracle's efficiency in
-# bench-planner's table, for a ~5x longer search (an (s, T * G) gather per unit).
-PROFILE_DEPTH = 64
-
-
-def _costliest_first(cost: FloatArray, count: int) -> np.ndarray:
-    """The first >= `count` entries of np.argsort(-cost, kind="stable") (all if fewer).
-
-    Only these can move the top `depth` positions: a fresh group below position
-    depth + max_waits shifts nothing above depth when it waits. np.partition finds the count-th
-    largest *value*, the same on every machine (argpartition's choice among equal values is
-    not), and every cost >= it is sorted stably, so ties keep index order as in a full sort.
+    np.partition picks a value of the matrix (no interpolation), the same on every daemon.
     """
-    if count >= len(cost):
-        return np.argsort(-cost, kind="stable")
-    threshold = np.partition(cost, len(cost) - count)[len(cost) - count]
-    top = np.flatnonzero(cost >= threshold)
-    return top[np.argsort(-cost[top], kind="stable")]
+    units, depth = matrix.shape
+    if units == 0:
+        return np.zeros(0)
+    k = int(CAP_QUANTILE * (units - 1))
+    column = np.partition(matrix, k, axis=0)[k]
+    g = max(ranks_per_unit, 1)
+    run_end = np.minimum(np.arange(depth) // g * g + g - 1, depth - 1)
+    cap = column[run_end]  # each row is non-increasing, so are its quantile and the cap
+    # Past the quantile unit's profile, nothing costlier than its last capped group may run
+    # (forward fill keeps the cap non-increasing); with no profile at all, nothing outsized.
+    positive = np.flatnonzero(cap > 0)
+    floor = cap[positive[-1]] if positive.size else threshold
+    return np.where(cap > 0, cap, floor)
 
 
-def _closest_shift(
-    cost: FloatArray, fresh: np.ndarray, order: np.ndarray, max_waits: int, reference: FloatArray
-) -> np.ndarray:
-    """Waits for the s costliest fresh groups, s <= max_waits minimizing the L1 distance of the
-    unit's top profile to `reference` (same length); ties go to fewer waits.
+def held_counts(matrix: FloatArray, lengths: IntArray, cap: FloatArray) -> IntArray:
+    """(units,) how many groups each unit holds (`unit_holds` with nothing too old to wait);
+    matrix and lengths as profile_matrix gives them, for every unit or sampled_units'.
 
-    Dropping the first s fresh positions p_1 < ... < p_s of the sorted costs moves new position j
-    to old position j + #{i <= s : p_i - (i - 1) <= j}; all s at once is one (s, depth) gather.
+    Walking costs c_0 >= c_1 >= ... against cap (non-increasing), the j-th group to run is the
+    first after the (j-1)-th with c_i <= cap[j]: r_j = max(s_j, r_(j-1) + 1), s_j = #{i: c_i >
+    cap[j]}, i.e. r_j = j + cummax(s_j - j). Every unit at once, exact comparisons only.
     """
-    depth = len(reference)
-    sorted_cost = cost[order]
-    removable = np.flatnonzero(fresh[order])[:max_waits]  # `order` may hold only the top
-    shifted = removable - np.arange(len(removable))  # p_i - (i - 1), nondecreasing
-    below = np.searchsorted(shifted, np.arange(depth), side="right")
-    counts = np.arange(len(removable) + 1)[:, None]
-    old = np.arange(depth)[None, :] + np.minimum(counts, below[None, :])
-    # cumsum adds left to right on every machine (a pairwise sum's order is numpy's choice), so
-    # every daemon compares the same distances.
-    distance = np.cumsum(np.abs(sorted_cost[old] - reference[None, :]), axis=1)[:, -1]
-    best = int(np.argmin(distance))  # first minimum: the fewest waits
-    wait = np.zeros(len(cost), dtype=bool)
-    wait[order[removable[:best]]] = True
-    return wait
+    units, depth = len(lengths), len(cap)
+    if units == 0 or depth == 0:
+        return np.zeros(units, dtype=np.int64)
+    seen = np.minimum(lengths, depth)
+    # first[u, i] = #{j: cap[j] >= c_ui}: group i exceeds the cap from position first[u, i] on
+    first = np.searchsorted(-cap, -matrix[:, :depth], side="right")
+    first[np.arange(depth)[None, :] >= seen[:, None]] = depth  # past a unit's groups
+    rows = np.repeat(np.arange(units) * (depth + 1), depth)
+    hist = np.bincount(rows + first.ravel(), minlength=units * (depth + 1))
+    exceeding = np.cumsum(hist.reshape(units, depth + 1), axis=1)[:, :depth]
+    position = np.arange(depth)
+    runs_at = position + np.maximum.accumulate(exceeding - position, axis=1)
+    return seen - (runs_at < seen[:, None]).sum(axis=1)
+
+
+def unit_holds(cost: FloatArray, ages: IntArray, cap: FloatArray, depth: int) -> np.ndarray:
+    """(groups,) bool: True = this group waits (recirculated) this round.
+
+    cost: the unit's group costs; ages: per group, the most rounds any member was recirculated.
+    depth: the length of the unit's own profile. Only the groups it shows may wait: the other
+    daemons count the holds from it (held_counts).
+    """
+    hold = np.zeros(len(cost), dtype=bool)
+    order = np.argsort(-np.asarray(cost), kind="stable")[: min(len(cap), depth)]
+    position = 0
+    for group in order.tolist():
+        if cost[group] > cap[position] and ages[group] < MAX_HOLD_ROUNDS:
+            hold[group] = True
+        else:
+            position += 1
+    return hold

@@ -1,62 +1,65 @@
 """Phase 1 of a round (summary.py lists the phases): what every daemon decides from summaries.
 
-Input: one UnitSummary per unit (a few hundred bytes each); output: the round's step count T,
-the shared step order, and company.py's reference profile. Cost O(units x PROFILE_DEPTH), no
-sample is looked at, and every daemon computes the same RoundDecision from the same summaries.
+Input: one UnitSummary per unit (~40 bytes, 2 KiB with company.py's profile); output: the
+round's step count T, the shared step order, and company.py's cap profile. Cost O(units +
+min(units, CAP_SAMPLE_UNITS) x PROFILE_DEPTH), no sample is looked at, and every daemon
+computes the same RoundDecision from the same summaries.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
+
 from odbd.errors import InvariantError
 from odbd.planner import alignment, assignment, company, windows
 from odbd.planner.config import Grouping, PlannerConfig
-from odbd.planner.types import FloatArray, RoundDecision, UnitSummary
-
-# Groups a unit may hold back per rank in one round (company.py); it bounds the search. On
-# bench-planner's oracle workloads at W=128 units held back 1-2 per rank at the 90th percentile,
-# 4.4 at most, and this cap measured the same ratios as none.
-MAX_WAITS_PER_RANK = 4
+from odbd.planner.types import FloatArray, IntArray, RoundDecision, UnitSummary
 
 
 def decide_round(
     summaries: Sequence[UnitSummary], config: PlannerConfig, round_index: int
 ) -> RoundDecision:
-    """Phase 1: T, the step order and the company reference from every unit's summary."""
+    """Phase 1: T, the step order and the company cap from every unit's summary."""
     _check_summaries(summaries, config)
     all_dry = all(s.dry for s in summaries)
+    cap, held = _cap_and_holds(summaries, config)
     num_steps = windows.round_step_count(
-        _target_steps(summaries, config), config.accumulate, all_dry
+        _target_steps(summaries, config, held), config.accumulate, all_dry
     )
     order = assignment.step_order(num_steps, config.seed, round_index)
-    reference = _reference(summaries, config, num_steps * config.ranks_per_unit)
-    return RoundDecision(round_index, num_steps, order, all_dry, reference)
+    return RoundDecision(round_index, num_steps, order, all_dry, cap)
 
 
-def max_waits(config: PlannerConfig) -> int:
-    """Groups one unit may hold back in a round (company.py)."""
-    return MAX_WAITS_PER_RANK * config.ranks_per_unit
-
-
-def _reference(
-    summaries: Sequence[UnitSummary], config: PlannerConfig, num_slots: int
-) -> FloatArray | None:
-    """company.py's reference profile, in min-time rounds that hold a giant (a sample over the
-    budget) and in which some unit has more groups than slots; None otherwise."""
-    giants = any(s.max_length > config.token_budget for s in summaries)
+def _cap_and_holds(
+    summaries: Sequence[UnitSummary], config: PlannerConfig
+) -> tuple[FloatArray | None, IntArray | None]:
+    """company.py's cap profile and every unit's held count (0 for units it does not sample),
+    in min-time rounds that hold a giant (a sample over the budget) while every unit still
+    fills; no group waits in the others."""
     if (
         config.grouping is Grouping.PAPER
-        or not giants
-        or num_slots == 0
-        or all(s.num_groups <= num_slots for s in summaries)
+        or any(s.dry for s in summaries)
+        or all(s.max_length <= config.token_budget for s in summaries)
     ):
-        return None
-    return company.reference_profile([s.profile for s in summaries], num_slots)
+        return None, None
+    sample = company.sampled_units(len(summaries))
+    matrix, lengths = company.profile_matrix([s.profile for s in summaries[sample]])
+    cap = company.cap_profile(matrix, config.ranks_per_unit, company.outsized_work(config))
+    if len(cap) == 0:
+        return None, None
+    held = np.zeros(len(summaries), dtype=np.int64)
+    held[sample] = company.held_counts(matrix, lengths, cap)
+    return cap, held
 
 
-def _target_steps(summaries: Sequence[UnitSummary], config: PlannerConfig) -> int:
+def _target_steps(
+    summaries: Sequence[UnitSummary], config: PlannerConfig, held: IntArray | None
+) -> int:
     counts = [s.num_groups for s in summaries]
+    if held is not None:  # T: what every sampled unit fills without its held groups
+        counts = [c - int(h) for c, h in zip(counts, held, strict=True)]
     if config.grouping is Grouping.PAPER:
         samples = [s.num_samples for s in summaries]
         return alignment.paper_target_steps(

@@ -4,7 +4,7 @@ Input: this node's GroupedUnits (phase 0) and the round's RoundDecision (phase 1
 NodeDraft (its units' UnitPlans and per (step, rank) columns) and StepTotals, the small payload
 every node sends so that each can compute exact loss scales and updates (completion.py).
 Cost O(this node's samples): nothing here depends on another node's buffer, only on T, the
-shared step order and the company reference, which are the same on every daemon.
+shared step order and the company cap, which are the same on every daemon.
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ import numpy as np
 
 from odbd.planner import alignment, assignment, company
 from odbd.planner.config import Grouping, LossScaling, PlannerConfig
-from odbd.planner.decision import max_waits
 from odbd.planner.loss_scaling import step_weights
 from odbd.planner.summary import GroupedUnit, SortedBuffer, range_max
 from odbd.planner.types import (
@@ -100,11 +99,11 @@ def _fit(
         return alignment.fit_groups_paper(unit.groups, num_slots)
     priority = _keep_priority(unit.groups, unit.buffer, config)
     if decision.reference is not None:
-        wait = company.unit_waits(
-            unit.work, unit.fresh, num_slots, max_waits(config), decision.reference
-        )
-        if wait.any():  # below every keep priority (those are >= 0): recirculated first
-            priority = np.where(wait, -1.0, priority)
+        hold = company.unit_holds(unit.work, unit.ages, decision.reference, len(unit.profile))
+        if hold.any():  # below every keep priority (those are >= 0): recirculated first, and
+            # the costliest last should the unit lack room for T steps without them
+            rank = unit.work / max(float(unit.work.max()), 1e-300)
+            priority = np.where(hold, -1.0 - rank, priority)
     return alignment.fit_groups(unit.groups, num_slots, priority)
 
 

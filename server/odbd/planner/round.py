@@ -1,7 +1,7 @@
 """plan_round: one round planned for every node, phase by phase (summary.py lists the phases).
 
 0. group each unit's buffer and summarize it (summary.py; on the unit's node)
-1. decide T, the shared step order and company.py's reference from the summaries (decision.py;
+1. decide T, the shared step order and company.py's cap from the summaries (decision.py;
    the same on every daemon, O(units))
 2. fit every unit to T steps and place its groups on (rank, step) (node_plan.py, alignment.py,
    assignment.py; on the unit's node)

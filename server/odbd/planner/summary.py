@@ -3,7 +3,7 @@
 A round is planned in phases so that no daemon touches another node's samples (issue 14, part 2):
 
 0. local  (this module): each node groups its own units' buffers and sends a `UnitSummary` per
-   unit, a few hundred bytes whatever the buffer size
+   unit, ~40 bytes (2 KiB with a sample over the budget) whatever the buffer size
 1. global (decision.py): every daemon decides the round's step count and shared orders from
    the summaries of every unit (O(units), the same on every daemon)
 2. local  (node_plan.py): each node fits and assigns its own groups to (rank, step)
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from odbd.planner.company import PROFILE_DEPTH, top_profile
+from odbd.planner.company import cost_profile, outsized_work
 from odbd.planner.config import Collate, CostModel, Grouping, PlannerConfig
 from odbd.planner.grouping import group_buffer
 from odbd.planner.packing import group_with_budgets
@@ -84,7 +84,8 @@ class GroupedUnit:
     buffer: SortedBuffer
     # (num_groups,) a * padded + b * sum l^2 + p * patches of each group (min-time only)
     work: FloatArray
-    fresh: np.ndarray  # (num_groups,) bool: no member was recirculated before
+    ages: IntArray  # (num_groups,) the most rounds any member was recirculated (min-time only)
+    profile: FloatArray  # company.py's cost profile (min-time, with an outsized group only)
 
 
 def group_unit(offer: UnitOffer, config: PlannerConfig, round_index: int) -> GroupedUnit:
@@ -92,10 +93,12 @@ def group_unit(offer: UnitOffer, config: PlannerConfig, round_index: int) -> Gro
     groups = _group(offer, config, round_index)
     buffer = SortedBuffer.of(offer.samples, groups.order, config.collate is Collate.PACKED)
     if config.grouping is Grouping.PAPER or len(groups) == 0:
-        return GroupedUnit(offer, groups, buffer, np.zeros(len(groups)), np.zeros(0, bool))
+        none = np.zeros(len(groups), dtype=np.int64)
+        return GroupedUnit(offer, groups, buffer, none.astype(np.float64), none, np.zeros(0))
     work = buffer.work(groups.starts, groups.ends, config.cost)
-    fresh = range_max(buffer.ages, groups) == 0
-    return GroupedUnit(offer, groups, buffer, work, fresh)
+    ages = range_max(buffer.ages, groups)
+    profile = cost_profile(work, outsized_work(config))
+    return GroupedUnit(offer, groups, buffer, work, ages, profile)
 
 
 def summarize(unit: GroupedUnit) -> UnitSummary:
@@ -107,7 +110,7 @@ def summarize(unit: GroupedUnit) -> UnitSummary:
         num_samples=len(samples),
         num_groups=len(unit.groups),
         max_length=int(samples.lengths.max()) if len(samples) else 0,
-        profile=top_profile(unit.work, PROFILE_DEPTH),
+        profile=unit.profile,
     )
 
 

@@ -209,8 +209,9 @@ class UnitSummary:
     dry: bool  # nothing more arrives for this unit this epoch
     num_samples: int  # buffered samples (the paper's S_r)
     num_groups: int  # groups the buffer was cut into (G_r)
-    max_length: int  # its longest sample: a group over the budget turns company.py on
-    # (<= company.PROFILE_DEPTH,) its costliest groups' work, descending (company.py's profile)
+    max_length: int  # its longest sample: a group over the budget turns company.py's cap on
+    # (<= company.PROFILE_DEPTH,) its costliest groups' work, descending (company.py's
+    # profile); empty in a buffer without an outsized group (one sample over the budget)
     profile: FloatArray
 
 
@@ -222,5 +223,5 @@ class RoundDecision:
     num_steps: int  # T: every rank runs this many steps (before --tokens-per-update cuts)
     step_order: IntArray  # (T,) step_order[k] = step of the k-th costliest run (assignment.py)
     all_dry: bool  # every unit is dry: the epoch flushes
-    # (depth,) company.py's reference profile, None when no group waits this round
+    # (<= company.PROFILE_DEPTH,) company.py's cap profile, None when no group waits this round
     reference: FloatArray | None

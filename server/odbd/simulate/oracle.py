@@ -18,12 +18,21 @@ being online. The result is StepStats, so `summarize` serves it like every basel
 ranks' views, as odbd's node balance does, and step k takes every node's k-th costliest run of G
 groups): the gap between the two oracles is what keeping data on its node costs, and the gap
 between odbd and the node-local one is what planning round by round costs.
+
+`node_local_bound` asks whether a better data-local plan than the node-local oracle exists: for
+a fixed set of groups per node, no plan that keeps data on its node runs faster than
+c * max_u ceil(groups_u / G) + max_u work_u / G (a step lasts at least as long as the mean work of
+any one node's G ranks in it, and a rank runs one group per step). The node-local oracle's sorted
+runs reach that bound up to the steps where the node with the most work is not the slowest.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
+from odbd.errors import ConfigError
 from odbd.planner.config import CostModel, Grouping, LossScaling
 from odbd.planner.grouping import group_buffer
 from odbd.planner.loss_scaling import loss_scales
@@ -161,3 +170,31 @@ def node_oracle_stats(
         work=stacked("work"),
         loss_scale=loss_scales(LossScaling.EXACT, num_samples, num_tokens, np.zeros(world_size)),
     )
+
+
+@dataclass(frozen=True, slots=True)
+class NodeLocalBound:
+    """A lower bound on the time of any plan that runs the same groups with data kept local."""
+
+    num_steps: int  # max over nodes of ceil(its groups / G): no node can run its groups in fewer
+    step_overhead: float  # c * num_steps
+    busiest_node_work: float  # max over nodes of (sum of its groups' work) / G
+    # the bound: step_overhead + busiest_node_work (same units as Summary.simulated_time)
+    simulated_time: float
+
+
+def node_local_bound(stats: StepStats, *, ranks_per_node: int, cost: CostModel) -> NodeLocalBound:
+    """The bound for the groups in `stats` ((steps, W), ranks in node order, an empty cell = an
+    idle rank): why no data-local planner beats the node-local oracle by more than the gap."""
+    steps, world = stats.work.shape
+    if world % ranks_per_node:
+        raise ConfigError(
+            f"stats have {world} ranks, not a multiple of {ranks_per_node} ranks per node: pass "
+            "the ranks_per_node the plan was made for"
+        )
+    by_node = (steps, world // ranks_per_node, ranks_per_node)
+    groups = (stats.num_samples > 0).reshape(by_node).sum(axis=(0, 2))
+    work = stats.work.reshape(by_node).sum(axis=(0, 2)) / ranks_per_node
+    num_steps = int(-(-groups.max(initial=0) // ranks_per_node))
+    busiest = float(work.max(initial=0.0))
+    return NodeLocalBound(num_steps, cost.c * num_steps, busiest, cost.c * num_steps + busiest)
