@@ -1,18 +1,14 @@
-"""Delivered reports, from next() to the daemon without waking a thread inside next().
+"""Delivered reports, from next() to the daemon, batched: one report covers consecutive steps.
 
-Why: next() on a ready batch is ~35 us of queue and bookkeeping work. Handing a message to
-gRPC inside it cost ~60 us more per step, and waking any helper thread ~30 us (measured with an
-instrumented client, docs/bench/datapath.md): the woken threads (gRPC's sender, then the daemon,
-then our own reader collating the next pushed batch) compete with the trainer for the 2 cores
-and the GIL before next() has returned. So next() only appends to a deque, and a pump thread
-sends what is queued every `poll_s` while batches flow. After `park_after_s` without a report
-it parks until the next one, so a paused or slow trainer costs no polling; with steps that
-long, the one wake per step is a small share of the step.
+next() queues a report per batch it hands over (`add`); a flush sends everything queued as one
+Delivered (wait and compute summed), written straight to the step socket by the calling thread
+(protocol 6: a frame on a unix socket costs a few microseconds, so there is no sender thread
+to wake, the cost that once made a pump thread worth having; docs/bench/datapath.md).
 
-A flush sends everything queued as one Delivered covering those consecutive steps (wait and
-compute summed): per message, gRPC costs both sides far more than the few bytes. Besides the
-pump, ODBClient flushes once next() has blocked for 1 ms, at an epoch's end and once half its
-prefetch window is unreported, so the daemon keeps pushing ahead of a fast trainer.
+When ODBClient flushes (client.py): once `report_every` (prefetch / 2) reports are queued, so
+the daemon keeps pushing ahead of a fast trainer; on a next() whose last flush is older than
+`max_age_s`, so a trainer with long steps reports each step at once (one small write per long
+step is noise); once next() has blocked for 1 ms; at an epoch's end; on close.
 """
 
 from __future__ import annotations
@@ -20,13 +16,12 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import NamedTuple
 
-from odbclient.connect import Outbox, start_reader
 from odbclient.wire.odbd.v1 import trainer_pb2
 
-DEFAULT_POLL_S = 0.005
-DEFAULT_PARK_AFTER_S = 0.05
+DEFAULT_MAX_AGE_S = 0.002
 
 
 class _Report(NamedTuple):
@@ -41,28 +36,23 @@ class DeliveryReports:
 
     def __init__(
         self,
-        outbox: Outbox,
+        send: Callable[[trainer_pb2.TrainerMessage], None],
         *,
-        name: str,
-        poll_s: float = DEFAULT_POLL_S,
-        park_after_s: float = DEFAULT_PARK_AFTER_S,
+        max_age_s: float | None = None,  # None: DEFAULT_MAX_AGE_S as it is when built
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self._outbox = outbox
-        self._poll_s, self._park_after_s = poll_s, park_after_s
+        self._send = send
+        self._max_age_s = DEFAULT_MAX_AGE_S if max_age_s is None else max_age_s
+        self._clock = clock
         self._unsent: deque[_Report] = deque()
         self._measured: deque[tuple[int, int, float]] = deque()  # report_compute: ride along
         self._lock = threading.Lock()  # one flush at a time: reports leave in step order
-        self._wake = threading.Event()
-        self._parked = True
+        self._flushed_s = clock()
         self._closed = False
-        self._pump = start_reader(self._run, name=name)
 
     def add(self, epoch: int, step: int, *, wait_s: float, compute_s: float) -> int:
-        """Queues one report (any thread; wakes nobody unless the pump is parked); returns how
-        many reports are unsent."""
+        """Queues one report; returns how many reports are unsent."""
         self._unsent.append(_Report(epoch, step, wait_s, compute_s))
-        if self._parked:
-            self._wake.set()
         return len(self._unsent)
 
     def add_measured(self, epoch: int, step: int, compute_s: float) -> None:
@@ -70,9 +60,13 @@ class DeliveryReports:
         Delivered always covers at least one new step, so none is sent for these alone)."""
         self._measured.append((epoch, step, compute_s))
 
+    def stale(self) -> bool:
+        """The last flush is older than max_age_s: the trainer's steps are long."""
+        return self._clock() - self._flushed_s >= self._max_age_s
+
     def flush(self) -> None:
-        """Hands every queued report to gRPC now, as one Delivered (any thread)."""
-        if not self._unsent:
+        """Sends every queued report now, as one Delivered (any thread)."""
+        if not self._unsent or self._closed:
             return
         with self._lock:
             taken = [self._unsent.popleft() for _ in range(len(self._unsent))]
@@ -88,31 +82,10 @@ class DeliveryReports:
             while self._measured:
                 epoch, step, compute_s = self._measured.popleft()
                 delivered.measured.add(epoch=epoch, step=step, compute_s=compute_s)
-            self._outbox.put(trainer_pb2.TrainerMessage(delivered=delivered))
+            self._flushed_s = self._clock()
+            self._send(trainer_pb2.TrainerMessage(delivered=delivered))
 
     def close(self) -> None:
-        """Flushes what is queued and ends the pump (idempotent)."""
-        self._closed = True
-        self._wake.set()
+        """Sends what is queued; later reports are dropped (idempotent)."""
         self.flush()
-        if self._pump is not threading.current_thread():
-            self._pump.join(timeout=1.0)
-
-    def _run(self) -> None:
-        last_report_s = time.monotonic()
-        while True:
-            if self._parked:
-                self._wake.wait()
-                self._parked = False
-                last_report_s = time.monotonic()
-            self._wake.clear()
-            if self._closed:
-                return
-            self._wake.wait(self._poll_s)  # a sleep that close() can cut short
-            if self._unsent:
-                self.flush()
-                last_report_s = time.monotonic()
-            elif time.monotonic() - last_report_s > self._park_after_s:
-                self._parked = True
-                if self._unsent:  # add() ran before it could see the flag: stay awake
-                    self._parked = False
+        self._closed = True

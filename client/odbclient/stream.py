@@ -1,10 +1,12 @@
-"""The trainer side of one `Train` stream: hello, welcome, and a reader thread that turns
+"""The trainer side of one step channel: hello, welcome, and a reader thread that turns
 StepBatch events into ready Batch objects (collated out of shared memory) in an inbox queue.
 
-Threads: grpc consumes the request side (`Outbox`) on its own thread; `_read` runs on a reader
-thread and is the only user of the arena views; the trainer thread only takes from `inbox` and
-queues Delivered reports, which `DeliveryReports` (odbclient.reports) hands to the outbox.
-Every failure on the reader thread reaches the trainer as a
+Transport (protocol 6): one blocking unix socket to the daemon's step socket, carrying
+length-prefixed TrainerMessage / TrainerEvent frames (odbclient.framing). Threads: `_read` runs
+on the reader thread, receives whatever arrived (many frames per recv) and is the only user of
+the arena views; the trainer thread takes from `inbox` and writes Delivered reports straight to
+the socket (`_send`, under a lock). No other thread: gRPC is used only to ask a stalled daemon
+why (`daemon_says`), lazily. Every failure on the reader thread reaches the trainer as a
 `Failure` item, so a broken stream or bad data raises in next() instead of hanging it.
 """
 
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import queue
+import socket as socketlib
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -26,18 +29,24 @@ from odbclient.connect import (
     PROTOCOL_VERSION,
     TRAINER_REFUSALS,
     Failure,
-    Outbox,
     StreamEnd,
-    open_channel,
+    connect_steps,
+    refusal_error,
     start_reader,
-    translate_rpc_error,
 )
-from odbclient.errors import ClientClosedError, DaemonTimeoutError, ProtocolError
+from odbclient.errors import (
+    ClientClosedError,
+    DaemonConnectionError,
+    DaemonTimeoutError,
+    ProtocolError,
+)
+from odbclient.framing import FrameBuffer, frame
 from odbclient.reports import DeliveryReports
 from odbclient.shm import ArenaView, decode, read_meta
-from odbclient.wire.odbd.v1 import admin_pb2, admin_pb2_grpc, trainer_pb2, trainer_pb2_grpc
+from odbclient.wire.odbd.v1 import admin_pb2, admin_pb2_grpc, trainer_pb2
 
 _CLOSE_GRACE_S = 2.0  # how long close() lets the daemon read our last messages
+_RECV_BYTES = 1 << 20  # one recv takes every frame that arrived, up to this many bytes
 _STATUS_TIMEOUT_S = 5.0  # asking a stalled daemon why must not become a second stall
 
 
@@ -146,20 +155,21 @@ def _progress(p: trainer_pb2.Progress) -> Progress:
 class TrainerStream:
     """One rank's connection; `inbox` yields Batch, EpochEnd, JobEnd, Failure or StreamEnd."""
 
-    def __init__(self, *, rank: int, socket: str, channel: grpc.Channel, prefetch: int) -> None:
+    def __init__(
+        self, *, rank: int, socket: str, connection: socketlib.socket, prefetch: int
+    ) -> None:
         self.rank, self.socket = rank, socket
         self.inbox: queue.Queue[object] = queue.Queue(maxsize=prefetch + 4)
         self.welcome: Welcome | None = None
-        self._channel = channel
-        self._outbox = Outbox()
-        self.reports = DeliveryReports(self._outbox, name=f"odbclient-rank{rank}-reports")
+        self._connection = connection
+        self._send_lock = threading.Lock()  # the trainer thread and close() both write
+        self.reports = DeliveryReports(self._send)
         self._closing = threading.Event()
         self._arena: ArenaView | None = None
         self._segment_names: list[str] = []
         self._pads: dict[str, float] = {}
         self._form = BatchForm()  # from the welcome
         self._last_schema: tuple[KeySchema, ...] = ()  # of the last real batch: idle fillers
-        self._call: Any = None
         self._reader: threading.Thread | None = None
 
     @classmethod
@@ -179,7 +189,7 @@ class TrainerStream:
         stream = cls(
             rank=rank,
             socket=socket,
-            channel=open_channel(socket, timeout_s=connect_timeout_s),
+            connection=connect_steps(socket, timeout_s=connect_timeout_s),
             prefetch=prefetch,
         )
         hello = trainer_pb2.TrainerHello(
@@ -193,10 +203,9 @@ class TrainerStream:
         if world.rank is not None:
             hello.launcher_rank = world.rank
         hello.world_source = world.source
-        stream._outbox.put(trainer_pb2.TrainerMessage(hello=hello))
-        stream._call = trainer_pb2_grpc.TrainerStub(stream._channel).Train(iter(stream._outbox))
-        stream._reader = start_reader(stream._read, name=f"odbclient-rank{rank}")
         try:
+            stream._send(trainer_pb2.TrainerMessage(hello=hello))
+            stream._reader = start_reader(stream._read, name=f"odbclient-rank{rank}")
             stream._await_welcome(connect_timeout_s)
         except BaseException:
             stream.close()
@@ -207,20 +216,30 @@ class TrainerStream:
         """Ends the stream and the reader thread (idempotent); arena mappings stay (shm.py)."""
         if self._closing.is_set():
             return
-        self._closing.set()
         self.reports.close()
-        # Half-close first: gRPC sends the queued Delivered messages before the end of the
-        # stream, and the daemon ends its side once it read them. Cancelling right away could
+        self._closing.set()
+        # Half-close first: the daemon reads the last Delivered, then the end of the stream
+        # (the detach), and closes its side, which ends our reader. Closing at once could
         # drop the last Delivered, leaving the daemon waiting for a step that was trained.
-        self._outbox.close()
-        if self._reader is not None and self._reader is not threading.current_thread():
-            self._reader.join(timeout=_CLOSE_GRACE_S)
-        if self._call is not None:
-            self._call.cancel()
-        self._channel.close()
-        if self._reader is not None and self._reader is not threading.current_thread():
-            self._reader.join(timeout=5.0)
+        with contextlib.suppress(OSError):
+            self._connection.shutdown(socketlib.SHUT_WR)
+        self._join_reader(_CLOSE_GRACE_S)
+        with contextlib.suppress(OSError):
+            self._connection.shutdown(socketlib.SHUT_RDWR)  # wakes a reader still in recv
+        self._join_reader(5.0)
+        self._connection.close()
         self._wake_waiter()
+
+    def _join_reader(self, timeout_s: float) -> None:
+        if self._reader is not None and self._reader is not threading.current_thread():
+            self._reader.join(timeout=timeout_s)
+
+    def _send(self, message: trainer_pb2.TrainerMessage) -> None:
+        """Writes one message (any thread). A broken socket is not raised here: the reader
+        sees it too and queues the failure that next() raises with the reason."""
+        data = frame(message.SerializeToString())
+        with self._send_lock, contextlib.suppress(OSError):
+            self._connection.sendall(data)
 
     def _wake_waiter(self) -> None:
         """Ends a next() that another thread is blocked in: the reader puts nothing more, so
@@ -258,24 +277,49 @@ class TrainerStream:
     # --- reader thread -------------------------------------------------------------------------
 
     def _read(self) -> None:
+        frames, buffer = FrameBuffer(), bytearray(_RECV_BYTES)
+        view = memoryview(buffer)
         try:
-            for event in self._call:
-                for item in self._handle(event):
-                    self._put(item)
-            self._put(StreamEnd())
-        except grpc.RpcError as exc:
+            while (received := self._connection.recv_into(buffer)) > 0:
+                for payload in frames.feed(view[:received]):
+                    event = trainer_pb2.TrainerEvent.FromString(payload)
+                    if event.HasField("refusal"):
+                        self._put(Failure(self._refusal(event.refusal)))
+                        return
+                    for item in self._handle(event):
+                        self._put(item)
+            self._on_stream_end(cut=frames.pending_bytes > 0)
+        except OSError as error:
             if not self._closing.is_set():
-                error = translate_rpc_error(
-                    exc,
-                    socket=self.socket,
-                    who=f"trainer rank {self.rank}",
-                    established=self.welcome is not None,
-                    refusals=TRAINER_REFUSALS,
-                )
-                self._put(Failure(error))
+                self._put(Failure(self._broken(f"{type(error).__name__}: {error}")))
         except Exception as exc:  # bad data or a bug: the trainer must see it, not hang
             self._put(Failure(exc))
-            self._call.cancel()
+            with contextlib.suppress(OSError):
+                self._connection.shutdown(socketlib.SHUT_RDWR)
+
+    def _on_stream_end(self, *, cut: bool) -> None:
+        """The daemon closed the stream: cleanly after a failed job's end or at its shutdown
+        (StreamEnd: the client tells which), or it died (a frame cut short)."""
+        if self._closing.is_set():
+            return
+        self._put(
+            Failure(self._broken("the stream ended inside a message")) if cut else StreamEnd()
+        )
+
+    def _refusal(self, refusal: trainer_pb2.Refusal) -> Exception:
+        return refusal_error(
+            refusal.code,
+            refusal.message,
+            socket=self.socket,
+            who=f"trainer rank {self.rank}",
+            refusals=TRAINER_REFUSALS,
+        )
+
+    def _broken(self, why: str) -> DaemonConnectionError:
+        return DaemonConnectionError(
+            f"the stream between trainer rank {self.rank} and odbd on unix:{self.socket} broke "
+            f"({why}); the daemon exited or restarted; check its log, then restart this process"
+        )
 
     def _put(self, item: object) -> None:
         """Blocks while the inbox is full (the daemon pushed more than prefetch), until close."""
