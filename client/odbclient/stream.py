@@ -24,7 +24,14 @@ import grpc
 import numpy as np
 
 from odbclient.batch import Batch, Progress
-from odbclient.collate import BatchForm, KeySchema, collate, filler_tensors, parse_filler_schema
+from odbclient.collate import (
+    BatchForm,
+    Collated,
+    KeySchema,
+    collate,
+    filler_tensors,
+    parse_filler_schema,
+)
 from odbclient.connect import (
     PROTOCOL_VERSION,
     TRAINER_REFUSALS,
@@ -43,6 +50,7 @@ from odbclient.errors import (
 from odbclient.framing import FrameBuffer, frame
 from odbclient.reports import DeliveryReports
 from odbclient.shm import ArenaView, decode, read_meta
+from odbclient.step_collate import collate_uniform
 from odbclient.wire.odbd.v1 import admin_pb2, admin_pb2_grpc, trainer_pb2
 
 _CLOSE_GRACE_S = 2.0  # how long close() lets the daemon read our last messages
@@ -167,6 +175,8 @@ class TrainerStream:
         self._closing = threading.Event()
         self._arena: ArenaView | None = None
         self._segment_names: list[str] = []
+        self._segment_arrays: list[np.ndarray] = []  # uint8, whole segments, by index
+        self._segment_starts: list[int] = []  # each segment's header_bytes
         self._pads: dict[str, float] = {}
         self._form = BatchForm()  # from the welcome
         self._last_schema: tuple[KeySchema, ...] = ()  # of the last real batch: idle fillers
@@ -358,6 +368,8 @@ class TrainerStream:
         # Mapped once for the process lifetime (shm.py): batches are copied out, never viewed.
         self._arena = ArenaView.attach(list(welcome.segments))
         self._segment_names = list(welcome.segments)
+        self._segment_arrays = [self._arena.segment_array(name) for name in welcome.segments]
+        self._segment_starts = [self._arena.header(name).header_bytes for name in welcome.segments]
         self._pads = {pad.key: pad.value for pad in welcome.pads}
         self._form = BatchForm(
             packed=welcome.collate == "packed",
@@ -377,10 +389,7 @@ class TrainerStream:
         if step.is_idle:
             tensors, sample_ids = filler_tensors(self._filler_schema(step), self._form), ()
         else:
-            samples, bfloat16_keys = self._samples(step)
-            collated = collate(
-                samples, pads=self._pads, bfloat16_keys=bfloat16_keys, form=self._form
-            )
+            collated = self._collate(step)
             self._last_schema = collated.schema
             tensors = collated.tensors
             sample_ids = tuple(np.frombuffer(step.sample_ids, "<i8").tolist())
@@ -398,6 +407,23 @@ class TrainerStream:
             progress=_progress(step.progress),
             **_update(step),
         )
+
+    def _collate(self, step: trainer_pb2.StepBatch) -> Collated:
+        """A step whose samples share one header takes a few vectorised copies per key
+        (odbclient.step_collate); any other step is decoded and collated sample by sample."""
+        segments = np.frombuffer(step.segments, "<u4")
+        offsets = np.frombuffer(step.offsets, "<u8")
+        nbytes = np.frombuffer(step.nbytes, "<u8")
+        count = len(step.sample_ids) // 8
+        if count and len(segments) == len(offsets) == len(nbytes) == count:
+            collated = collate_uniform(
+                self._segment_arrays, self._segment_starts, segments, offsets, nbytes,
+                form=self._form,
+            )  # fmt: skip
+            if collated is not None:
+                return collated
+        samples, bfloat16_keys = self._samples(step)
+        return collate(samples, pads=self._pads, bfloat16_keys=bfloat16_keys, form=self._form)
 
     def _filler_schema(self, step: trainer_pb2.StepBatch) -> tuple[KeySchema, ...]:
         # This rank's own last batch gives exact shapes (fixed-shape keys included); the

@@ -32,14 +32,14 @@ from odbclient.errors import (
     IteratorInUseError,
     JobFailedError,
     JobMismatchError,
+    ProtocolError,
     RankInUseError,
     RankRefusedError,
     StateDictError,
 )
-from odbclient.errors import ProtocolError
 from odbclient.framing import FrameBuffer, frame, steps_socket_path
 from odbclient.shm import ShmLayoutError, encode_into, encoded_size
-from odbclient.wire.odbd.v1 import admin_pb2, admin_pb2_grpc, trainer_pb2, trainer_pb2_grpc
+from odbclient.wire.odbd.v1 import admin_pb2, admin_pb2_grpc, trainer_pb2
 from odbd.ingest.arena import Arena
 
 Event = trainer_pb2.TrainerEvent

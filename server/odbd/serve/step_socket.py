@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import logging
 import os
+from typing import cast
 
 from google.protobuf.message import DecodeError
 
@@ -50,8 +51,7 @@ class StepConnection(asyncio.Protocol):
     # -- asyncio.Protocol ---------------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self._transport = transport
+        self._transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
         self._connections.add(self)
         self._hello_timer = asyncio.get_running_loop().call_later(
             HELLO_TIMEOUT_S,
