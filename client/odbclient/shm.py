@@ -165,10 +165,10 @@ class ArenaView:
             )
         return whole[offset : offset + length]
 
-    def segment_array(self, segment: str) -> np.ndarray:
-        """The whole mapping of `segment` as a uint8 array (no copy; it holds the mapping's
-        export like any view, and the mapping lives as long as the process)."""
-        return np.frombuffer(self._buffers[segment], np.uint8)
+    def mapping(self, segment: str) -> memoryview:
+        """The whole mapping of `segment` (no copy; it lives as long as the process). Readers
+        check bounds against header(segment).header_bytes and its length themselves."""
+        return self._buffers[segment]
 
     def view(self, allocation: Allocation) -> memoryview:
         return self.buffer(allocation.segment, allocation.offset, allocation.length)

@@ -15,8 +15,10 @@ Pure: arrays in, tensors out; imports no odbd.
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -27,6 +29,7 @@ from odbclient.packing import LABEL_SEPARATOR, check_reserved_keys, offsets_key,
 from odbclient.shm import SampleMeta, read_meta
 
 _HEADER_BYTES_AT = 8  # u32 header_bytes in the encoded sample header (shm.SampleMeta)
+_U32 = struct.Struct("<I")
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,73 +47,125 @@ def runs(segments: np.ndarray, offsets: np.ndarray) -> list[Run]:
     count = len(offsets)
     if count == 1:
         return [Run(0, 1, int(offsets[0]), 0)]
-    diffs = np.diff(offsets.astype(np.int64))
-    same_segment = segments[1:] == segments[:-1]
-    # A row continues the run of the row before it when both diffs into and out of that row
-    # agree; breaks are where the stride or the segment changes.
-    cut = np.flatnonzero(~same_segment | np.r_[False, diffs[1:] != diffs[:-1]]) + 1
-    bounds = [0, *cut.tolist(), count]
-    found = []
-    for first, end in zip(bounds[:-1], bounds[1:], strict=True):
-        stride = int(diffs[first]) if end - first > 1 else 0
-        found.append(Run(first, end, int(offsets[first]), stride))
-    return found
+    diffs = np.diff(offsets.view(np.int64))
+    # Row j + 1 starts a new run where the segment changes or the stride into it differs from
+    # the stride into row j (then row j ends its run; a run of one row has any stride).
+    breaks = np.empty(count - 1, np.bool_)
+    breaks[0] = False
+    np.not_equal(diffs[1:], diffs[:-1], out=breaks[1:])
+    breaks |= segments[1:] != segments[:-1]
+    bounds = [0, *(np.flatnonzero(breaks) + 1).tolist(), count]
+    starts, strides = offsets.tolist(), diffs.tolist()
+    return [
+        Run(first, end, starts[first], strides[first] if end - first > 1 else 0)
+        for first, end in zip(bounds[:-1], bounds[1:], strict=True)
+    ]
+
+
+class SegmentTable(NamedTuple):
+    """The arena as step_collate reads it, built once per connection (by segment index)."""
+
+    buffers: Sequence[memoryview]  # whole mappings
+    starts: np.ndarray  # uint64: where each allocatable region starts (header_bytes)
+    limits: np.ndarray  # uint64: each mapping's length
+
+
+class _Plan(NamedTuple):
+    """What every sample with one header shares (validated once, by read_meta)."""
+
+    meta: SampleMeta
+    header: np.ndarray  # uint8: the header bytes every sample of the step must repeat
+
+
+_PLAN_OF_HEADER: dict[bytes, _Plan] = {}
+_MAX_PLANS = 4096  # like shm's caches: shapes that vary per sample would grow it
 
 
 def collate_uniform(
-    segment_arrays: Sequence[np.ndarray],  # uint8 views of each whole segment, by index
-    header_bytes: Sequence[int],  # where each segment's allocatable region starts
+    table: SegmentTable,
     segments: np.ndarray,  # uint32 per sample
     offsets: np.ndarray,  # uint64 per sample
     nbytes: np.ndarray,  # uint64 per sample
     *,
     form: BatchForm,
 ) -> Collated | None:
-    """The step's batch if every sample has sample 0's header, else None (see the module)."""
+    """The step's batch if every sample has sample 0's header, else None (see the module).
+    A handful of numpy calls per step and per key, whatever the number of samples."""
     count = len(offsets)
-    if not count or int(segments.max()) >= len(segment_arrays):
+    first_segment = int(segments[0]) if count else len(table.buffers)
+    if first_segment >= len(table.buffers):
         return None
-    limits = np.array([len(a) for a in segment_arrays], np.uint64)[segments]
-    starts = np.array(header_bytes, np.uint64)[segments]
-    if not ((offsets >= starts).all() and (offsets + nbytes <= limits).all()):
+    one_segment = count == 1 or not (segments != first_segment).any()
+    step_runs = _runs_fast(segments, offsets, one_segment)
+    if one_segment:
+        in_bounds = int(offsets.min()) >= int(table.starts[first_segment]) and int(
+            (offsets + nbytes).max()
+        ) <= int(table.limits[first_segment])
+    else:
+        in_bounds = int(segments.max()) < len(table.buffers) and bool(
+            (offsets >= table.starts[segments]).all()
+            and (offsets + nbytes <= table.limits[segments]).all()
+        )
+    if not in_bounds:
         return None  # the per-sample path raises naming the bad reference
-    first = segment_arrays[int(segments[0])]
-    offset0 = int(offsets[0])
-    meta = _meta(first, offset0, int(nbytes[0]))
-    if meta is None or not (nbytes >= meta.total_bytes).all():
+    plan = _plan(table.buffers[first_segment], int(offsets[0]), int(nbytes[0]))
+    if plan is None or int(nbytes.min()) < plan.meta.total_bytes:
         return None
-    header_len = int(
-        first[offset0 + _HEADER_BYTES_AT : offset0 + _HEADER_BYTES_AT + 4].view("<u4")[0]
-    )
-    header = first[offset0 : offset0 + header_len]
-    step_runs = runs(segments, offsets)
+    header = plan.header
     for run in step_runs:
-        rows = _strided(segment_arrays[int(segments[run.first])], run, 0, header_len)
+        rows = _rows(table.buffers[int(segments[run.first])], run, 0, len(header))
         if not (rows == header).all():
             return None
-    return _collate(meta, count, step_runs, segment_arrays, segments, form=form)
+    return _collate(plan.meta, count, step_runs, table.buffers, segments, form=form)
 
 
-def _meta(segment: np.ndarray, offset: int, nbytes: int) -> SampleMeta | None:
-    try:
-        return read_meta(memoryview(segment[offset : offset + nbytes]))  # type: ignore[arg-type]
-    except ValueError:
+def _runs_fast(segments: np.ndarray, offsets: np.ndarray, one_segment: bool) -> list[Run]:
+    """runs(), with the common case (one segment, one stride) in three numpy calls."""
+    count = len(offsets)
+    if count == 1:
+        return [Run(0, 1, int(offsets[0]), 0)]
+    if one_segment:
+        diffs = np.diff(offsets.view(np.int64))
+        stride = int(diffs[0])
+        if not (diffs != stride).any():
+            return [Run(0, count, int(offsets[0]), stride)]
+    return runs(segments, offsets)
+
+
+def _plan(buffer: memoryview, offset: int, nbytes: int) -> _Plan | None:
+    """The plan of the sample at `offset`, cached by its header bytes (None: not a sample)."""
+    if nbytes < _HEADER_BYTES_AT + 4:
         return None
+    (header_len,) = _U32.unpack_from(buffer, offset + _HEADER_BYTES_AT)
+    if header_len > nbytes:
+        return None
+    header = bytes(buffer[offset : offset + header_len])
+    plan = _PLAN_OF_HEADER.get(header)
+    if plan is None:
+        try:
+            meta = read_meta(buffer[offset : offset + nbytes])
+        except ValueError:
+            return None
+        if len(_PLAN_OF_HEADER) >= _MAX_PLANS:
+            _PLAN_OF_HEADER.clear()
+        plan = _PLAN_OF_HEADER[header] = _Plan(meta, np.frombuffer(header, np.uint8))
+    return plan
 
 
-def _strided(segment: np.ndarray, run: Run, at: int, width: int) -> np.ndarray:
-    """(rows of the run, width) bytes starting `at` into each row's sample: a view."""
-    base = segment[run.start + at :]
-    return np.lib.stride_tricks.as_strided(
-        base, shape=(run.end - run.first, width), strides=(run.stride, 1), writeable=False
-    )
+def _rows(buffer: memoryview, run: Run, at: int, width: int) -> np.ndarray:
+    """(rows of the run, width) bytes starting `at` into each row's sample: a view, only ever
+    read (numpy checks that it stays inside the mapping)."""
+    return np.ndarray(
+        (run.end - run.first, width), np.uint8, buffer=buffer, offset=run.start + at,
+        strides=(run.stride, 1),
+    )  # fmt: skip
 
 
 def _collate(
     meta: SampleMeta,
     count: int,
     step_runs: list[Run],
-    segment_arrays: Sequence[np.ndarray],
+    buffers: Sequence[memoryview],
     segments: np.ndarray,
     *,
     form: BatchForm,
@@ -121,12 +176,12 @@ def _collate(
     tensors: dict[str, torch.Tensor | int] = {}
     schema = []
     for field in meta.fields:
-        out = np.empty((count, field.nbytes), np.uint8)
-        for run in step_runs:
-            segment = segment_arrays[int(segments[run.first])]
-            out[run.first : run.end] = _strided(segment, run, field.offset, field.nbytes)
         dtype = np.dtype("uint16" if field.dtype == "bfloat16" else field.dtype)
-        array = out.view(dtype).reshape((count, *field.shape))
+        array = np.empty((count, *field.shape), dtype)
+        out = array.view(np.uint8).reshape(count, field.nbytes)
+        for run in step_runs:
+            buffer = buffers[int(segments[run.first])]
+            out[run.first : run.end] = _rows(buffer, run, field.offset, field.nbytes)
         key, shape = field.name, field.shape
         if key in form.concat_keys:
             if not shape:

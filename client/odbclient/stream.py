@@ -50,7 +50,7 @@ from odbclient.errors import (
 from odbclient.framing import FrameBuffer, frame
 from odbclient.reports import DeliveryReports
 from odbclient.shm import ArenaView, decode, read_meta
-from odbclient.step_collate import collate_uniform
+from odbclient.step_collate import SegmentTable, collate_uniform
 from odbclient.wire.odbd.v1 import admin_pb2, admin_pb2_grpc, trainer_pb2
 
 _CLOSE_GRACE_S = 2.0  # how long close() lets the daemon read our last messages
@@ -175,8 +175,7 @@ class TrainerStream:
         self._closing = threading.Event()
         self._arena: ArenaView | None = None
         self._segment_names: list[str] = []
-        self._segment_arrays: list[np.ndarray] = []  # uint8, whole segments, by index
-        self._segment_starts: list[int] = []  # each segment's header_bytes
+        self._segment_table = SegmentTable((), np.zeros(0, np.uint64), np.zeros(0, np.uint64))
         self._pads: dict[str, float] = {}
         self._form = BatchForm()  # from the welcome
         self._last_schema: tuple[KeySchema, ...] = ()  # of the last real batch: idle fillers
@@ -368,8 +367,12 @@ class TrainerStream:
         # Mapped once for the process lifetime (shm.py): batches are copied out, never viewed.
         self._arena = ArenaView.attach(list(welcome.segments))
         self._segment_names = list(welcome.segments)
-        self._segment_arrays = [self._arena.segment_array(name) for name in welcome.segments]
-        self._segment_starts = [self._arena.header(name).header_bytes for name in welcome.segments]
+        mappings = [self._arena.mapping(name) for name in welcome.segments]
+        self._segment_table = SegmentTable(
+            mappings,
+            np.array([self._arena.header(n).header_bytes for n in welcome.segments], np.uint64),
+            np.array([len(m) for m in mappings], np.uint64),
+        )
         self._pads = {pad.key: pad.value for pad in welcome.pads}
         self._form = BatchForm(
             packed=welcome.collate == "packed",
@@ -417,9 +420,8 @@ class TrainerStream:
         count = len(step.sample_ids) // 8
         if count and len(segments) == len(offsets) == len(nbytes) == count:
             collated = collate_uniform(
-                self._segment_arrays, self._segment_starts, segments, offsets, nbytes,
-                form=self._form,
-            )  # fmt: skip
+                self._segment_table, segments, offsets, nbytes, form=self._form
+            )
             if collated is not None:
                 return collated
         samples, bfloat16_keys = self._samples(step)

@@ -10,7 +10,7 @@ import torch
 
 from odbclient.collate import BatchForm, collate
 from odbclient.shm import align_up, decode, encode_into, encoded_size, read_meta
-from odbclient.step_collate import Run, collate_uniform, runs
+from odbclient.step_collate import Run, SegmentTable, collate_uniform, runs
 
 HEADER_BYTES = 4096
 FORMS = {
@@ -30,8 +30,19 @@ def sample(i: int, length: int = 5) -> dict[str, object]:
     }
 
 
-def place(samples: list[dict[str, object]], gaps: list[int]) -> tuple[list[np.ndarray], list]:
-    """Two segments; sample i goes to segment i % 2 when gaps say -1, else after gap bytes."""
+def table(segments: list[np.ndarray]) -> SegmentTable:
+    return SegmentTable(
+        [memoryview(s) for s in segments],
+        np.full(len(segments), HEADER_BYTES, np.uint64),
+        np.array([len(s) for s in segments], np.uint64),
+    )
+
+
+def place(
+    samples: list[dict[str, object]], gaps: list[int], *, reverse: bool = False
+) -> tuple[list[np.ndarray], list]:
+    """Two segments; sample i goes to segment i % 2 when gaps say -1, else after gap * 64
+    bytes; `reverse` hands the references over in reverse order (descending offsets)."""
     segments = [np.zeros(1 << 18, np.uint8), np.zeros(1 << 18, np.uint8)]
     cursor = [HEADER_BYTES, HEADER_BYTES]
     refs = []
@@ -42,15 +53,15 @@ def place(samples: list[dict[str, object]], gaps: list[int]) -> tuple[list[np.nd
         encode_into(memoryview(segments[seg])[offset : offset + size], s)
         refs.append((seg, offset, size))
         cursor[seg] = align_up(offset + size)
-    return segments, refs
+    return segments, refs[::-1] if reverse else refs
 
 
-def both(samples: list[dict[str, object]], gaps: list[int], form: BatchForm):
-    segments, refs = place(samples, gaps)
+def both(samples: list[dict[str, object]], gaps: list[int], form: BatchForm, **kw: bool):
+    segments, refs = place(samples, gaps, **kw)
     seg = np.array([r[0] for r in refs], np.uint32)
     off = np.array([r[1] for r in refs], np.uint64)
     nb = np.array([r[2] for r in refs], np.uint64)
-    fast = collate_uniform(segments, [HEADER_BYTES] * 2, seg, off, nb, form=form)
+    fast = collate_uniform(table(segments), seg, off, nb, form=form)
     views = [decode(memoryview(segments[s])[o : o + n]) for s, o, n in refs]
     first = memoryview(segments[refs[0][0]])[refs[0][1] :]
     bf16 = frozenset(f.name for f in read_meta(first).fields if f.dtype == "bfloat16")
@@ -64,9 +75,13 @@ def both(samples: list[dict[str, object]], gaps: list[int], form: BatchForm):
     [[0] * 6, [0, 0, 3, 0, 0, 7], [-1] * 6, [5, 0, 1, 2, 0, 0], [0]],
     ids=["one-run", "three-runs", "two-segments", "irregular", "one-sample"],
 )
-def test_uniform_steps_match_the_per_sample_path(form_name: str, gaps: list[int]) -> None:
+@pytest.mark.parametrize("reverse", [False, True], ids=["ascending", "descending"])
+def test_uniform_steps_match_the_per_sample_path(
+    form_name: str, gaps: list[int], reverse: bool
+) -> None:
     form = FORMS[form_name]
-    fast, slow, segments = both([sample(i) for i in range(len(gaps))], gaps, form)
+    samples = [sample(i) for i in range(len(gaps))]
+    fast, slow, segments = both(samples, gaps, form, reverse=reverse)
     assert fast is not None
     assert fast.schema == slow.schema
     assert set(fast.tensors) == set(slow.tensors)
@@ -94,7 +109,7 @@ def test_a_reference_out_of_bounds_goes_the_per_sample_way() -> None:
     segments, refs = place([sample(0)], [0])
     for offset in (HEADER_BYTES - 64, (1 << 18) - 64):
         out = collate_uniform(
-            segments, [HEADER_BYTES] * 2, np.array([0], np.uint32),
+            table(segments), np.array([0], np.uint32),
             np.array([offset], np.uint64), np.array([refs[0][2]], np.uint64), form=BatchForm(),
         )  # fmt: skip
         assert out is None
