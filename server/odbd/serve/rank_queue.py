@@ -60,7 +60,7 @@ class RankQueue:
 
     @property
     def attached(self) -> bool:
-        """A trainer's stream is open for this rank (set by the Train stream)."""
+        """A trainer's stream is open for this rank (set by the step channel: TrainerService)."""
         return self._attached
 
     @attached.setter
