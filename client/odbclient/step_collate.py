@@ -56,10 +56,19 @@ def runs(segments: np.ndarray, offsets: np.ndarray) -> list[Run]:
     breaks |= segments[1:] != segments[:-1]
     bounds = [0, *(np.flatnonzero(breaks) + 1).tolist(), count]
     starts, strides = offsets.tolist(), diffs.tolist()
-    return [
-        Run(first, end, starts[first], strides[first] if end - first > 1 else 0)
-        for first, end in zip(bounds[:-1], bounds[1:], strict=True)
-    ]
+    found: list[Run] = []
+    for first, end in zip(bounds[:-1], bounds[1:], strict=True):
+        stride = strides[first] if end - first > 1 else 0
+        last = found[-1] if found else None
+        # A lone row before a run it is evenly spaced with joins it: one off-stride sample
+        # (a gap in the lane) then costs one extra run, not two.
+        if last is not None and last.end - last.first == 1:
+            joins = end - first == 1 or strides[last.first] == stride
+            if joins and segments[last.first] == segments[first]:
+                found[-1] = Run(last.first, end, last.start, strides[last.first])
+                continue
+        found.append(Run(first, end, starts[first], stride))
+    return found
 
 
 class SegmentTable(NamedTuple):
@@ -75,6 +84,9 @@ class _Plan(NamedTuple):
 
     meta: SampleMeta
     header: np.ndarray  # uint8: the header bytes every sample of the step must repeat
+    # Which header bytes carry meaning, None for all: the padding after each key name is not
+    # written by encode_into, so two samples of one layout may differ there (reused memory).
+    columns: np.ndarray | None
 
 
 _PLAN_OF_HEADER: dict[bytes, _Plan] = {}
@@ -97,7 +109,13 @@ def collate_uniform(
         return None
     one_segment = count == 1 or not (segments != first_segment).any()
     step_runs = _runs_fast(segments, offsets, one_segment)
-    if one_segment:
+    if len(step_runs) == 1:  # its first and last rows bound it: no pass over the offsets
+        run = step_runs[0]
+        low, high = sorted((run.start, run.start + run.stride * (count - 1)))
+        in_bounds = low >= int(table.starts[first_segment]) and high + int(nbytes.max()) <= int(
+            table.limits[first_segment]
+        )
+    elif one_segment:
         in_bounds = int(offsets.min()) >= int(table.starts[first_segment]) and int(
             (offsets + nbytes).max()
         ) <= int(table.limits[first_segment])
@@ -111,10 +129,11 @@ def collate_uniform(
     plan = _plan(table.buffers[first_segment], int(offsets[0]), int(nbytes[0]))
     if plan is None or int(nbytes.min()) < plan.meta.total_bytes:
         return None
-    header = plan.header
+    header, columns = plan.header, plan.columns
     for run in step_runs:
         rows = _rows(table.buffers[int(segments[run.first])], run, 0, len(header))
-        if not (rows == header).all():
+        same = rows == header if columns is None else rows[:, columns] == header[columns]
+        if not same.all():
             return None
     return _collate(plan.meta, count, step_runs, table.buffers, segments, form=form)
 
@@ -125,7 +144,8 @@ def _runs_fast(segments: np.ndarray, offsets: np.ndarray, one_segment: bool) -> 
     if count == 1:
         return [Run(0, 1, int(offsets[0]), 0)]
     if one_segment:
-        diffs = np.diff(offsets.view(np.int64))
+        signed = offsets.view(np.int64)
+        diffs = signed[1:] - signed[:-1]
         stride = int(diffs[0])
         if not (diffs != stride).any():
             return [Run(0, count, int(offsets[0]), stride)]
@@ -148,8 +168,23 @@ def _plan(buffer: memoryview, offset: int, nbytes: int) -> _Plan | None:
             return None
         if len(_PLAN_OF_HEADER) >= _MAX_PLANS:
             _PLAN_OF_HEADER.clear()
-        plan = _PLAN_OF_HEADER[header] = _Plan(meta, np.frombuffer(header, np.uint8))
+        plan = _Plan(meta, np.frombuffer(header, np.uint8), _meaningful(meta, header_len))
+        _PLAN_OF_HEADER[header] = plan
     return plan
+
+
+def _meaningful(meta: SampleMeta, header_len: int) -> np.ndarray | None:
+    """Positions of the header bytes that are not name padding (shm.SampleMeta's layout:
+    a 24-byte header, then per key a 24-byte entry, 8 bytes per dimension and the name padded
+    to 8 bytes)."""
+    keep = np.ones(header_len, np.bool_)
+    pos = 24
+    for field in meta.fields:
+        name_at = pos + 24 + 8 * len(field.shape)
+        name_len = len(field.name.encode())
+        pos = name_at + ((name_len + 7) & -8)
+        keep[name_at + name_len : pos] = False
+    return None if keep.all() else np.flatnonzero(keep)
 
 
 def _rows(buffer: memoryview, run: Run, at: int, width: int) -> np.ndarray:

@@ -119,4 +119,31 @@ def test_runs_split_where_stride_or_segment_changes() -> None:
     offsets = np.array([0, 10, 20, 25, 30, 100], np.uint64)
     segments = np.array([0, 0, 0, 0, 0, 1], np.uint32)
     assert runs(segments, offsets) == [Run(0, 3, 0, 10), Run(3, 5, 25, 5), Run(5, 6, 100, 0)]
+    # An off-stride row pairs with a neighbour instead of standing alone with it.
+    shifted = np.array([0, 100, 200, 364, 400, 500, 600], np.uint64)
+    assert runs(np.zeros(7, np.uint32), shifted) == [
+        Run(0, 3, 0, 100),
+        Run(3, 5, 364, 36),
+        Run(5, 7, 500, 100),
+    ]
+    assert runs(np.zeros(4, np.uint32), np.array([0, 100, 164, 264], np.uint64)) == [
+        Run(0, 2, 0, 100),
+        Run(2, 4, 164, 100),
+    ]
     assert runs(np.zeros(1, np.uint32), np.array([64], np.uint64)) == [Run(0, 1, 64, 0)]
+
+
+def test_stale_bytes_in_name_padding_do_not_split_a_layout() -> None:
+    """encode_into leaves the padding after each key name as it was; in recycled shared memory
+    two samples of one layout then differ there, and must still collate together."""
+    samples = [sample(i) for i in range(4)]
+    segments, refs = place(samples, [0] * 4)
+    for index, (seg, offset, _) in enumerate(refs):
+        name_end = offset + 24 + 24 + 8 + len(b"input_ids")  # first key: 1-D "input_ids"
+        segments[seg][name_end : name_end + 7] = index + 1  # garbage, different per sample
+    seg = np.array([r[0] for r in refs], np.uint32)
+    off = np.array([r[1] for r in refs], np.uint64)
+    nb = np.array([r[2] for r in refs], np.uint64)
+    fast = collate_uniform(table(segments), seg, off, nb, form=BatchForm())
+    assert fast is not None
+    assert fast.tensors["input_ids"][:, 0].tolist() == [0, 100, 200, 300]
