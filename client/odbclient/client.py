@@ -9,7 +9,8 @@ socket of length-prefixed protobuf frames, odbclient.framing); a reader thread
 (`odbclient.stream`) collates each from shared memory into fresh tensors and queues the Batch,
 so next() only takes a ready batch from a queue. Each batch handed to the user is reported
 `Delivered` (which lets the daemon reuse the step's shared memory and measures the trainer's
-wait and compute time); odbclient.reports batches the reports and writes them to the socket.
+wait and compute time). next() only queues the report; odbclient.reports batches them and
+the stream's reader thread writes them to the socket (why: no thread wake-up inside next()).
 """
 
 from __future__ import annotations
@@ -210,7 +211,7 @@ class ODBClient:
         compute_s = 0.0 if self._last_return_s is None else called_s - self._last_return_s
         wait_s = now_s - called_s + self._unreported_wait_s
         unsent = stream.reports.add(batch.epoch, batch.step, wait_s=wait_s, compute_s=compute_s)
-        if unsent >= self._report_every or stream.reports.stale():
+        if unsent >= self._report_every:
             stream.reports.flush()
         self._epoch, self._next_step = batch.epoch, batch.step + 1
         self._last_batch = (batch.epoch, batch.step)

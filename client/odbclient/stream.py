@@ -3,9 +3,10 @@ StepBatch events into ready Batch objects (collated out of shared memory) in an 
 
 Transport (protocol 6): one blocking unix socket to the daemon's step socket, carrying
 length-prefixed TrainerMessage / TrainerEvent frames (odbclient.framing). Threads: `_read` runs
-on the reader thread, receives whatever arrived (many frames per recv) and is the only user of
-the arena views; the trainer thread takes from `inbox` and writes Delivered reports straight to
-the socket (`_send`, under a lock). No other thread: gRPC is used only to ask a stalled daemon
+on the reader thread, receives whatever arrived (many frames per recv), is the only user of the
+arena views and writes the Delivered reports next() queued once they are due
+(odbclient.reports); the trainer thread takes from `inbox` and writes reports itself only when
+it flushes (`_send`, under a lock). No other thread: gRPC is used only to ask a stalled daemon
 why (`daemon_says`), lazily. Every failure on the reader thread reaches the trainer as a
 `Failure` item, so a broken stream or bad data raises in next() instead of hanging it.
 """
@@ -13,7 +14,9 @@ why (`daemon_says`), lazily. Every failure on the reader thread reaches the trai
 from __future__ import annotations
 
 import contextlib
+import os
 import queue
+import select
 import socket as socketlib
 import threading
 from collections.abc import Iterator
@@ -48,7 +51,7 @@ from odbclient.errors import (
     ProtocolError,
 )
 from odbclient.framing import FrameBuffer, frame
-from odbclient.reports import DeliveryReports
+from odbclient.reports import DEFAULT_POLL_S, DeliveryReports
 from odbclient.shm import ArenaView, decode, read_meta
 from odbclient.step_collate import SegmentTable, collate_uniform
 from odbclient.wire.odbd.v1 import admin_pb2, admin_pb2_grpc, trainer_pb2
@@ -171,7 +174,9 @@ class TrainerStream:
         self.welcome: Welcome | None = None
         self._connection = connection
         self._send_lock = threading.Lock()  # the trainer thread and close() both write
-        self.reports = DeliveryReports(self._send)
+        # A pipe that ends the reader's wait when a report comes after a pause (reports.py).
+        self._wake_read, self._wake_write = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self.reports = DeliveryReports(self._send, wake=self._wake_reader)
         self._closing = threading.Event()
         self._arena: ArenaView | None = None
         self._segment_names: list[str] = []
@@ -237,7 +242,13 @@ class TrainerStream:
             self._connection.shutdown(socketlib.SHUT_RDWR)  # wakes a reader still in recv
         self._join_reader(5.0)
         self._connection.close()
+        os.close(self._wake_read)
+        os.close(self._wake_write)
         self._wake_waiter()
+
+    def _wake_reader(self) -> None:
+        with contextlib.suppress(BlockingIOError):  # a wake is pending already
+            os.write(self._wake_write, b"\0")
 
     def _join_reader(self, timeout_s: float) -> None:
         if self._reader is not None and self._reader is not threading.current_thread():
@@ -288,8 +299,23 @@ class TrainerStream:
     def _read(self) -> None:
         frames, buffer = FrameBuffer(), bytearray(_RECV_BYTES)
         view = memoryview(buffer)
+        poller = select.poll()
+        poller.register(self._connection, select.POLLIN)
+        poller.register(self._wake_read, select.POLLIN)
         try:
-            while (received := self._connection.recv_into(buffer)) > 0:
+            while True:
+                # Wait for data, or until queued Delivered reports are due (odbclient.reports).
+                timeout_s = self.reports.poll_timeout_s()
+                ready = dict(poller.poll(None if timeout_s is None else timeout_s * 1e3))
+                if self._wake_read in ready:
+                    with contextlib.suppress(BlockingIOError):
+                        os.read(self._wake_read, 64)
+                self.reports.flush_due()
+                if self._connection.fileno() not in ready:
+                    continue
+                received = self._connection.recv_into(buffer)
+                if not received:
+                    break
                 for payload in frames.feed(view[:received]):
                     event = trainer_pb2.TrainerEvent.FromString(payload)
                     if event.HasField("refusal"):
@@ -331,13 +357,14 @@ class TrainerStream:
         )
 
     def _put(self, item: object) -> None:
-        """Blocks while the inbox is full (the daemon pushed more than prefetch), until close."""
+        """Blocks while the inbox is full (the daemon pushed more than prefetch), until close;
+        due reports still leave meanwhile."""
         while not self._closing.is_set():
             try:
-                self.inbox.put(item, timeout=0.1)
+                self.inbox.put(item, timeout=DEFAULT_POLL_S)
                 return
             except queue.Full:
-                continue
+                self.reports.flush_due()
 
     def _handle(self, event: trainer_pb2.TrainerEvent) -> Iterator[object]:
         """The inbox items of one event, each as soon as it is ready (a StepBatches yields its

@@ -1,6 +1,6 @@
-"""DeliveryReports: next() queues Delivered reports; flush() and close() send each batch of them
-as one report covering consecutive steps, in order, through the stream's send; stale() says
-when the last flush is older than max_age_s."""
+"""DeliveryReports: next() queues Delivered reports; flush(), flush_due() (the reader thread,
+once the oldest is poll_s old) and close() send each batch of them as one report covering
+consecutive steps, in order, through the stream's send."""
 
 from __future__ import annotations
 
@@ -50,17 +50,23 @@ def test_a_flush_sends_what_is_queued_as_one_report() -> None:
     assert send.sent == [(0, 1, 2, 0.75, 3.0), (1, 0, 1, 0.0, 0.0)]
 
 
-def test_stale_once_the_last_flush_is_older_than_max_age() -> None:
-    clock = FakeClock()
-    reports = DeliveryReports(RecordingSend(), max_age_s=0.25, clock=clock)  # exact in binary
-    assert not reports.stale()
-    clock.now_s += 0.25
-    assert reports.stale()
+def test_the_reader_waits_until_the_oldest_report_is_due_then_flushes() -> None:
+    clock, send = FakeClock(), RecordingSend()
+    reports = DeliveryReports(send, poll_s=0.25, park_after_s=2.0, clock=clock)  # exact floats
+    assert reports.poll_timeout_s() is None  # nothing ever added: wait for data alone
     reports.add(0, 0, wait_s=0.0, compute_s=0.0)
-    reports.flush()
-    assert not reports.stale()  # the flush restarts the age
     clock.now_s += 0.125
-    assert not reports.stale()
+    reports.add(0, 1, wait_s=0.0, compute_s=0.0)
+    assert reports.poll_timeout_s() == 0.125  # until the oldest is poll_s old
+    reports.flush_due()
+    assert send.sent == []
+    clock.now_s += 0.125
+    assert reports.poll_timeout_s() == 0.0
+    reports.flush_due()
+    assert send.sent == [(0, 1, 2, 0.0, 0.0)]
+    assert reports.poll_timeout_s() == 0.25  # reports flowed lately: one may come meanwhile
+    clock.now_s += 2.0
+    assert reports.poll_timeout_s() is None  # parked: a paused trainer costs no polling
 
 
 @pytest.mark.timeout(30)
@@ -118,3 +124,19 @@ def test_measured_step_times_ride_along_with_the_next_report_only() -> None:
     last = send.messages[1]
     assert (last.step, last.steps) == (1, 1)
     assert [(m.epoch, m.step, m.compute_s) for m in last.measured] == [(0, 0, 0.125)]
+
+
+def test_the_first_report_after_a_pause_wakes_the_parked_reader_once() -> None:
+    clock, wakes = FakeClock(), []
+    reports = DeliveryReports(
+        RecordingSend(), poll_s=0.25, park_after_s=2.0, clock=clock, wake=lambda: wakes.append(1)
+    )
+    reports.add(0, 0, wait_s=0.0, compute_s=0.0)
+    assert wakes == []  # the reader was never parked
+    reports.flush()
+    clock.now_s += 2.0
+    assert reports.poll_timeout_s() is None  # parks
+    reports.add(0, 1, wait_s=0.0, compute_s=0.0)
+    reports.add(0, 2, wait_s=0.0, compute_s=0.0)
+    assert wakes == [1]  # one wake, then the reader polls again
+    assert reports.poll_timeout_s() == 0.25
