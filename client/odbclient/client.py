@@ -4,12 +4,13 @@
     for batch in client:          # one epoch; iterate again for the next
         ...
 
-Data path: the daemon pushes StepBatch events ahead of time over one bidi `Train` stream; a
-reader thread (`odbclient.stream`) collates each from shared memory into fresh tensors and
-queues the Batch, so next() only takes a ready batch from a queue. Each batch handed to the user
-is reported `Delivered` (which lets the daemon reuse the step's shared memory and measures the
-trainer's wait and compute time). next() only queues the report; odbclient.reports sends it
-(why: it keeps thread wake-ups out of next()).
+Data path: the daemon pushes StepBatch events ahead of time over its step socket (a unix
+socket of length-prefixed protobuf frames, odbclient.framing); a reader thread
+(`odbclient.stream`) collates each from shared memory into fresh tensors and queues the Batch,
+so next() only takes a ready batch from a queue. Each batch handed to the user is reported
+`Delivered` (which lets the daemon reuse the step's shared memory and measures the trainer's
+wait and compute time). next() only queues the report; odbclient.reports batches them and
+the stream's reader thread writes them to the socket (why: no thread wake-up inside next()).
 """
 
 from __future__ import annotations

@@ -1,13 +1,16 @@
-"""Where the local daemon listens, how to reach it, and what its gRPC refusals mean to a user.
+"""Where the local daemon listens, how to reach it, and what its refusals mean to a user.
 
-Shared by the trainer client and the producer; imports grpc but no generated stubs.
+Shared by the trainer client and the producer; imports grpc but no generated stubs. Producers
+reach the daemon over gRPC; trainers over the step socket beside it (odbclient.framing).
 """
 
 from __future__ import annotations
 
 import os
 import queue
+import socket as socketlib
 import threading
+import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -20,6 +23,7 @@ from odbclient.errors import (
     DaemonUnavailableError,
     JobMismatchError,
     ODBClientError,
+    ProtocolError,
     RankInUseError,
     RankRefusedError,
 )
@@ -33,7 +37,9 @@ from odbclient.errors import (
 # 5: batch forms (TrainerWelcome.collate / concat_keys, IngestWelcome patch and concat keys,
 # CommitBatch.patches); a version 4 client would pad a packed job's batches, and a version 4
 # producer would send no patch counts under --max-patches.
-PROTOCOL_VERSION = 5
+# 6: the trainer's step channel is a unix socket of length-prefixed frames beside the gRPC
+# socket (odbclient.framing), no longer the gRPC Train stream, which refuses older trainers.
+PROTOCOL_VERSION = 6
 # Batches the daemon pushes ahead of the trainer (TrainerHello.prefetch; the daemon's default
 # when a hello says 0): 8 lets the daemon send and the client report 4 steps per message
 # (8 KiB samples: 19-21k -> 23k samples/s over 4). The cost: when a peer node dies, a rank may
@@ -91,6 +97,75 @@ def open_channel(socket: str, *, timeout_s: float) -> grpc.Channel:
             f"this node, or point socket= / ${SOCKET_ENV} at the daemon's --socket"
         ) from None
     return channel
+
+
+_CONNECT_POLL_S = 0.05  # between attempts while the daemon starts
+
+
+def connect_steps(socket: str, *, timeout_s: float) -> socketlib.socket:
+    """A connected, blocking socket to the step channel of the daemon whose gRPC socket is
+    `socket`; waits up to `timeout_s` for the daemon to start.
+
+    A daemon binds its step socket before its gRPC socket, so a gRPC socket that answers with
+    no step socket beside it is a daemon older than protocol 6: that fails at once, by name.
+    """
+    from odbclient.framing import steps_socket_path
+
+    path = steps_socket_path(socket)
+    deadline_s = time.monotonic() + timeout_s
+    while True:
+        sock = socketlib.socket(socketlib.AF_UNIX, socketlib.SOCK_STREAM)
+        try:
+            sock.connect(path)
+            return sock
+        except (FileNotFoundError, ConnectionRefusedError) as error:
+            sock.close()
+            if isinstance(error, FileNotFoundError) and _answers(socket):
+                raise ProtocolError(
+                    f"odbd on unix:{socket} has no step socket {path}: the daemon is older "
+                    f"than this odbclient (trainer protocol {PROTOCOL_VERSION}), or it is "
+                    "shutting down; install the same odbd release for the daemon and its "
+                    "trainers"
+                ) from None
+        except PermissionError:
+            sock.close()
+            raise DaemonUnavailableError(
+                f"the step socket {path} belongs to another user (mode 0600); run the trainer "
+                "as the user of the odbd daemon"
+            ) from None
+        if time.monotonic() >= deadline_s:
+            raise DaemonUnavailableError(
+                f"no odbd daemon answered on unix:{socket} within {timeout_s:g} s (its step "
+                f"socket {path} does not accept); start odbd on this node, or point socket= / "
+                f"${SOCKET_ENV} at the daemon's --socket"
+            )
+        time.sleep(_CONNECT_POLL_S)
+
+
+def _answers(path: str) -> bool:
+    """Something listens on the unix socket at `path`."""
+    probe = socketlib.socket(socketlib.AF_UNIX, socketlib.SOCK_STREAM)
+    try:
+        probe.connect(path)
+        return True
+    except OSError:
+        return False
+    finally:
+        probe.close()
+
+
+def refusal_error(
+    code: str,
+    message: str,
+    *,
+    socket: str,
+    who: str,
+    refusals: Mapping[grpc.StatusCode, _Refusal],
+) -> ODBClientError:
+    """The ODBClientError for a refusal sent on the step socket (code: a status code name)."""
+    status = grpc.StatusCode.__members__.get(code, grpc.StatusCode.UNKNOWN)
+    cls, fix = refusals.get(status, (ODBClientError, "check the daemon log"))
+    return cls(f"odbd on unix:{socket} refused {who}: {message}; {fix}")
 
 
 def translate_rpc_error(

@@ -1,18 +1,18 @@
-"""Delivered reports, from next() to the daemon without waking a thread inside next().
+"""Delivered reports, from next() to the daemon without a thread wake-up inside next().
 
-Why: next() on a ready batch is ~35 us of queue and bookkeeping work. Handing a message to
-gRPC inside it cost ~60 us more per step, and waking any helper thread ~30 us (measured with an
-instrumented client, docs/bench/datapath.md): the woken threads (gRPC's sender, then the daemon,
-then our own reader collating the next pushed batch) compete with the trainer for the 2 cores
-and the GIL before next() has returned. So next() only appends to a deque, and a pump thread
-sends what is queued every `poll_s` while batches flow. After `park_after_s` without a report
-it parks until the next one, so a paused or slow trainer costs no polling; with steps that
-long, the one wake per step is a small share of the step.
+Why: next() on a ready batch is ~30 us of queue and bookkeeping work. Writing a report to the
+daemon inside it cost ~90 us more at p50 under load (2026-11-25, docs/bench/datapath.md): the
+write wakes the daemon, which competes with the trainer for the 2 cores before next() has
+returned. So next() only appends to a deque (`add`), and the stream's reader thread, which
+exists anyway, writes what is queued (`flush`, straight to the step socket) once the oldest
+report is `poll_s` old: it waits for the socket with `poll_timeout_s()` as its timeout. After
+`park_after_s` without a report it waits for data alone, so a paused trainer costs no polling,
+and the first report after that wakes it (`wake`: one write to a pipe, once per pause).
 
 A flush sends everything queued as one Delivered covering those consecutive steps (wait and
-compute summed): per message, gRPC costs both sides far more than the few bytes. Besides the
-pump, ODBClient flushes once next() has blocked for 1 ms, at an epoch's end and once half its
-prefetch window is unreported, so the daemon keeps pushing ahead of a fast trainer.
+compute summed): fewer messages for both sides. Besides the reader, ODBClient flushes once next()
+has blocked for 1 ms, at an epoch's end and once half its prefetch window is unreported, so the
+daemon keeps pushing ahead of a fast trainer.
 """
 
 from __future__ import annotations
@@ -20,12 +20,12 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import NamedTuple
 
-from odbclient.connect import Outbox, start_reader
 from odbclient.wire.odbd.v1 import trainer_pb2
 
-DEFAULT_POLL_S = 0.005
+DEFAULT_POLL_S = 0.0025
 DEFAULT_PARK_AFTER_S = 0.05
 
 
@@ -41,28 +41,36 @@ class DeliveryReports:
 
     def __init__(
         self,
-        outbox: Outbox,
+        send: Callable[[trainer_pb2.TrainerMessage], None],
         *,
-        name: str,
-        poll_s: float = DEFAULT_POLL_S,
+        poll_s: float | None = None,  # None: DEFAULT_POLL_S as it is when built
         park_after_s: float = DEFAULT_PARK_AFTER_S,
+        clock: Callable[[], float] = time.monotonic,
+        wake: Callable[[], None] = lambda: None,  # ends the reader's wait (parked only)
     ) -> None:
-        self._outbox = outbox
-        self._poll_s, self._park_after_s = poll_s, park_after_s
+        self._send = send
+        self._wake = wake
+        self._parked = False  # the reader waits for data alone: add() must wake it
+        self._poll_s = DEFAULT_POLL_S if poll_s is None else poll_s
+        self._park_after_s = park_after_s
+        self._clock = clock
         self._unsent: deque[_Report] = deque()
         self._measured: deque[tuple[int, int, float]] = deque()  # report_compute: ride along
         self._lock = threading.Lock()  # one flush at a time: reports leave in step order
-        self._wake = threading.Event()
-        self._parked = True
+        self._first_unsent_s = 0.0  # clock() when the oldest unsent report was added
+        self._last_added_s = -float("inf")
         self._closed = False
-        self._pump = start_reader(self._run, name=name)
 
     def add(self, epoch: int, step: int, *, wait_s: float, compute_s: float) -> int:
-        """Queues one report (any thread; wakes nobody unless the pump is parked); returns how
-        many reports are unsent."""
+        """Queues one report (wakes nobody); returns how many reports are unsent."""
+        now_s = self._clock()
+        if not self._unsent:
+            self._first_unsent_s = now_s
+        self._last_added_s = now_s
         self._unsent.append(_Report(epoch, step, wait_s, compute_s))
-        if self._parked:
-            self._wake.set()
+        if self._parked:  # rare: the first report after a pause of park_after_s
+            self._parked = False
+            self._wake()
         return len(self._unsent)
 
     def add_measured(self, epoch: int, step: int, compute_s: float) -> None:
@@ -70,9 +78,29 @@ class DeliveryReports:
         Delivered always covers at least one new step, so none is sent for these alone)."""
         self._measured.append((epoch, step, compute_s))
 
+    def poll_timeout_s(self) -> float | None:
+        """How long the reader thread may wait for data before it should flush: until the
+        oldest report is poll_s old; poll_s while reports flowed within park_after_s (one may
+        be added meanwhile); None (wait for data alone) once they stopped."""
+        now_s = self._clock()
+        if self._unsent:
+            return max(0.0, self._first_unsent_s + self._poll_s - now_s)
+        if now_s - self._last_added_s < self._park_after_s:
+            return self._poll_s
+        self._parked = True
+        if self._unsent:  # add() ran before it could see the flag: do not park
+            self._parked = False
+            return 0.0
+        return None
+
+    def flush_due(self) -> None:
+        """Flushes if the oldest report is poll_s old (the reader thread, after each wait)."""
+        if self._unsent and self._clock() - self._first_unsent_s >= self._poll_s:
+            self.flush()
+
     def flush(self) -> None:
-        """Hands every queued report to gRPC now, as one Delivered (any thread)."""
-        if not self._unsent:
+        """Sends every queued report now, as one Delivered (any thread)."""
+        if not self._unsent or self._closed:
             return
         with self._lock:
             taken = [self._unsent.popleft() for _ in range(len(self._unsent))]
@@ -88,31 +116,9 @@ class DeliveryReports:
             while self._measured:
                 epoch, step, compute_s = self._measured.popleft()
                 delivered.measured.add(epoch=epoch, step=step, compute_s=compute_s)
-            self._outbox.put(trainer_pb2.TrainerMessage(delivered=delivered))
+            self._send(trainer_pb2.TrainerMessage(delivered=delivered))
 
     def close(self) -> None:
-        """Flushes what is queued and ends the pump (idempotent)."""
-        self._closed = True
-        self._wake.set()
+        """Sends what is queued; later reports are dropped (idempotent)."""
         self.flush()
-        if self._pump is not threading.current_thread():
-            self._pump.join(timeout=1.0)
-
-    def _run(self) -> None:
-        last_report_s = time.monotonic()
-        while True:
-            if self._parked:
-                self._wake.wait()
-                self._parked = False
-                last_report_s = time.monotonic()
-            self._wake.clear()
-            if self._closed:
-                return
-            self._wake.wait(self._poll_s)  # a sleep that close() can cut short
-            if self._unsent:
-                self.flush()
-                last_report_s = time.monotonic()
-            elif time.monotonic() - last_report_s > self._park_after_s:
-                self._parked = True
-                if self._unsent:  # add() ran before it could see the flag: stay awake
-                    self._parked = False
+        self._closed = True

@@ -165,6 +165,11 @@ class ArenaView:
             )
         return whole[offset : offset + length]
 
+    def mapping(self, segment: str) -> memoryview:
+        """The whole mapping of `segment` (no copy; it lives as long as the process). Readers
+        check bounds against header(segment).header_bytes and its length themselves."""
+        return self._buffers[segment]
+
     def view(self, allocation: Allocation) -> memoryview:
         return self.buffer(allocation.segment, allocation.offset, allocation.length)
 

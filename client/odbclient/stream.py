@@ -1,17 +1,23 @@
-"""The trainer side of one `Train` stream: hello, welcome, and a reader thread that turns
+"""The trainer side of one step channel: hello, welcome, and a reader thread that turns
 StepBatch events into ready Batch objects (collated out of shared memory) in an inbox queue.
 
-Threads: grpc consumes the request side (`Outbox`) on its own thread; `_read` runs on a reader
-thread and is the only user of the arena views; the trainer thread only takes from `inbox` and
-queues Delivered reports, which `DeliveryReports` (odbclient.reports) hands to the outbox.
-Every failure on the reader thread reaches the trainer as a
+Transport (protocol 6): one blocking unix socket to the daemon's step socket, carrying
+length-prefixed TrainerMessage / TrainerEvent frames (odbclient.framing). Threads: `_read` runs
+on the reader thread, receives whatever arrived (many frames per recv), is the only user of the
+arena views and writes the Delivered reports next() queued once they are due
+(odbclient.reports); the trainer thread takes from `inbox` and writes reports itself only when
+it flushes (`_send`, under a lock). No other thread: gRPC is used only to ask a stalled daemon
+why (`daemon_says`), lazily. Every failure on the reader thread reaches the trainer as a
 `Failure` item, so a broken stream or bad data raises in next() instead of hanging it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import queue
+import select
+import socket as socketlib
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -21,23 +27,37 @@ import grpc
 import numpy as np
 
 from odbclient.batch import Batch, Progress
-from odbclient.collate import BatchForm, KeySchema, collate, filler_tensors, parse_filler_schema
+from odbclient.collate import (
+    BatchForm,
+    Collated,
+    KeySchema,
+    collate,
+    filler_tensors,
+    parse_filler_schema,
+)
 from odbclient.connect import (
     PROTOCOL_VERSION,
     TRAINER_REFUSALS,
     Failure,
-    Outbox,
     StreamEnd,
-    open_channel,
+    connect_steps,
+    refusal_error,
     start_reader,
-    translate_rpc_error,
 )
-from odbclient.errors import ClientClosedError, DaemonTimeoutError, ProtocolError
-from odbclient.reports import DeliveryReports
+from odbclient.errors import (
+    ClientClosedError,
+    DaemonConnectionError,
+    DaemonTimeoutError,
+    ProtocolError,
+)
+from odbclient.framing import FrameBuffer, frame
+from odbclient.reports import DEFAULT_POLL_S, DeliveryReports
 from odbclient.shm import ArenaView, decode, read_meta
-from odbclient.wire.odbd.v1 import admin_pb2, admin_pb2_grpc, trainer_pb2, trainer_pb2_grpc
+from odbclient.step_collate import SegmentTable, collate_uniform
+from odbclient.wire.odbd.v1 import admin_pb2, admin_pb2_grpc, trainer_pb2
 
 _CLOSE_GRACE_S = 2.0  # how long close() lets the daemon read our last messages
+_RECV_BYTES = 1 << 20  # one recv takes every frame that arrived, up to this many bytes
 _STATUS_TIMEOUT_S = 5.0  # asking a stalled daemon why must not become a second stall
 
 
@@ -146,20 +166,24 @@ def _progress(p: trainer_pb2.Progress) -> Progress:
 class TrainerStream:
     """One rank's connection; `inbox` yields Batch, EpochEnd, JobEnd, Failure or StreamEnd."""
 
-    def __init__(self, *, rank: int, socket: str, channel: grpc.Channel, prefetch: int) -> None:
+    def __init__(
+        self, *, rank: int, socket: str, connection: socketlib.socket, prefetch: int
+    ) -> None:
         self.rank, self.socket = rank, socket
         self.inbox: queue.Queue[object] = queue.Queue(maxsize=prefetch + 4)
         self.welcome: Welcome | None = None
-        self._channel = channel
-        self._outbox = Outbox()
-        self.reports = DeliveryReports(self._outbox, name=f"odbclient-rank{rank}-reports")
+        self._connection = connection
+        self._send_lock = threading.Lock()  # the trainer thread and close() both write
+        # A pipe that ends the reader's wait when a report comes after a pause (reports.py).
+        self._wake_read, self._wake_write = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self.reports = DeliveryReports(self._send, wake=self._wake_reader)
         self._closing = threading.Event()
         self._arena: ArenaView | None = None
         self._segment_names: list[str] = []
+        self._segment_table = SegmentTable((), np.zeros(0, np.uint64), np.zeros(0, np.uint64))
         self._pads: dict[str, float] = {}
         self._form = BatchForm()  # from the welcome
         self._last_schema: tuple[KeySchema, ...] = ()  # of the last real batch: idle fillers
-        self._call: Any = None
         self._reader: threading.Thread | None = None
 
     @classmethod
@@ -179,7 +203,7 @@ class TrainerStream:
         stream = cls(
             rank=rank,
             socket=socket,
-            channel=open_channel(socket, timeout_s=connect_timeout_s),
+            connection=connect_steps(socket, timeout_s=connect_timeout_s),
             prefetch=prefetch,
         )
         hello = trainer_pb2.TrainerHello(
@@ -193,10 +217,9 @@ class TrainerStream:
         if world.rank is not None:
             hello.launcher_rank = world.rank
         hello.world_source = world.source
-        stream._outbox.put(trainer_pb2.TrainerMessage(hello=hello))
-        stream._call = trainer_pb2_grpc.TrainerStub(stream._channel).Train(iter(stream._outbox))
-        stream._reader = start_reader(stream._read, name=f"odbclient-rank{rank}")
         try:
+            stream._send(trainer_pb2.TrainerMessage(hello=hello))
+            stream._reader = start_reader(stream._read, name=f"odbclient-rank{rank}")
             stream._await_welcome(connect_timeout_s)
         except BaseException:
             stream.close()
@@ -207,20 +230,36 @@ class TrainerStream:
         """Ends the stream and the reader thread (idempotent); arena mappings stay (shm.py)."""
         if self._closing.is_set():
             return
-        self._closing.set()
         self.reports.close()
-        # Half-close first: gRPC sends the queued Delivered messages before the end of the
-        # stream, and the daemon ends its side once it read them. Cancelling right away could
+        self._closing.set()
+        # Half-close first: the daemon reads the last Delivered, then the end of the stream
+        # (the detach), and closes its side, which ends our reader. Closing at once could
         # drop the last Delivered, leaving the daemon waiting for a step that was trained.
-        self._outbox.close()
-        if self._reader is not None and self._reader is not threading.current_thread():
-            self._reader.join(timeout=_CLOSE_GRACE_S)
-        if self._call is not None:
-            self._call.cancel()
-        self._channel.close()
-        if self._reader is not None and self._reader is not threading.current_thread():
-            self._reader.join(timeout=5.0)
+        with contextlib.suppress(OSError):
+            self._connection.shutdown(socketlib.SHUT_WR)
+        self._join_reader(_CLOSE_GRACE_S)
+        with contextlib.suppress(OSError):
+            self._connection.shutdown(socketlib.SHUT_RDWR)  # wakes a reader still in recv
+        self._join_reader(5.0)
+        self._connection.close()
+        os.close(self._wake_read)
+        os.close(self._wake_write)
         self._wake_waiter()
+
+    def _wake_reader(self) -> None:
+        with contextlib.suppress(BlockingIOError):  # a wake is pending already
+            os.write(self._wake_write, b"\0")
+
+    def _join_reader(self, timeout_s: float) -> None:
+        if self._reader is not None and self._reader is not threading.current_thread():
+            self._reader.join(timeout=timeout_s)
+
+    def _send(self, message: trainer_pb2.TrainerMessage) -> None:
+        """Writes one message (any thread). A broken socket is not raised here: the reader
+        sees it too and queues the failure that next() raises with the reason."""
+        data = frame(message.SerializeToString())
+        with self._send_lock, contextlib.suppress(OSError):
+            self._connection.sendall(data)
 
     def _wake_waiter(self) -> None:
         """Ends a next() that another thread is blocked in: the reader puts nothing more, so
@@ -258,33 +297,74 @@ class TrainerStream:
     # --- reader thread -------------------------------------------------------------------------
 
     def _read(self) -> None:
+        frames, buffer = FrameBuffer(), bytearray(_RECV_BYTES)
+        view = memoryview(buffer)
+        poller = select.poll()
+        poller.register(self._connection, select.POLLIN)
+        poller.register(self._wake_read, select.POLLIN)
         try:
-            for event in self._call:
-                for item in self._handle(event):
-                    self._put(item)
-            self._put(StreamEnd())
-        except grpc.RpcError as exc:
+            while True:
+                # Wait for data, or until queued Delivered reports are due (odbclient.reports).
+                timeout_s = self.reports.poll_timeout_s()
+                ready = dict(poller.poll(None if timeout_s is None else timeout_s * 1e3))
+                if self._wake_read in ready:
+                    with contextlib.suppress(BlockingIOError):
+                        os.read(self._wake_read, 64)
+                self.reports.flush_due()
+                if self._connection.fileno() not in ready:
+                    continue
+                received = self._connection.recv_into(buffer)
+                if not received:
+                    break
+                for payload in frames.feed(view[:received]):
+                    event = trainer_pb2.TrainerEvent.FromString(payload)
+                    if event.HasField("refusal"):
+                        self._put(Failure(self._refusal(event.refusal)))
+                        return
+                    for item in self._handle(event):
+                        self._put(item)
+            self._on_stream_end(cut=frames.pending_bytes > 0)
+        except OSError as error:
             if not self._closing.is_set():
-                error = translate_rpc_error(
-                    exc,
-                    socket=self.socket,
-                    who=f"trainer rank {self.rank}",
-                    established=self.welcome is not None,
-                    refusals=TRAINER_REFUSALS,
-                )
-                self._put(Failure(error))
+                self._put(Failure(self._broken(f"{type(error).__name__}: {error}")))
         except Exception as exc:  # bad data or a bug: the trainer must see it, not hang
             self._put(Failure(exc))
-            self._call.cancel()
+            with contextlib.suppress(OSError):
+                self._connection.shutdown(socketlib.SHUT_RDWR)
+
+    def _on_stream_end(self, *, cut: bool) -> None:
+        """The daemon closed the stream: cleanly after a failed job's end or at its shutdown
+        (StreamEnd: the client tells which), or it died (a frame cut short)."""
+        if self._closing.is_set():
+            return
+        self._put(
+            Failure(self._broken("the stream ended inside a message")) if cut else StreamEnd()
+        )
+
+    def _refusal(self, refusal: trainer_pb2.Refusal) -> Exception:
+        return refusal_error(
+            refusal.code,
+            refusal.message,
+            socket=self.socket,
+            who=f"trainer rank {self.rank}",
+            refusals=TRAINER_REFUSALS,
+        )
+
+    def _broken(self, why: str) -> DaemonConnectionError:
+        return DaemonConnectionError(
+            f"the stream between trainer rank {self.rank} and odbd on unix:{self.socket} broke "
+            f"({why}); the daemon exited or restarted; check its log, then restart this process"
+        )
 
     def _put(self, item: object) -> None:
-        """Blocks while the inbox is full (the daemon pushed more than prefetch), until close."""
+        """Blocks while the inbox is full (the daemon pushed more than prefetch), until close;
+        due reports still leave meanwhile."""
         while not self._closing.is_set():
             try:
-                self.inbox.put(item, timeout=0.1)
+                self.inbox.put(item, timeout=DEFAULT_POLL_S)
                 return
             except queue.Full:
-                continue
+                self.reports.flush_due()
 
     def _handle(self, event: trainer_pb2.TrainerEvent) -> Iterator[object]:
         """The inbox items of one event, each as soon as it is ready (a StepBatches yields its
@@ -314,6 +394,12 @@ class TrainerStream:
         # Mapped once for the process lifetime (shm.py): batches are copied out, never viewed.
         self._arena = ArenaView.attach(list(welcome.segments))
         self._segment_names = list(welcome.segments)
+        mappings = [self._arena.mapping(name) for name in welcome.segments]
+        self._segment_table = SegmentTable(
+            mappings,
+            np.array([self._arena.header(n).header_bytes for n in welcome.segments], np.uint64),
+            np.array([len(m) for m in mappings], np.uint64),
+        )
         self._pads = {pad.key: pad.value for pad in welcome.pads}
         self._form = BatchForm(
             packed=welcome.collate == "packed",
@@ -333,10 +419,7 @@ class TrainerStream:
         if step.is_idle:
             tensors, sample_ids = filler_tensors(self._filler_schema(step), self._form), ()
         else:
-            samples, bfloat16_keys = self._samples(step)
-            collated = collate(
-                samples, pads=self._pads, bfloat16_keys=bfloat16_keys, form=self._form
-            )
+            collated = self._collate(step)
             self._last_schema = collated.schema
             tensors = collated.tensors
             sample_ids = tuple(np.frombuffer(step.sample_ids, "<i8").tolist())
@@ -354,6 +437,22 @@ class TrainerStream:
             progress=_progress(step.progress),
             **_update(step),
         )
+
+    def _collate(self, step: trainer_pb2.StepBatch) -> Collated:
+        """A step whose samples share one header takes a few vectorised copies per key
+        (odbclient.step_collate); any other step is decoded and collated sample by sample."""
+        segments = np.frombuffer(step.segments, "<u4")
+        offsets = np.frombuffer(step.offsets, "<u8")
+        nbytes = np.frombuffer(step.nbytes, "<u8")
+        count = len(step.sample_ids) // 8
+        if count and len(segments) == len(offsets) == len(nbytes) == count:
+            collated = collate_uniform(
+                self._segment_table, segments, offsets, nbytes, form=self._form
+            )
+            if collated is not None:
+                return collated
+        samples, bfloat16_keys = self._samples(step)
+        return collate(samples, pads=self._pads, bfloat16_keys=bfloat16_keys, form=self._form)
 
     def _filler_schema(self, step: trainer_pb2.StepBatch) -> tuple[KeySchema, ...]:
         # This rank's own last batch gives exact shapes (fixed-shape keys included); the

@@ -22,8 +22,9 @@ from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
 EXIT_USAGE = 2
-# sockaddr_un.sun_path is 108 bytes on Linux, including the terminating NUL.
-MAX_SOCKET_PATH_BYTES = 107
+# sockaddr_un.sun_path is 108 bytes on Linux, including the terminating NUL; the trainers' step
+# socket is this path + ".steps" (odbclient.framing.steps_socket_path), so --socket gets 6 less.
+MAX_SOCKET_PATH_BYTES = 107 - len(".steps")
 # The daemon and the simulator hold a few int64 arrays of N entries (sampler order, ledger,
 # lengths): past 2^32 samples that is tens of GiB, so a bigger N is a typo, not a dataset.
 MAX_DATASET_SIZE = 1 << 32
@@ -248,7 +249,8 @@ def socket_path(text: str) -> str:
     if length > MAX_SOCKET_PATH_BYTES:
         raise argparse.ArgumentTypeError(
             f"{path!r} is {length} bytes, over the {MAX_SOCKET_PATH_BYTES}-byte limit of unix "
-            "socket paths; choose a shorter path"
+            "socket paths (107 bytes, less the '.steps' of the trainers' socket beside it); "
+            "choose a shorter path"
         )
     return path
 

@@ -104,3 +104,31 @@ class Session:
         self._outbox.put(self._END)
         self._call.cancel()
         self._reader.join(timeout=CALL_TIMEOUT_S)  # a test leaves no thread behind (conftest)
+
+
+def steps_stream(path: str, payloads: list[Message | bytes]) -> Answer:
+    """Sends `payloads` as frames on a daemon's step socket (odbclient.framing), half-closes,
+    and reads frames until the daemon ends the stream: a Refusal is the answer's code and
+    details; a stream that ends without one is OK. Every read has a deadline."""
+    import socket as socketlib
+
+    from odbclient.framing import FrameBuffer, frame
+    from odbclient.wire.odbd.v1 import trainer_pb2
+
+    replies: list[bytes] = []
+    frames = FrameBuffer()
+    with socketlib.socket(socketlib.AF_UNIX, socketlib.SOCK_STREAM) as sock:
+        sock.settimeout(CALL_TIMEOUT_S)  # a hang shows up as TimeoutError, which fails the test
+        sock.connect(path)
+        try:
+            sock.sendall(b"".join(frame(as_bytes(p)) for p in payloads))
+            sock.shutdown(socketlib.SHUT_WR)
+        except BrokenPipeError:
+            pass  # the daemon refused early and closed; its refusal is still readable
+        while data := sock.recv(1 << 16):
+            replies.extend(frames.feed(data))
+    for reply in replies:
+        event = trainer_pb2.TrainerEvent.FromString(reply)
+        if event.HasField("refusal"):
+            return Answer(grpc.StatusCode[event.refusal.code], event.refusal.message, replies)
+    return Answer(grpc.StatusCode.OK, "", replies)

@@ -18,6 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from odbclient.connect import PROTOCOL_VERSION
+from odbclient.framing import steps_socket_path
 from odbclient.wire.odbd.v1 import admin_pb2, ingest_pb2, peer_pb2, trainer_pb2
 from tests.integration import faults_wire as wire
 from tests.integration.faults_cluster import FaultCluster
@@ -229,7 +230,7 @@ def test_fuzz_trainer(job, first, rest):
     fc, channels = job
     if isinstance(first, trainer_pb2.TrainerMessage):
         first.hello.job_id = _job(first.hello.job_id, fc)
-    answer = wire.stream(channels["unix"], wire.TRAINER, [first, *rest])
+    answer = wire.steps_stream(steps_socket_path(fc.cluster.sockets[0]), [first, *rest])
     hello = wire.parses(wire.as_bytes(first), trainer_pb2.TrainerMessage)
     if hello is None or not hello.HasField("hello"):
         _check(answer, {Code.INVALID_ARGUMENT})
@@ -242,6 +243,17 @@ def test_fuzz_trainer(job, first, rest):
         _check(answer, {Code.INVALID_ARGUMENT})
     else:  # attached, nothing queued: Delivered for steps never sent change nothing
         _check(answer, {Code.OK, Code.INVALID_ARGUMENT})
+
+
+@FUZZ
+@given(first=st.one_of(st.builds(trainer_pb2.TrainerMessage, hello=trainer_hellos), garbage))
+def test_grpc_train_refuses_every_trainer_with_the_upgrade(job, first):
+    """Protocol 6 moved the step channel off gRPC: an older odbclient calling Train is told
+    to upgrade, whatever it sends."""
+    _, channels = job
+    answer = wire.stream(channels["unix"], wire.TRAINER, [first])
+    assert answer.code is Code.FAILED_PRECONDITION, answer
+    assert "upgrade odbclient" in answer.details
 
 
 # -- Admin and Health ------------------------------------------------------------------------

@@ -1,10 +1,13 @@
-"""ODBClient against a scripted fake daemon (real gRPC on a unix socket, real shm arena):
-iteration per epoch, Delivered, EpochEnd/JobEnd, idle fillers, resume, timeouts, refusals."""
+"""ODBClient against a scripted fake daemon (a real step socket of frames beside a real gRPC
+socket for Admin status, real shm arena): iteration per epoch, Delivered, EpochEnd/JobEnd, idle
+fillers, resume, timeouts, refusals."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
+import socket as socketlib
 import threading
 import time
 import uuid
@@ -29,16 +32,18 @@ from odbclient.errors import (
     IteratorInUseError,
     JobFailedError,
     JobMismatchError,
+    ProtocolError,
     RankInUseError,
     RankRefusedError,
     StateDictError,
 )
+from odbclient.framing import FrameBuffer, frame, steps_socket_path
 from odbclient.shm import ShmLayoutError, encode_into, encoded_size
-from odbclient.wire.odbd.v1 import admin_pb2, admin_pb2_grpc, trainer_pb2, trainer_pb2_grpc
+from odbclient.wire.odbd.v1 import admin_pb2, admin_pb2_grpc, trainer_pb2
 from odbd.ingest.arena import Arena
 
 Event = trainer_pb2.TrainerEvent
-Script = Callable[[trainer_pb2.TrainerHello, Any], Iterator[Event]]
+Script = Callable[[trainer_pb2.TrainerHello, Any], Iterator[Event]]  # (hello, StepContext)
 
 
 @dataclass
@@ -110,28 +115,103 @@ def job_end(reason: str = "all epochs done", failed: bool = False) -> Event:
     return Event(job_end=trainer_pb2.JobEnd(reason=reason, failed=failed))
 
 
-def wait_until_cancelled(context: Any) -> None:
-    while context.is_active():
-        time.sleep(0.02)
+def wait_until_cancelled(context: StepContext) -> None:
+    context.closed.wait(timeout=30.0)  # the client detaches (EOF) well before this
 
 
-class FakeTrainerService(trainer_pb2_grpc.TrainerServicer):
+class _Aborted(Exception):
+    """A script refused the trainer (StepContext.abort): the connection ends."""
+
+
+class StepContext:
+    """One trainer connection as a script sees it (the shape of a gRPC servicer context)."""
+
+    def __init__(self, connection: socketlib.socket) -> None:
+        self.connection = connection
+        self.closed = threading.Event()  # the client's side ended (EOF)
+
+    def is_active(self) -> bool:
+        return not self.closed.is_set()
+
+    def send(self, event: Event) -> None:
+        self.connection.sendall(frame(event.SerializeToString()))
+
+    def abort(self, code: grpc.StatusCode, message: str) -> None:
+        self.send(Event(refusal=trainer_pb2.Refusal(code=code.name, message=message)))
+        raise _Aborted
+
+
+class FakeStepServer:
+    """The fake daemon's step socket: each connection runs the script on its own thread."""
+
     def __init__(self, daemon: FakeDaemon) -> None:
         self.daemon = daemon
+        self.listener = socketlib.socket(socketlib.AF_UNIX, socketlib.SOCK_STREAM)
+        self.listener.bind(steps_socket_path(daemon.socket))
+        self.listener.listen()
+        self.threads: list[threading.Thread] = []
+        self._accepting = threading.Thread(target=self._accept, name="fake-steps-accept")
+        self._accepting.start()
 
-    def Train(self, request_iterator: Iterator[Any], context: Any) -> Iterator[Event]:  # noqa: N802
-        hello = next(request_iterator).hello
-        self.daemon.hellos.append(hello)
-        threading.Thread(target=self._drain, args=(request_iterator,), daemon=True).start()
-        assert self.daemon.script is not None
-        yield from self.daemon.script(hello, context)
+    def close(self) -> None:
+        self.listener.shutdown(socketlib.SHUT_RDWR)
+        self.listener.close()
+        self._accepting.join(timeout=10)
+        for thread in self.threads:
+            thread.join(timeout=10)
+            assert not thread.is_alive(), f"{thread.name} still runs"
 
-    def _drain(self, request_iterator: Iterator[trainer_pb2.TrainerMessage]) -> None:
+    def _accept(self) -> None:
+        while True:
+            try:
+                connection, _ = self.listener.accept()
+            except OSError:
+                return  # closed
+            thread = threading.Thread(target=self._serve, args=(connection,), name="fake-steps")
+            self.threads.append(thread)
+            thread.start()
+
+    def _serve(self, connection: socketlib.socket) -> None:
+        context = StepContext(connection)
+        frames = FrameBuffer()
         try:
-            for message in request_iterator:
-                self.daemon.delivered.put(message.delivered)
-        except grpc.RpcError:
+            hello = trainer_pb2.TrainerMessage.FromString(self._first_frame(connection, frames))
+            self.daemon.hellos.append(hello.hello)
+            drain = threading.Thread(
+                target=self._drain, args=(connection, frames, context), name="fake-steps-drain"
+            )
+            self.threads.append(drain)
+            drain.start()
+            assert self.daemon.script is not None
+            with contextlib.suppress(_Aborted, OSError):
+                for event in self.daemon.script(hello.hello, context):
+                    context.send(event)
+            with contextlib.suppress(OSError):
+                connection.shutdown(socketlib.SHUT_WR)  # the script ended: so does the stream
+            context.closed.wait(timeout=30.0)
+        finally:
+            connection.close()
+
+    @staticmethod
+    def _first_frame(connection: socketlib.socket, frames: FrameBuffer) -> bytes:
+        while True:
+            data = connection.recv(1 << 16)
+            assert data, "the client closed before its hello"
+            payloads = frames.feed(data)
+            if payloads:
+                assert len(payloads) == 1, "the client sent more than its hello before a welcome"
+                return payloads[0]
+
+    def _drain(self, connection: socketlib.socket, frames: FrameBuffer, ctx: StepContext) -> None:
+        try:
+            while data := connection.recv(1 << 16):
+                for payload in frames.feed(data):
+                    message = trainer_pb2.TrainerMessage.FromString(payload)
+                    self.daemon.delivered.put(message.delivered)
+        except OSError:
             pass  # the client went away
+        finally:
+            ctx.closed.set()
 
 
 class FakeAdminService(admin_pb2_grpc.AdminServicer):
@@ -148,9 +228,9 @@ class FakeAdminService(admin_pb2_grpc.AdminServicer):
 def daemon(tmp_path: Path) -> Iterator[FakeDaemon]:
     with Arena.create(f"test-client-{uuid.uuid4().hex[:8]}", 0, 1 << 20) as arena:
         fake = FakeDaemon(str(tmp_path / "odbd.sock"), arena)
+        steps = FakeStepServer(fake)  # first, like odbd: see odbclient.connect.connect_steps
         executor = futures.ThreadPoolExecutor(max_workers=4)
         server = grpc.server(executor)
-        trainer_pb2_grpc.add_TrainerServicer_to_server(FakeTrainerService(fake), server)
         admin_pb2_grpc.add_AdminServicer_to_server(FakeAdminService(fake), server)
         server.add_insecure_port(f"unix:{fake.socket}")
         server.start()
@@ -159,6 +239,7 @@ def daemon(tmp_path: Path) -> Iterator[FakeDaemon]:
         finally:
             server.stop(grace=None).wait()
             executor.shutdown(wait=True)  # grpc leaves its pool's threads idle
+            steps.close()
 
 
 def client_for(daemon: FakeDaemon, **kwargs: Any) -> ODBClient:
@@ -300,12 +381,13 @@ def test_state_dict_tracks_the_next_undelivered_step(daemon: FakeDaemon) -> None
 def test_deliveries_reach_the_daemon_while_the_trainer_holds_its_batch(
     daemon: FakeDaemon,
 ) -> None:
-    """next() only queues the Delivered report (odbclient.reports); it must still arrive
-    without another next() or close(), or the daemon would stall a slow trainer's window."""
+    """next() only queues the Delivered report (odbclient.reports); the reader thread must
+    still send it without another next() or close(), or the daemon would stall a slow
+    trainer's window."""
 
     def script(hello: Any, context: Any) -> Iterator[Event]:
         yield daemon.welcome()
-        for step in range(2):  # nothing after: the reader thread has no reason to wake
+        for step in range(2):  # nothing after: the reader thread gets no data to wake it
             yield daemon.step(0, step, [2])
         wait_until_cancelled(context)
 
@@ -315,6 +397,27 @@ def test_deliveries_reach_the_daemon_while_the_trainer_holds_its_batch(
         next(batches)
         next(batches)
         assert delivered(daemon, 2)[-1][:2] == (0, 1)  # before any further next()
+
+
+@pytest.mark.timeout(60)
+def test_fast_steps_report_every_half_prefetch(
+    daemon: FakeDaemon, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("odbclient.reports.DEFAULT_POLL_S", 3600.0)  # the reader never sends
+
+    def script(hello: Any, context: Any) -> Iterator[Event]:
+        yield daemon.welcome()
+        for step in range(6):
+            yield daemon.step(0, step, [2])
+        wait_until_cancelled(context)
+
+    daemon.script = script
+    with client_for(daemon, prefetch=8) as client:
+        batches = iter(client)
+        for _ in range(4):
+            next(batches)
+        assert delivered(daemon, 4) == [(0, 3, 4)]  # one report for 4 steps
+        assert daemon.delivered.empty()
 
 
 @pytest.mark.timeout(60)
@@ -437,14 +540,15 @@ def test_refusals_become_client_errors_with_the_daemon_message_and_fix(
 
 
 @pytest.mark.timeout(60)
-def test_broken_stream_after_welcome_is_a_connection_error(daemon: FakeDaemon) -> None:
-    def script(hello: Any, context: Any) -> Iterator[Event]:
+def test_a_stream_cut_inside_a_message_is_a_connection_error(daemon: FakeDaemon) -> None:
+    def script(hello: Any, context: StepContext) -> Iterator[Event]:
         yield daemon.welcome()
-        context.abort(grpc.StatusCode.UNAVAILABLE, "daemon draining")
+        context.connection.sendall(frame(daemon.step(0, 0, [2]).SerializeToString())[:-3])
+        context.connection.shutdown(socketlib.SHUT_RDWR)  # the daemon died mid-write
 
     daemon.script = script
     with client_for(daemon) as client:
-        with pytest.raises(DaemonConnectionError, match="daemon draining"):
+        with pytest.raises(DaemonConnectionError, match="ended inside a message.*restarted"):
             list(client)
 
 
@@ -628,3 +732,42 @@ def test_the_hello_carries_the_launcher_world(
         0,
         "accelerate",
     )
+
+
+@pytest.mark.timeout(60)
+def test_a_daemon_without_a_step_socket_is_refused_as_older_at_once(tmp_path: Path) -> None:
+    """A daemon of protocol <= 5 serves only gRPC: the client must say so, not wait out its
+    connect timeout."""
+    socket = str(tmp_path / "old.sock")
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=1))
+    server.add_insecure_port(f"unix:{socket}")
+    server.start()
+    try:
+        started_s = time.monotonic()
+        with ODBClient(rank=0, socket=socket, connect_timeout_s=30.0) as client:
+            with pytest.raises(ProtocolError, match="older than this odbclient.*same odbd"):
+                list(client)
+        assert time.monotonic() - started_s < 15.0  # not the 30 s connect timeout
+    finally:
+        server.stop(grace=None).wait()
+
+
+@pytest.mark.timeout(60)
+def test_only_the_reader_thread_runs_beside_the_trainer(daemon: FakeDaemon) -> None:
+    """Protocol 6: no gRPC channel and no sender thread in a process that only iterates."""
+
+    def script(hello: Any, context: Any) -> Iterator[Event]:
+        yield daemon.welcome()
+        for step in range(3):
+            yield daemon.step(0, step, [2])
+        wait_until_cancelled(context)
+
+    daemon.script = script
+    before = {t.ident for t in threading.enumerate()}
+    with client_for(daemon) as client:
+        batches = iter(client)
+        for _ in range(3):
+            next(batches)
+        started = [t.name for t in threading.enumerate() if t.ident not in before]
+        # the fake daemon's own threads live in this process too
+        assert sorted(started) == ["fake-steps", "fake-steps-drain", "odbclient-rank0"], started

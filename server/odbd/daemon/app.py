@@ -34,6 +34,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry, start_http_server
 
+from odbclient.framing import steps_socket_path
 from odbclient.shm import SAMPLE_LAYOUT_VERSION, Allocation, read_meta
 from odbclient.wire.odbd.v1 import (
     admin_pb2,
@@ -67,7 +68,8 @@ from odbd.metrics.stats import DaemonStats
 from odbd.round import RoundBarrier, RoundConfig
 from odbd.serve.admin_service import AdminService
 from odbd.serve.rank_queue import QueuedItem, RankQueue
-from odbd.serve.trainer_service import TrainerService
+from odbd.serve.step_socket import StepServer
+from odbd.serve.trainer_service import LegacyTrainRefusal, TrainerService
 
 log = logging.getLogger("odbd")
 
@@ -97,6 +99,7 @@ class Daemon:
         self.queues = {rank: RankQueue(rank) for rank in config.local_ranks}
         self.arena: Arena | None = None
         self.server: grpc.aio.Server | None = None
+        self.step_server: StepServer | None = None  # the trainers' step socket (protocol 6)
         self.barrier: RoundBarrier | None = None
         self.supervisor: ProducerSupervisor | None = None
         self.health = health.aio.HealthServicer()
@@ -254,6 +257,12 @@ class Daemon:
     async def _serve_socket(self, trainer: TrainerService) -> None:
         path = self.config.socket
         _claim_socket_path(path)  # again: a stale file may have appeared since startup began
+        # The step socket first: a client that finds the gRPC socket answering but no step
+        # socket beside it may then conclude the daemon is older than protocol 6.
+        steps_path = steps_socket_path(path)
+        _claim_socket_path(steps_path)
+        self.step_server = StepServer(trainer, steps_path)
+        await self.step_server.start()
         options = [
             ("grpc.max_receive_message_length", _MESSAGE_BYTES),
             ("grpc.max_send_message_length", _MESSAGE_BYTES),
@@ -261,7 +270,7 @@ class Daemon:
         server = grpc.aio.server(options=options, interceptors=[DecodeGuard()])
         assert self.ingest is not None
         ingest_pb2_grpc.add_IngestServicer_to_server(self.ingest, server)
-        trainer_pb2_grpc.add_TrainerServicer_to_server(trainer, server)
+        trainer_pb2_grpc.add_TrainerServicer_to_server(LegacyTrainRefusal(steps_path), server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         admin_pb2_grpc.add_AdminServicer_to_server(AdminService(self.snapshot), server)
         old_umask = os.umask(0o177)  # the socket file is created 0600: only this user connects
@@ -743,6 +752,8 @@ class Daemon:
             steps.append(("tell producers to stop", partial(self.ingest.shutdown, "job over")))
         if self.supervisor is not None:
             steps.append(("stop the producers", self.supervisor.stop))
+        if self.step_server is not None:
+            steps.append(("stop the step socket server", self.step_server.close))
         if self.server is not None:
             steps.append(("stop the socket server", partial(self.server.stop, 1.0)))
         if self._health_server is not None:
@@ -764,6 +775,8 @@ class Daemon:
 
     def _unlink_socket(self) -> None:
         """Removes the socket file only if it is still the one this daemon bound."""
+        if self.step_server is not None:
+            self.step_server.unlink()
         if self._socket_id is None:
             return  # never bound: the file (if any) belongs to someone else
         with contextlib.suppress(FileNotFoundError):

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from odbclient.wire.odbd.v1 import trainer_pb2
-from odbd.daemon.node_state import Locations as Location  # one per step: its samples, as columns
+from odbd.daemon.node_state import Locations
 
 
 @dataclass(slots=True)
@@ -29,7 +29,7 @@ class QueuedItem:
     epoch: int
     step: int  # -1 for markers (epoch end, job end)
     event: Any  # trainer_pb2.TrainerEvent, built once when planned
-    locations: list[Location] = field(default_factory=list)
+    locations: list[Locations] = field(default_factory=list)
 
     @property
     def is_step(self) -> bool:
@@ -60,7 +60,7 @@ class RankQueue:
 
     @property
     def attached(self) -> bool:
-        """A trainer's stream is open for this rank (set by the Train stream)."""
+        """A trainer's stream is open for this rank (set by the step channel: TrainerService)."""
         return self._attached
 
     @attached.setter
@@ -125,9 +125,9 @@ class RankQueue:
             await self._changed.wait()
         return item
 
-    def deliver(self, epoch: int, step: int) -> list[Location]:
+    def deliver(self, epoch: int, step: int) -> list[Locations]:
         """Drops items up to and including (epoch, step); returns their locations to free."""
-        freed: list[Location] = []
+        freed: list[Locations] = []
         while self._items and self._sent > 0:
             head = self._items[0]
             if head.is_step and (head.epoch, head.step) > (epoch, step):
@@ -142,22 +142,22 @@ class RankQueue:
         self._changed.set()
         return freed
 
-    def drop_unsent(self) -> list[Location]:
+    def drop_unsent(self) -> list[Locations]:
         """The job failed: items not yet sent will never be; returns their locations."""
         dropped = [self._items.pop() for _ in range(len(self._items) - self._sent)]
         self._changed.set()
         return [location for item in dropped for location in item.locations]
 
-    def fail_job(self, end: QueuedItem) -> list[Location]:
+    def fail_job(self, end: QueuedItem) -> list[Locations]:
         """The job failed after its end was queued: unsent items (a successful JobEnd among
         them) are dropped and `end` (a failed JobEnd) follows what was sent."""
         freed = self.drop_unsent()
         self.push([end])
         return freed
 
-    def skip_before(self, epoch: int, step: int) -> list[Location]:
+    def skip_before(self, epoch: int, step: int) -> list[Locations]:
         """Resume: steps before (epoch, step) count as delivered by the previous client."""
-        freed: list[Location] = []
+        freed: list[Locations] = []
         while self._items:
             head = self._items[0]
             before = (head.epoch, head.step) < (epoch, step) if head.is_step else head.epoch < epoch

@@ -1,118 +1,150 @@
-"""The Trainer gRPC service: one stream per rank pushes its planned steps ahead of time."""
+"""The trainer's step channel, transport-agnostic: hello checks, attach and detach of a rank's
+queue, Delivered reports, and which event to send next. `odbd.serve.step_socket` is its edge (a
+unix stream socket of length-prefixed frames, protocol 6); `LegacyTrainRefusal` answers the
+gRPC `Train` of older trainers with what to do."""
 
 from __future__ import annotations
 
-import asyncio
 import logging
-from collections.abc import AsyncIterator, Callable, Coroutine
-from typing import Any
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 
 import grpc
 
-from odbclient.connect import DEFAULT_PREFETCH
+from odbclient.connect import DEFAULT_PREFETCH, PROTOCOL_VERSION
 from odbclient.wire.odbd.v1 import trainer_pb2, trainer_pb2_grpc
-from odbd.daemon.node_state import Locations as Location  # one per step: its samples, as columns
-from odbd.serve.hello import read_hello
+from odbd.daemon.node_state import Locations
+from odbd.serve.hello import Refusal, hello_refusal
 from odbd.serve.rank_queue import QueuedItem, RankQueue
 
 log = logging.getLogger("odbd.serve")
 
 MAX_PREFETCH = 64
 # Consecutive ready steps go as one StepBatches message of at most this many steps and about
-# this many bytes (a step of many tiny samples is large; the client accepts up to 4 MiB).
+# this many bytes (a step of many tiny samples is large).
 MAX_STEPS_PER_EVENT = 32
 MAX_EVENT_BYTES = 1 << 20
 
 
-class TrainerService(trainer_pb2_grpc.TrainerServicer):
+@dataclass(slots=True)
+class Attachment:
+    """One attached trainer: its rank's queue and how far ahead it may be pushed."""
+
+    rank: int
+    queue: RankQueue
+    prefetch: int
+
+
+class TrainerService:
     def __init__(
         self,
         *,
         job_id: str,
         queues: dict[int, RankQueue],
         welcome: trainer_pb2.TrainerWelcome,
-        on_free: Callable[[list[Location]], None],
+        on_free: Callable[[list[Locations]], None],
         on_delivered: Callable[[int, trainer_pb2.Delivered], None],
         on_hello: Callable[[trainer_pb2.TrainerHello], str | None] = lambda hello: None,
     ) -> None:
         self._job_id = job_id
         self._queues = queues
-        self._welcome = welcome
+        self.welcome = welcome
         self._on_free = on_free
         self._on_delivered = on_delivered
         self._on_hello = on_hello
 
-    async def Train(  # noqa: N802 (gRPC method name)
-        self,
-        request_iterator: AsyncIterator[trainer_pb2.TrainerMessage],
-        context: grpc.aio.ServicerContext,
-    ) -> AsyncIterator[trainer_pb2.TrainerEvent]:
-        hello = await self._hello(request_iterator, context)
+    def admit(self, hello: trainer_pb2.TrainerHello) -> Refusal | None:
+        """Why this hello must not attach (protocol, job, world, rank, resume point), else None.
+        The resume check (on_hello) runs last: it records the rank's resume point."""
+        refusal = hello_refusal(hello, who="trainer", job_id=self._job_id)
+        if refusal is not None:
+            return refusal
+        world = world_refusal(hello, self.welcome.world_size)
+        if world is not None:
+            return Refusal("INVALID_ARGUMENT", world)
+        if hello.rank not in self._queues:
+            ranks = sorted(self._queues)
+            return Refusal(
+                "INVALID_ARGUMENT",
+                f"rank {hello.rank} is not served by this daemon (it serves ranks "
+                f"{ranks[0]}..{ranks[-1]}); connect to the socket of the node that runs it",
+            )
+        if self._queues[hello.rank].attached:
+            return Refusal(
+                "ALREADY_EXISTS",
+                f"another client is already attached for rank {hello.rank}; each rank has "
+                "exactly one ODBClient (close the other, or check RANK)",
+            )
+        resume = self._on_hello(hello)
+        return None if resume is None else Refusal("FAILED_PRECONDITION", resume)
+
+    def attach(self, hello: trainer_pb2.TrainerHello) -> Attachment:
+        """Marks an admitted hello's rank attached; sending starts at its first undelivered
+        step (or its resume point)."""
         queue = self._queues[hello.rank]
         queue.attached = True
         if hello.resume:
             self._on_free(queue.skip_before(hello.resume_epoch, hello.resume_step))
         queue.rewind()
         prefetch = min(hello.prefetch or DEFAULT_PREFETCH, MAX_PREFETCH)
-        reader = asyncio.ensure_future(self._read_deliveries(request_iterator, queue))
         log.info("trainer rank %d attached (prefetch %d)", hello.rank, prefetch)
-        try:
-            yield trainer_pb2.TrainerEvent(welcome=self._welcome)
-            while True:
-                # Fast path without a task per step: the queue usually has the next one ready.
-                item = queue.take_ready(prefetch)
-                if item is None:
-                    item = await _first(queue.next_to_send(prefetch), reader)
-                if item is None:
-                    return
-                if not item.is_step:
-                    yield item.event  # a marker: always alone
-                    continue
-                steps = _ready_steps(queue, prefetch, first=item)
-                yield item.event if len(steps) == 1 else _steps_event(steps)
-        finally:
-            reader.cancel()
-            queue.attached = False
-            queue.rewind()
-            log.info("trainer rank %d detached", hello.rank)
+        return Attachment(hello.rank, queue, prefetch)
 
-    async def _hello(
+    def detach(self, attachment: Attachment) -> None:
+        """The stream ended: undelivered steps go to the rank's next trainer (job_end.py
+        reads the detach from the queue)."""
+        attachment.queue.attached = False
+        attachment.queue.rewind()
+        log.info("trainer rank %d detached", attachment.rank)
+
+    def on_message(self, attachment: Attachment, message: trainer_pb2.TrainerMessage) -> None:
+        """A message after the hello: a Delivered frees its steps' shared memory."""
+        if message.HasField("delivered"):
+            delivered = message.delivered
+            self._on_free(attachment.queue.deliver(delivered.epoch, delivered.step))
+            self._on_delivered(attachment.rank, delivered)
+
+    def take_event(self, attachment: Attachment) -> trainer_pb2.TrainerEvent | None:
+        """The next event if one may be sent now, else None (no task, no wait)."""
+        item = attachment.queue.take_ready(attachment.prefetch)
+        return None if item is None else _event_from(item, attachment)
+
+    async def next_event(self, attachment: Attachment) -> trainer_pb2.TrainerEvent | None:
+        """The next event, once one may be sent; None once the stream is finished (a failed
+        job's end went out: the daemon ends the stream itself)."""
+        item = await attachment.queue.next_to_send(attachment.prefetch)
+        return None if item is None else _event_from(item, attachment)
+
+
+def _event_from(item: QueuedItem, attachment: Attachment) -> trainer_pb2.TrainerEvent:
+    if not item.is_step:
+        return item.event  # a marker: always alone
+    steps = _ready_steps(attachment.queue, attachment.prefetch, first=item)
+    return item.event if len(steps) == 1 else _steps_event(steps)
+
+
+class LegacyTrainRefusal(trainer_pb2_grpc.TrainerServicer):
+    """gRPC `Train` (protocol <= 5): refused by name, so an old odbclient says what to do."""
+
+    def __init__(self, steps_socket: str) -> None:
+        self._steps_socket = steps_socket
+
+    async def Train(  # noqa: N802 (gRPC method name)
         self,
         request_iterator: AsyncIterator[trainer_pb2.TrainerMessage],
         context: grpc.aio.ServicerContext,
-    ) -> trainer_pb2.TrainerHello:
-        hello = await read_hello(
-            request_iterator, context, who="trainer", hello_type="TrainerHello", job_id=self._job_id
-        )
-        refusal = world_refusal(hello, self._welcome.world_size)
-        if refusal is not None:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, refusal)
-        if hello.rank not in self._queues:
-            ranks = sorted(self._queues)
-            await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"rank {hello.rank} is not served by this daemon (it serves ranks "
-                f"{ranks[0]}..{ranks[-1]}); connect to the socket of the node that runs it",
-            )
-        if self._queues[hello.rank].attached:
-            await context.abort(
-                grpc.StatusCode.ALREADY_EXISTS,
-                f"another client is already attached for rank {hello.rank}; each rank has "
-                "exactly one ODBClient (close the other, or check RANK)",
-            )
-        refusal = self._on_hello(hello)
-        if refusal is not None:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, refusal)
-        return hello
+    ) -> AsyncIterator[trainer_pb2.TrainerEvent]:
+        await context.abort(grpc.StatusCode.FAILED_PRECONDITION, legacy_train_refusal())
+        yield trainer_pb2.TrainerEvent()  # pragma: no cover - abort raises
 
-    async def _read_deliveries(
-        self, request_iterator: AsyncIterator[trainer_pb2.TrainerMessage], queue: RankQueue
-    ) -> None:
-        async for message in request_iterator:
-            if message.HasField("delivered"):
-                delivered = message.delivered
-                self._on_free(queue.deliver(delivered.epoch, delivered.step))
-                self._on_delivered(queue.rank, delivered)
+
+def legacy_train_refusal() -> str:
+    return (
+        f"this odbd speaks trainer protocol {PROTOCOL_VERSION}, whose step channel is a unix "
+        "socket beside the gRPC socket (path + '.steps'), not the gRPC Train stream of "
+        "protocol 5 and older: upgrade odbclient in the trainer's environment to the daemon's "
+        "odbd release"
+    )
 
 
 def world_refusal(hello: trainer_pb2.TrainerHello, world_size: int) -> str | None:
@@ -154,22 +186,8 @@ def _ready_steps(queue: RankQueue, prefetch: int, *, first: QueuedItem) -> list[
 
 
 def _steps_event(items: list[QueuedItem]) -> trainer_pb2.TrainerEvent:
-    """One message for several steps: per message, gRPC costs both sides far more than the
-    bytes (a StepBatch is a few hundred bytes; the samples stay in shared memory)."""
+    """One message for several steps: per message, both sides pay far more than the bytes
+    (a StepBatch is a few hundred bytes; the samples stay in shared memory)."""
     return trainer_pb2.TrainerEvent(
         steps=trainer_pb2.StepBatches(steps=[item.event.step for item in items])
     )
-
-
-async def _first(
-    send: Coroutine[Any, Any, QueuedItem | None], reader: asyncio.Future[None]
-) -> QueuedItem | None:
-    """The next queue item, or None once the client's side of the stream ended or a failed
-    job's end went out (RankQueue.next_to_send)."""
-    sender = asyncio.ensure_future(send)
-    waiting: set[asyncio.Future[Any]] = {sender, reader}
-    done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
-    if sender in done:
-        return sender.result()
-    sender.cancel()
-    return None

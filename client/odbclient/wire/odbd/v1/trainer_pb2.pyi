@@ -204,15 +204,25 @@ class StepBatches(_message.Message):
     def __init__(self, steps: _Optional[_Iterable[_Union[StepBatch, _Mapping]]] = ...) -> None: ...
 
 class TrainerEvent(_message.Message):
-    __slots__ = ("welcome", "step", "epoch_end", "job_end", "steps")
+    __slots__ = ("welcome", "step", "epoch_end", "job_end", "steps", "refusal")
     WELCOME_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     EPOCH_END_FIELD_NUMBER: _ClassVar[int]
     JOB_END_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
+    REFUSAL_FIELD_NUMBER: _ClassVar[int]
     welcome: TrainerWelcome
     step: StepBatch
     epoch_end: EpochEnd
     job_end: JobEnd
     steps: StepBatches
-    def __init__(self, welcome: _Optional[_Union[TrainerWelcome, _Mapping]] = ..., step: _Optional[_Union[StepBatch, _Mapping]] = ..., epoch_end: _Optional[_Union[EpochEnd, _Mapping]] = ..., job_end: _Optional[_Union[JobEnd, _Mapping]] = ..., steps: _Optional[_Union[StepBatches, _Mapping]] = ...) -> None: ...
+    refusal: Refusal
+    def __init__(self, welcome: _Optional[_Union[TrainerWelcome, _Mapping]] = ..., step: _Optional[_Union[StepBatch, _Mapping]] = ..., epoch_end: _Optional[_Union[EpochEnd, _Mapping]] = ..., job_end: _Optional[_Union[JobEnd, _Mapping]] = ..., steps: _Optional[_Union[StepBatches, _Mapping]] = ..., refusal: _Optional[_Union[Refusal, _Mapping]] = ...) -> None: ...
+
+class Refusal(_message.Message):
+    __slots__ = ("code", "message")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    code: str
+    message: str
+    def __init__(self, code: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...

@@ -45,7 +45,8 @@ class TrainerServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Train(self, request_iterator, context):
-        """Missing associated documentation comment in .proto file."""
+        """Protocol <= 5 only: always refused with FAILED_PRECONDITION naming the step socket.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')

@@ -1,0 +1,149 @@
+"""collate_uniform (one header per step, vectorised copies per key) gives exactly what the
+per-sample path (decode, then collate) gives, for every batch form and any placement of the
+samples: evenly spaced runs, irregular offsets, two segments; and refuses what it cannot do."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from odbclient.collate import BatchForm, collate
+from odbclient.shm import align_up, decode, encode_into, encoded_size, read_meta
+from odbclient.step_collate import Run, SegmentTable, collate_uniform, runs
+
+HEADER_BYTES = 4096
+FORMS = {
+    "padded": BatchForm(),
+    "packed": BatchForm(packed=True),
+    "concat": BatchForm(concat_keys=frozenset({"pixels"})),
+}
+
+
+def sample(i: int, length: int = 5) -> dict[str, object]:
+    return {
+        "input_ids": np.arange(length, dtype=np.int64) + 100 * i,
+        "labels": np.arange(length, dtype=np.int64) - i,
+        "pixels": np.full((2, 3), i, np.float32),
+        "weights": torch.full((length,), float(i), dtype=torch.bfloat16),
+        "score": np.array(i * 0.5),
+    }
+
+
+def table(segments: list[np.ndarray]) -> SegmentTable:
+    return SegmentTable(
+        [memoryview(s) for s in segments],
+        np.full(len(segments), HEADER_BYTES, np.uint64),
+        np.array([len(s) for s in segments], np.uint64),
+    )
+
+
+def place(
+    samples: list[dict[str, object]], gaps: list[int], *, reverse: bool = False
+) -> tuple[list[np.ndarray], list]:
+    """Two segments; sample i goes to segment i % 2 when gaps say -1, else after gap * 64
+    bytes; `reverse` hands the references over in reverse order (descending offsets)."""
+    segments = [np.zeros(1 << 18, np.uint8), np.zeros(1 << 18, np.uint8)]
+    cursor = [HEADER_BYTES, HEADER_BYTES]
+    refs = []
+    for i, (s, gap) in enumerate(zip(samples, gaps, strict=True)):
+        seg = i % 2 if gap < 0 else 0
+        offset = cursor[seg] + max(gap, 0) * 64
+        size = encoded_size(s)
+        encode_into(memoryview(segments[seg])[offset : offset + size], s)
+        refs.append((seg, offset, size))
+        cursor[seg] = align_up(offset + size)
+    return segments, refs[::-1] if reverse else refs
+
+
+def both(samples: list[dict[str, object]], gaps: list[int], form: BatchForm, **kw: bool):
+    segments, refs = place(samples, gaps, **kw)
+    seg = np.array([r[0] for r in refs], np.uint32)
+    off = np.array([r[1] for r in refs], np.uint64)
+    nb = np.array([r[2] for r in refs], np.uint64)
+    fast = collate_uniform(table(segments), seg, off, nb, form=form)
+    views = [decode(memoryview(segments[s])[o : o + n]) for s, o, n in refs]
+    first = memoryview(segments[refs[0][0]])[refs[0][1] :]
+    bf16 = frozenset(f.name for f in read_meta(first).fields if f.dtype == "bfloat16")
+    slow = collate(views, pads={}, bfloat16_keys=bf16, form=form)
+    return fast, slow, segments
+
+
+@pytest.mark.parametrize("form_name", sorted(FORMS))
+@pytest.mark.parametrize(
+    "gaps",
+    [[0] * 6, [0, 0, 3, 0, 0, 7], [-1] * 6, [5, 0, 1, 2, 0, 0], [0]],
+    ids=["one-run", "three-runs", "two-segments", "irregular", "one-sample"],
+)
+@pytest.mark.parametrize("reverse", [False, True], ids=["ascending", "descending"])
+def test_uniform_steps_match_the_per_sample_path(
+    form_name: str, gaps: list[int], reverse: bool
+) -> None:
+    form = FORMS[form_name]
+    samples = [sample(i) for i in range(len(gaps))]
+    fast, slow, segments = both(samples, gaps, form, reverse=reverse)
+    assert fast is not None
+    assert fast.schema == slow.schema
+    assert set(fast.tensors) == set(slow.tensors)
+    for key, value in slow.tensors.items():
+        got = fast.tensors[key]
+        if isinstance(value, int):
+            assert got == value, key
+        else:
+            assert isinstance(got, torch.Tensor)
+            assert got.dtype == value.dtype and torch.equal(got, value), key
+    # Fresh memory: wiping the arena leaves the batch intact.
+    kept = {k: v.clone() for k, v in fast.tensors.items() if isinstance(v, torch.Tensor)}
+    for segment in segments:
+        segment[:] = 0
+    assert all(torch.equal(fast.tensors[k], v) for k, v in kept.items())
+
+
+def test_steps_of_different_headers_go_the_per_sample_way() -> None:
+    samples = [sample(0, length=5), sample(1, length=7)]
+    fast, slow, _ = both(samples, [0, 0], BatchForm())
+    assert fast is None and slow.tensors["input_ids"].shape == (2, 7)
+
+
+def test_a_reference_out_of_bounds_goes_the_per_sample_way() -> None:
+    segments, refs = place([sample(0)], [0])
+    for offset in (HEADER_BYTES - 64, (1 << 18) - 64):
+        out = collate_uniform(
+            table(segments), np.array([0], np.uint32),
+            np.array([offset], np.uint64), np.array([refs[0][2]], np.uint64), form=BatchForm(),
+        )  # fmt: skip
+        assert out is None
+
+
+def test_runs_split_where_stride_or_segment_changes() -> None:
+    offsets = np.array([0, 10, 20, 25, 30, 100], np.uint64)
+    segments = np.array([0, 0, 0, 0, 0, 1], np.uint32)
+    assert runs(segments, offsets) == [Run(0, 3, 0, 10), Run(3, 5, 25, 5), Run(5, 6, 100, 0)]
+    # An off-stride row pairs with a neighbour instead of standing alone with it.
+    shifted = np.array([0, 100, 200, 364, 400, 500, 600], np.uint64)
+    assert runs(np.zeros(7, np.uint32), shifted) == [
+        Run(0, 3, 0, 100),
+        Run(3, 5, 364, 36),
+        Run(5, 7, 500, 100),
+    ]
+    assert runs(np.zeros(4, np.uint32), np.array([0, 100, 164, 264], np.uint64)) == [
+        Run(0, 2, 0, 100),
+        Run(2, 4, 164, 100),
+    ]
+    assert runs(np.zeros(1, np.uint32), np.array([64], np.uint64)) == [Run(0, 1, 64, 0)]
+
+
+def test_stale_bytes_in_name_padding_do_not_split_a_layout() -> None:
+    """encode_into leaves the padding after each key name as it was; in recycled shared memory
+    two samples of one layout then differ there, and must still collate together."""
+    samples = [sample(i) for i in range(4)]
+    segments, refs = place(samples, [0] * 4)
+    for index, (seg, offset, _) in enumerate(refs):
+        name_end = offset + 24 + 24 + 8 + len(b"input_ids")  # first key: 1-D "input_ids"
+        segments[seg][name_end : name_end + 7] = index + 1  # garbage, different per sample
+    seg = np.array([r[0] for r in refs], np.uint32)
+    off = np.array([r[1] for r in refs], np.uint64)
+    nb = np.array([r[2] for r in refs], np.uint64)
+    fast = collate_uniform(table(segments), seg, off, nb, form=BatchForm())
+    assert fast is not None
+    assert fast.tensors["input_ids"][:, 0].tolist() == [0, 100, 200, 300]
