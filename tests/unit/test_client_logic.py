@@ -357,15 +357,21 @@ def test_a_resume_sends_the_update_to_continue_from(daemon: FakeDaemon) -> None:
     assert hello.resume and (hello.resume_step, hello.resume_update) == (6, 3)
 
 
-@pytest.mark.timeout(60)
-def test_state_dict_tracks_the_next_undelivered_step(daemon: FakeDaemon) -> None:
+def three_steps_then_wait(daemon: FakeDaemon) -> Any:
+    """A daemon script: the welcome, steps 0..2 of epoch 0 (2 samples each), then nothing."""
+
     def script(hello: Any, context: Any) -> Iterator[Event]:
         yield daemon.welcome()
         for step in range(3):
             yield daemon.step(0, step, [2])
         wait_until_cancelled(context)
 
-    daemon.script = script
+    return script
+
+
+@pytest.mark.timeout(60)
+def test_state_dict_tracks_the_next_undelivered_step(daemon: FakeDaemon) -> None:
+    daemon.script = three_steps_then_wait(daemon)
     with client_for(daemon) as client:
         assert client.state_dict() == {"version": 1, "epoch": 0, "step": 0}
         batches = iter(client)
@@ -756,13 +762,7 @@ def test_a_daemon_without_a_step_socket_is_refused_as_older_at_once(tmp_path: Pa
 def test_only_the_reader_thread_runs_beside_the_trainer(daemon: FakeDaemon) -> None:
     """Protocol 6: no gRPC channel and no sender thread in a process that only iterates."""
 
-    def script(hello: Any, context: Any) -> Iterator[Event]:
-        yield daemon.welcome()
-        for step in range(3):
-            yield daemon.step(0, step, [2])
-        wait_until_cancelled(context)
-
-    daemon.script = script
+    daemon.script = three_steps_then_wait(daemon)
     before = {t.ident for t in threading.enumerate()}
     with client_for(daemon) as client:
         batches = iter(client)

@@ -8,6 +8,7 @@ import asyncio
 import os
 import socket as socketlib
 import stat
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,7 @@ import pytest
 from odbclient.connect import PROTOCOL_VERSION
 from odbclient.framing import FrameBuffer, frame
 from odbclient.wire.odbd.v1 import trainer_pb2
+from odbd.daemon.node_state import Locations
 from odbd.serve.rank_queue import QueuedItem, RankQueue
 from odbd.serve.step_socket import StepServer
 from odbd.serve.trainer_service import TrainerService
@@ -59,6 +61,21 @@ def step(epoch: int, index: int) -> QueuedItem:
     return QueuedItem(epoch, index, event, locations=[f"loc{index}"])  # type: ignore[list-item]
 
 
+def one_rank_service(
+    queue: RankQueue,
+    on_free: Callable[[list[Locations]], None] = lambda locations: None,
+    on_delivered: Callable[[int, trainer_pb2.Delivered], None] = lambda rank, d: None,
+) -> TrainerService:
+    """The service of a one-rank job "job" serving `queue`."""
+    return TrainerService(
+        job_id="job",
+        queues={0: queue},
+        welcome=trainer_pb2.TrainerWelcome(job_id="job", world_size=1),
+        on_free=on_free,
+        on_delivered=on_delivered,
+    )
+
+
 async def until(condition: object, what: str) -> None:
     deadline_s = asyncio.get_running_loop().time() + _WAIT_S
     while not condition():  # type: ignore[operator]
@@ -74,10 +91,8 @@ def test_a_trainer_attaches_gets_steps_within_prefetch_and_detaches_at_eof(tmp_p
     async def scenario() -> None:
         queue = RankQueue(0)
         queue.push([step(0, i) for i in range(5)])
-        service = TrainerService(
-            job_id="job",
-            queues={0: queue},
-            welcome=trainer_pb2.TrainerWelcome(job_id="job", world_size=1),
+        service = one_rank_service(
+            queue,
             on_free=freed.extend,
             on_delivered=lambda rank, d: delivered.append((rank, d.step)),
         )
@@ -137,14 +152,7 @@ def test_refusals_name_the_reason_then_end_the_stream(
 ) -> None:
     async def scenario() -> None:
         queue = RankQueue(0)
-        service = TrainerService(
-            job_id="job",
-            queues={0: queue},
-            welcome=trainer_pb2.TrainerWelcome(job_id="job", world_size=1),
-            on_free=lambda locations: None,
-            on_delivered=lambda rank, d: None,
-        )
-        server = StepServer(service, str(tmp_path / "s.steps"))
+        server = StepServer(one_rank_service(queue), str(tmp_path / "s.steps"))
         await server.start()
         trainer = await Trainer.connect(server.path)
         if isinstance(message, bytes):
@@ -166,14 +174,7 @@ def test_refusals_name_the_reason_then_end_the_stream(
 def test_close_ends_open_connections(tmp_path: Path) -> None:
     async def scenario() -> None:
         queue = RankQueue(0)
-        service = TrainerService(
-            job_id="job",
-            queues={0: queue},
-            welcome=trainer_pb2.TrainerWelcome(job_id="job", world_size=1),
-            on_free=lambda locations: None,
-            on_delivered=lambda rank, d: None,
-        )
-        server = StepServer(service, str(tmp_path / "s.steps"))
+        server = StepServer(one_rank_service(queue), str(tmp_path / "s.steps"))
         await server.start()
         trainer = await Trainer.connect(server.path)
         trainer.send(hello())
