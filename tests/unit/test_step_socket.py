@@ -65,12 +65,13 @@ def one_rank_service(
     queue: RankQueue,
     on_free: Callable[[list[Locations]], None] = lambda locations: None,
     on_delivered: Callable[[int, trainer_pb2.Delivered], None] = lambda rank, d: None,
+    world_size: int = 1,
 ) -> TrainerService:
-    """The service of a one-rank job "job" serving `queue`."""
+    """The service of job "job" serving rank 0 from `queue` (of `world_size` ranks)."""
     return TrainerService(
         job_id="job",
         queues={0: queue},
-        welcome=trainer_pb2.TrainerWelcome(job_id="job", world_size=1),
+        welcome=trainer_pb2.TrainerWelcome(job_id="job", world_size=world_size),
         on_free=on_free,
         on_delivered=on_delivered,
     )
@@ -189,3 +190,25 @@ def test_close_ends_open_connections(tmp_path: Path) -> None:
         probe.close()
 
     asyncio.run(scenario())
+
+
+@pytest.mark.parametrize(
+    ("world_size", "resume", "warned"),
+    [(2, False, True), (2, True, False), (1, False, False)],
+)
+def test_a_rank_back_without_a_resume_point_is_warned_about_ddp_alignment(
+    caplog: pytest.LogCaptureFixture, world_size: int, resume: bool, warned: bool
+) -> None:
+    queue = RankQueue(0)
+    queue.push([step(0, 0), step(0, 1), step(0, 2)])
+    service = one_rank_service(queue, world_size=world_size)
+    service.detach(service.attach(hello().hello))
+    assert not caplog.records  # a first attach is never warned about
+    service.attach(hello(resume=resume, resume_epoch=0, resume_step=1).hello)
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    if warned:
+        assert len(warnings) == 1, warnings
+        assert "rank 0 attached again without a resume point" in warnings[0]
+        assert "(epoch 0 step 0)" in warnings[0] and "load_state_dict" in warnings[0]
+    else:
+        assert warnings == []

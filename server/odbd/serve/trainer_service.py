@@ -82,6 +82,8 @@ class TrainerService:
         """Marks an admitted hello's rank attached; sending starts at its first undelivered
         step (or its resume point)."""
         queue = self._queues[hello.rank]
+        if queue.ever_attached and not hello.resume and self.welcome.world_size > 1:
+            log.warning(_reattach_warning(hello.rank, queue.first_undelivered()))
         queue.attached = True
         if hello.resume:
             self._on_free(queue.skip_before(hello.resume_epoch, hello.resume_step))
@@ -190,4 +192,19 @@ def _steps_event(items: list[QueuedItem]) -> trainer_pb2.TrainerEvent:
     (a StepBatch is a few hundred bytes; the samples stay in shared memory)."""
     return trainer_pb2.TrainerEvent(
         steps=trainer_pb2.StepBatches(steps=[item.event.step for item in items])
+    )
+
+
+def _reattach_warning(rank: int, first: tuple[int, int] | None) -> str:
+    """Why a rank that comes back without a resume point may train out of step with the
+    others: it continues at its first step this daemon has no Delivered for, and Delivered
+    reports are batched (up to half the prefetch window), so after every rank of a DDP job
+    restarted (torchrun --max-restarts) their first undelivered steps can differ."""
+    where = "the job's end" if first is None else f"epoch {first[0]} step {first[1]}"
+    return (
+        f"trainer rank {rank} attached again without a resume point; it continues at its "
+        f"first undelivered step ({where}). If every rank restarted, the ranks may continue "
+        "at different steps and DDP would pair different batches: save client.state_dict() "
+        "with each checkpoint and call client.load_state_dict() before iterating, so every "
+        "rank resumes at the same step"
     )
