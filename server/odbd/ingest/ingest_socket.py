@@ -78,6 +78,11 @@ class IngestConnection(asyncio.Protocol):
             name = self._session.name if self._session is not None else "?"
             log.warning("refused producer %s: %s", name, error)
             self._refuse(Refusal("INVALID_ARGUMENT", str(error)))
+        except (
+            Exception
+        ) as error:  # a bug: drop this producer (its leases go back), keep the daemon
+            log.exception("ingest socket: a producer's message failed")
+            self._refuse(Refusal("INTERNAL", f"odbd failed on this message (a bug): {error!r}"))
 
     def eof_received(self) -> bool:
         return False  # the producer is done: close our side too (connection_lost detaches)
