@@ -587,6 +587,22 @@ def test_a_producer_that_attaches_while_the_daemon_shuts_down_is_told_so_and_end
 
 
 @pytest.mark.timeout(30)
+def test_a_daemon_older_than_protocol_7_is_named_at_once(tmp_path: Path) -> None:
+    """Its gRPC socket answers but it has no ingest socket beside it: no 60 s wait."""
+    socket = str(tmp_path / "odbd.sock")
+    listener = socketlib.socket(socketlib.AF_UNIX, socketlib.SOCK_STREAM)
+    listener.bind(socket)  # stands for the old daemon's gRPC socket
+    listener.listen()
+    try:
+        with pytest.raises(
+            ProtocolError, match=r"no producer socket .*\.ingest: the daemon is older"
+        ):
+            Producer(ListDataset([]), socket, connect_timeout_s=60.0).run()
+    finally:
+        listener.close()
+
+
+@pytest.mark.timeout(30)
 def test_producer_without_a_daemon_is_unavailable(tmp_path: Path) -> None:
     producer = Producer(ListDataset([]), str(tmp_path / "absent.sock"), connect_timeout_s=0.2)
     with pytest.raises(DaemonUnavailableError, match="absent.sock within 0.2 s"):
