@@ -1,7 +1,8 @@
 """Where the local daemon listens, how to reach it, and what its refusals mean to a user.
 
-Shared by the trainer client and the producer; imports grpc but no generated stubs. Producers
-reach the daemon over gRPC; trainers over the step socket beside it (odbclient.framing).
+Shared by the trainer client and the producer; imports grpc but no generated stubs. Trainers
+reach the daemon over the step socket beside its gRPC socket, producers over the ingest socket
+beside it (odbclient.framing); gRPC is left for status queries.
 """
 
 from __future__ import annotations
@@ -39,7 +40,9 @@ from odbclient.errors import (
 # producer would send no patch counts under --max-patches.
 # 6: the trainer's step channel is a unix socket of length-prefixed frames beside the gRPC
 # socket (odbclient.framing), no longer the gRPC Train stream, which refuses older trainers.
-PROTOCOL_VERSION = 6
+# 7: the producer's ingest stream is a unix socket of length-prefixed frames beside the gRPC
+# socket (path + ".ingest"), no longer the gRPC Produce stream, which refuses older producers.
+PROTOCOL_VERSION = 7
 # Batches the daemon pushes ahead of the trainer (TrainerHello.prefetch; the daemon's default
 # when a hello says 0): 8 lets the daemon send and the client report 4 steps per message
 # (8 KiB samples: 19-21k -> 23k samples/s over 4). The cost: when a peer node dies, a rank may
@@ -104,14 +107,26 @@ _CONNECT_POLL_S = 0.05  # between attempts while the daemon starts
 
 def connect_steps(socket: str, *, timeout_s: float) -> socketlib.socket:
     """A connected, blocking socket to the step channel of the daemon whose gRPC socket is
-    `socket`; waits up to `timeout_s` for the daemon to start.
-
-    A daemon binds its step socket before its gRPC socket, so a gRPC socket that answers with
-    no step socket beside it is a daemon older than protocol 6: that fails at once, by name.
-    """
+    `socket`; waits up to `timeout_s` for the daemon to start."""
     from odbclient.framing import steps_socket_path
 
-    path = steps_socket_path(socket)
+    return _connect_framed(socket, steps_socket_path(socket), who="trainer", timeout_s=timeout_s)
+
+
+def connect_ingest(socket: str, *, timeout_s: float) -> socketlib.socket:
+    """A connected, blocking socket to the ingest stream of the daemon whose gRPC socket is
+    `socket`; waits up to `timeout_s` for the daemon to start."""
+    from odbclient.framing import ingest_socket_path
+
+    return _connect_framed(socket, ingest_socket_path(socket), who="producer", timeout_s=timeout_s)
+
+
+def _connect_framed(socket: str, path: str, *, who: str, timeout_s: float) -> socketlib.socket:
+    """A connected, blocking socket at `path` beside the daemon's gRPC socket `socket`.
+
+    A daemon binds its framed sockets before its gRPC socket, so a gRPC socket that answers
+    with none at `path` is a daemon older than this odbclient: that fails at once, by name.
+    """
     deadline_s = time.monotonic() + timeout_s
     while True:
         sock = socketlib.socket(socketlib.AF_UNIX, socketlib.SOCK_STREAM)
@@ -122,20 +137,19 @@ def connect_steps(socket: str, *, timeout_s: float) -> socketlib.socket:
             sock.close()
             if isinstance(error, FileNotFoundError) and _answers(socket):
                 raise ProtocolError(
-                    f"odbd on unix:{socket} has no step socket {path}: the daemon is older "
-                    f"than this odbclient (trainer protocol {PROTOCOL_VERSION}), or it is "
-                    "shutting down; install the same odbd release for the daemon and its "
-                    "trainers"
+                    f"odbd on unix:{socket} has no {who} socket {path}: the daemon is older "
+                    f"than this odbclient ({who} protocol {PROTOCOL_VERSION}), or it is "
+                    f"shutting down; install the same odbd release for the daemon and its {who}s"
                 ) from None
         except PermissionError:
             sock.close()
             raise DaemonUnavailableError(
-                f"the step socket {path} belongs to another user (mode 0600); run the trainer "
+                f"the {who} socket {path} belongs to another user (mode 0600); run the {who} "
                 "as the user of the odbd daemon"
             ) from None
         if time.monotonic() >= deadline_s:
             raise DaemonUnavailableError(
-                f"no odbd daemon answered on unix:{socket} within {timeout_s:g} s (its step "
+                f"no odbd daemon answered on unix:{socket} within {timeout_s:g} s (its {who} "
                 f"socket {path} does not accept); start odbd on this node, or point socket= / "
                 f"${SOCKET_ENV} at the daemon's --socket"
             )
@@ -162,7 +176,8 @@ def refusal_error(
     who: str,
     refusals: Mapping[grpc.StatusCode, _Refusal],
 ) -> ODBClientError:
-    """The ODBClientError for a refusal sent on the step socket (code: a status code name)."""
+    """The ODBClientError for a refusal sent on a step or ingest socket (code: a status code
+    name)."""
     status = grpc.StatusCode.__members__.get(code, grpc.StatusCode.UNKNOWN)
     cls, fix = refusals.get(status, (ODBClientError, "check the daemon log"))
     return cls(f"odbd on unix:{socket} refused {who}: {message}; {fix}")

@@ -1,8 +1,10 @@
-"""Length-prefixed protobuf frames: the wire of the trainer's step socket (protocol 6).
+"""Length-prefixed protobuf frames: the wire of the trainer's step socket (protocol 6) and of
+the producer's ingest socket (protocol 7).
 
 A frame is a 4-byte little-endian payload length, then the payload: one serialized
-TrainerMessage (trainer -> daemon) or TrainerEvent (daemon -> trainer); trainer.proto says what
-flows when. Both ends read whatever bytes arrived and cut every complete frame out of them at
+TrainerMessage (trainer -> daemon) or TrainerEvent (daemon -> trainer), ProducerMessage
+(producer -> daemon) or IngestMessage (daemon -> producer); trainer.proto and ingest.proto say
+what flows when. Both ends read whatever bytes arrived and cut every complete frame out of them at
 once (`FrameBuffer`), so many frames cost one read, and no side runs a task or a thread per
 message. Shared by odbclient and the daemon; imports neither grpc nor odbd.
 """
@@ -12,6 +14,7 @@ from __future__ import annotations
 import struct
 
 STEPS_SOCKET_SUFFIX = ".steps"
+INGEST_SOCKET_SUFFIX = ".ingest"
 # A StepBatches message stays near 1 MiB (odbd.serve.trainer_service); a frame announcing more
 # than this is corrupt or from something that is not odbd, and ends the connection.
 MAX_FRAME_BYTES = 64 << 20
@@ -19,12 +22,17 @@ _LENGTH = struct.Struct("<I")
 
 
 class FrameError(ValueError):
-    """The bytes on a step socket are not frames of this protocol."""
+    """The bytes on a step or ingest socket are not frames of this protocol."""
 
 
 def steps_socket_path(socket: str) -> str:
     """Where a daemon whose gRPC socket is `socket` serves its trainers' step channel."""
     return socket + STEPS_SOCKET_SUFFIX
+
+
+def ingest_socket_path(socket: str) -> str:
+    """Where a daemon whose gRPC socket is `socket` serves its producers' ingest stream."""
+    return socket + INGEST_SOCKET_SUFFIX
 
 
 def frame(payload: bytes) -> bytes:
@@ -49,7 +57,8 @@ class FrameBuffer:
             if length > MAX_FRAME_BYTES:
                 raise FrameError(
                     f"a frame announces {length} bytes (at most {MAX_FRAME_BYTES}): the peer "
-                    "is not an odbd step channel of this protocol, or the stream is corrupt"
+                    "is not an odbd step or ingest channel of this protocol, or the stream "
+                    "is corrupt"
                 )
             if end - pos - 4 < length:
                 break

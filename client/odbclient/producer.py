@@ -16,9 +16,11 @@ says so with one LaneFull per wait, so the daemon can plan a round with what is 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import queue
+import socket as socketlib
 import threading
 import time
 from collections import deque
@@ -26,21 +28,25 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-import grpc
 import numpy as np
 
 from odbclient.connect import (
     PRODUCER_REFUSALS,
     PROTOCOL_VERSION,
     Failure,
-    Outbox,
     StreamEnd,
-    open_channel,
+    connect_ingest,
+    refusal_error,
     resolve_socket,
     start_reader,
-    translate_rpc_error,
 )
-from odbclient.errors import DaemonTimeoutError, DatasetLoadError, ProtocolError
+from odbclient.errors import (
+    DaemonConnectionError,
+    DaemonTimeoutError,
+    DatasetLoadError,
+    ProtocolError,
+)
+from odbclient.framing import FrameBuffer, frame
 from odbclient.lane import (
     LANE_HEADER_BYTES,
     CommitBuffer,
@@ -58,7 +64,7 @@ from odbclient.samples import (
     fetch_sample,
 )
 from odbclient.shm import ArenaView
-from odbclient.wire.odbd.v1 import ingest_pb2, ingest_pb2_grpc
+from odbclient.wire.odbd.v1 import ingest_pb2
 
 __all__ = ["Producer", "ProducerCore", "RejectReason"]
 
@@ -222,9 +228,14 @@ class Producer:
         self.shutdown_reason: str | None = None  # set when the daemon sent Shutdown
 
     def run(self) -> None:
-        """Produces until the daemon sends Shutdown or ends the stream; raises on failures."""
-        channel = open_channel(self.socket, timeout_s=self._connect_timeout_s)
-        outbox, inbox = Outbox(), queue.SimpleQueue[object]()
+        """Produces until the daemon sends Shutdown or ends the stream; raises on failures.
+
+        Transport (protocol 7): one blocking unix socket to the daemon's ingest socket,
+        carrying length-prefixed ProducerMessage / IngestMessage frames (odbclient.framing).
+        Two threads: this one makes samples and writes each loop's messages in one send; the
+        reader thread receives whatever arrived (many frames per recv) into the inbox."""
+        connection = connect_ingest(self.socket, timeout_s=self._connect_timeout_s)
+        inbox: queue.SimpleQueue[object] = queue.SimpleQueue()
         closing = threading.Event()
         hello = ingest_pb2.ProducerHello(
             protocol_version=PROTOCOL_VERSION,
@@ -233,18 +244,25 @@ class Producer:
             pid=os.getpid(),
             dataset_size=self._dataset_size() or 0,  # the daemon refuses a different size
         )
-        outbox.put(ingest_pb2.ProducerMessage(hello=hello))
-        call = ingest_pb2_grpc.IngestStub(channel).Produce(iter(outbox))
-        start_reader(lambda: self._read(call, inbox, closing), name=f"odbclient-{self.name}")
+        reader = start_reader(
+            lambda: self._read(connection, inbox, closing), name=f"odbclient-{self.name}"
+        )
         try:
+            _send(connection, [ingest_pb2.ProducerMessage(hello=hello)])
             welcome = self._await_welcome(inbox)
             if welcome is not None:
-                self._serve(self._core(welcome), inbox, outbox)
+                self._serve(self._core(welcome), inbox, connection)
         finally:
             closing.set()
-            outbox.close()
-            call.cancel()
-            channel.close()
+            # Half-close first, so the daemon reads our last commits before the end of the
+            # stream (which releases the leases we hold); its close ends our reader.
+            with contextlib.suppress(OSError):
+                connection.shutdown(socketlib.SHUT_WR)
+            reader.join(timeout=_CLOSE_GRACE_S)
+            with contextlib.suppress(OSError):
+                connection.shutdown(socketlib.SHUT_RDWR)  # wakes a reader still in recv
+            reader.join(timeout=5.0)
+            connection.close()
 
     def _core(self, welcome: ingest_pb2.IngestWelcome) -> ProducerCore:
         self._check_size(welcome.dataset_size)
@@ -281,10 +299,11 @@ class Producer:
                 "(check --dataset-arg / --dataset-size)"
             )
 
-    def _serve(self, core: ProducerCore, inbox: queue.SimpleQueue[object], outbox: Outbox) -> None:
+    def _serve(
+        self, core: ProducerCore, inbox: queue.SimpleQueue[object], connection: socketlib.socket
+    ) -> None:
         while True:
-            for message in core.messages(time.monotonic()):  # 1. commits, credits
-                outbox.put(message)
+            _send(connection, core.messages(time.monotonic()))  # 1. commits, credits
             for item in _receive(inbox, block=not core.can_work()):  # 2. daemon messages
                 if isinstance(item, StreamEnd):
                     return
@@ -292,8 +311,7 @@ class Producer:
                     raise item.error
                 assert isinstance(item, ingest_pb2.IngestMessage), item
                 if not self._apply(core, item):
-                    for message in core.commits.take():
-                        outbox.put(message)
+                    _send(connection, core.commits.take())
                     return
             if core.can_work():  # 3. a turn of samples
                 _work_turn(core, inbox)
@@ -333,23 +351,62 @@ class Producer:
             raise ProtocolError(f"odbd sent {item!r} before its welcome; versions differ")
         return item.welcome
 
-    def _read(self, call: Any, inbox: queue.SimpleQueue[object], closing: threading.Event) -> None:
-        welcomed = False  # a refusal arrives before the welcome
+    def _read(
+        self,
+        connection: socketlib.socket,
+        inbox: queue.SimpleQueue[object],
+        closing: threading.Event,
+    ) -> None:
+        """The reader thread: every frame that arrives, decoded, into the inbox; then how the
+        stream ended (StreamEnd, or a Failure the producer's thread raises)."""
+        frames, buffer = FrameBuffer(), bytearray(_RECV_BYTES)
+        view = memoryview(buffer)
         try:
-            for message in call:
-                inbox.put(message)
-                welcomed = True
-            inbox.put(StreamEnd())
-        except grpc.RpcError as exc:
+            while received := connection.recv_into(buffer):
+                for payload in frames.feed(view[:received]):
+                    message = ingest_pb2.IngestMessage.FromString(payload)
+                    if message.HasField("refusal"):
+                        inbox.put(Failure(self._refusal(message.refusal)))
+                        return
+                    inbox.put(message)
+            if frames.pending_bytes and not closing.is_set():
+                inbox.put(Failure(self._broken("the stream ended inside a message")))
+            else:
+                inbox.put(StreamEnd())
+        except OSError as error:
             if not closing.is_set():
-                error = translate_rpc_error(
-                    exc,
-                    socket=self.socket,
-                    who=f"producer {self.name}",
-                    established=welcomed,
-                    refusals=PRODUCER_REFUSALS,
-                )
-                inbox.put(Failure(error))
+                inbox.put(Failure(self._broken(f"{type(error).__name__}: {error}")))
+        except Exception as exc:  # bad data or a bug: the producer must see it, not hang
+            inbox.put(Failure(exc))
+
+    def _refusal(self, refusal: Any) -> Exception:
+        return refusal_error(
+            refusal.code,
+            refusal.message,
+            socket=self.socket,
+            who=f"producer {self.name}",
+            refusals=PRODUCER_REFUSALS,
+        )
+
+    def _broken(self, why: str) -> DaemonConnectionError:
+        return DaemonConnectionError(
+            f"the stream between producer {self.name} and odbd on unix:{self.socket} broke "
+            f"({why}); the daemon exited or restarted; check its log, then restart this process"
+        )
+
+
+_RECV_BYTES = 1 << 20  # one recv takes every frame that arrived, up to this many bytes
+_CLOSE_GRACE_S = 5.0  # how long the daemon may take to read our last frames and close
+
+
+def _send(connection: socketlib.socket, messages: list[ingest_pb2.ProducerMessage]) -> None:
+    """Writes `messages` in one send. A broken socket is not raised here: the reader sees it
+    too and queues the failure (with the daemon's refusal, when it sent one) that the loop
+    raises."""
+    if messages:
+        data = b"".join(frame(m.SerializeToString()) for m in messages)
+        with contextlib.suppress(OSError):
+            connection.sendall(data)
 
 
 _TURN_SAMPLES = 16  # most samples per turn of the loop's step 3

@@ -22,9 +22,10 @@ from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
 EXIT_USAGE = 2
-# sockaddr_un.sun_path is 108 bytes on Linux, including the terminating NUL; the trainers' step
-# socket is this path + ".steps" (odbclient.framing.steps_socket_path), so --socket gets 6 less.
-MAX_SOCKET_PATH_BYTES = 107 - len(".steps")
+# sockaddr_un.sun_path is 108 bytes on Linux, including the terminating NUL; beside the gRPC
+# socket lie the trainers' step socket (path + ".steps") and the producers' ingest socket
+# (path + ".ingest", odbclient.framing), so --socket gets the longer suffix's 7 bytes less.
+MAX_SOCKET_PATH_BYTES = 107 - len(".ingest")
 # The daemon and the simulator hold a few int64 arrays of N entries (sampler order, ledger,
 # lengths): past 2^32 samples that is tens of GiB, so a bigger N is a typo, not a dataset.
 MAX_DATASET_SIZE = 1 << 32
@@ -249,7 +250,7 @@ def socket_path(text: str) -> str:
     if length > MAX_SOCKET_PATH_BYTES:
         raise argparse.ArgumentTypeError(
             f"{path!r} is {length} bytes, over the {MAX_SOCKET_PATH_BYTES}-byte limit of unix "
-            "socket paths (107 bytes, less the '.steps' of the trainers' socket beside it); "
+            "socket paths (107 bytes, less the '.ingest' of the producers' socket beside it); "
             "choose a shorter path"
         )
     return path

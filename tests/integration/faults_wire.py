@@ -107,28 +107,99 @@ class Session:
 
 
 def steps_stream(path: str, payloads: list[Message | bytes]) -> Answer:
-    """Sends `payloads` as frames on a daemon's step socket (odbclient.framing), half-closes,
-    and reads frames until the daemon ends the stream: a Refusal is the answer's code and
-    details; a stream that ends without one is OK. Every read has a deadline."""
-    import socket as socketlib
-
-    from odbclient.framing import FrameBuffer, frame
+    """`framed_stream` on a daemon's step socket (TrainerEvent replies)."""
     from odbclient.wire.odbd.v1 import trainer_pb2
 
-    replies: list[bytes] = []
-    frames = FrameBuffer()
-    with socketlib.socket(socketlib.AF_UNIX, socketlib.SOCK_STREAM) as sock:
-        sock.settimeout(CALL_TIMEOUT_S)  # a hang shows up as TimeoutError, which fails the test
-        sock.connect(path)
+    return framed_stream(path, payloads, trainer_pb2.TrainerEvent)
+
+
+def ingest_stream(path: str, payloads: list[Message | bytes]) -> Answer:
+    """`framed_stream` on a daemon's ingest socket (IngestMessage replies)."""
+    from odbclient.wire.odbd.v1 import ingest_pb2
+
+    return framed_stream(path, payloads, ingest_pb2.IngestMessage)
+
+
+def framed_stream(path: str, payloads: list[Message | bytes], reply_type: type[Message]) -> Answer:
+    """Sends `payloads` as frames on a daemon's framed socket (odbclient.framing), half-closes,
+    and reads frames until the daemon ends the stream: a Refusal is the answer's code and
+    details; a stream that ends without one is OK. Every read has a deadline."""
+    session = FramedSession(path, reply_type)
+    for payload in payloads:
+        session.send(payload)
+    return session.end()
+
+
+class FramedSession:
+    """An interactive stream on a framed socket: send, read replies as they come, then close.
+    No thread: every read is a recv with a deadline."""
+
+    def __init__(self, path: str, reply_type: type[Message]) -> None:
+        import socket as socketlib
+
+        from odbclient.framing import FrameBuffer
+
+        self._reply_type = reply_type
+        self._frames = FrameBuffer()
+        self._replies: list[bytes] = []  # received, not yet read
+        self._all: list[bytes] = []
+        self._eof = False
+        self._sock = socketlib.socket(socketlib.AF_UNIX, socketlib.SOCK_STREAM)
+        self._sock.settimeout(CALL_TIMEOUT_S)  # a hang shows up as TimeoutError: the test fails
+        self._sock.connect(path)
+
+    def send(self, message: Message | bytes) -> None:
+        from odbclient.framing import frame
+
         try:
-            sock.sendall(b"".join(frame(as_bytes(p)) for p in payloads))
-            sock.shutdown(socketlib.SHUT_WR)
-        except BrokenPipeError:
+            self._sock.sendall(frame(as_bytes(message)))
+        except (BrokenPipeError, ConnectionResetError):
             pass  # the daemon refused early and closed; its refusal is still readable
-        while data := sock.recv(1 << 16):
-            replies.extend(frames.feed(data))
-    for reply in replies:
-        event = trainer_pb2.TrainerEvent.FromString(reply)
-        if event.HasField("refusal"):
-            return Answer(grpc.StatusCode[event.refusal.code], event.refusal.message, replies)
-    return Answer(grpc.StatusCode.OK, "", replies)
+
+    def send_raw(self, data: bytes) -> None:
+        """Bytes as they are, not framed (a corrupt or foreign stream)."""
+        try:
+            self._sock.sendall(data)
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # the daemon refused early and closed; its refusal is still readable
+
+    def read(self) -> bytes | Answer:
+        """The next reply, or the Answer that ended the stream."""
+        while not self._replies and not self._eof:
+            self._receive()
+        if self._replies:
+            return self._replies.pop(0)
+        return self._answer()
+
+    def end(self) -> Answer:
+        """Half-closes and returns how the daemon ended the stream (skipping further replies)."""
+        import socket as socketlib
+
+        try:
+            self._sock.shutdown(socketlib.SHUT_WR)
+        except OSError:
+            pass  # already closed by the daemon
+        while not self._eof:
+            self._receive()
+        return self._answer()
+
+    def _receive(self) -> None:
+        try:
+            data = self._sock.recv(1 << 16)
+        except ConnectionResetError:
+            data = b""
+        if not data:
+            self._eof = True
+            self._sock.close()
+            return
+        payloads = self._frames.feed(data)
+        self._replies.extend(payloads)
+        self._all.extend(payloads)
+
+    def _answer(self) -> Answer:
+        for reply in self._all:
+            event = self._reply_type.FromString(reply)
+            if event.HasField("refusal"):
+                refusal = event.refusal  # type: ignore[attr-defined]
+                return Answer(grpc.StatusCode[refusal.code], refusal.message, self._all)
+        return Answer(grpc.StatusCode.OK, "", self._all)

@@ -1,8 +1,9 @@
 """Malformed and adversarial traffic against the gRPC services of a running job (issue 6, item 5).
 
 A 2-node job (token-authenticated peers, external producers not yet started, so nothing is
-planned while the fuzz runs) takes hypothesis-generated messages on every service: Ingest,
-Trainer, Admin and Health on node 0's unix socket, Peer/Join and Health on both peer listeners.
+planned while the fuzz runs) takes hypothesis-generated messages on every service: Ingest
+and Trainer on node 0's framed sockets (and their gRPC refusals), Admin and Health on its
+unix socket, Peer/Join and Health on both peer listeners.
 Every answer must be a precise status code (never UNKNOWN, never a hang), and afterwards the
 daemons are still SERVING and a normal epoch completes with every identity exactly once.
 """
@@ -18,7 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from odbclient.connect import PROTOCOL_VERSION
-from odbclient.framing import steps_socket_path
+from odbclient.framing import ingest_socket_path, steps_socket_path
 from odbclient.wire.odbd.v1 import admin_pb2, ingest_pb2, peer_pb2, trainer_pb2
 from tests.integration import faults_wire as wire
 from tests.integration.faults_cluster import FaultCluster
@@ -135,7 +136,7 @@ def test_fuzz_ingest(job, first, rest):
     fc, channels = job
     if isinstance(first, ingest_pb2.ProducerMessage):
         first.hello.job_id = _job(first.hello.job_id, fc)
-    answer = wire.stream(channels["unix"], wire.INGEST, [first, *rest])
+    answer = wire.ingest_stream(ingest_socket_path(fc.cluster.sockets[0]), [first, *rest])
     hello = wire.parses(wire.as_bytes(first), ingest_pb2.ProducerMessage)
     if hello is None or not hello.HasField("hello"):
         _check(answer, {Code.INVALID_ARGUMENT})
@@ -148,8 +149,8 @@ def test_fuzz_ingest(job, first, rest):
         _check(answer, {Code.OK, Code.INVALID_ARGUMENT})
 
 
-def _lease_one(channel: grpc.Channel) -> tuple[wire.Session, ingest_pb2.IngestWelcome, bytes]:
-    session = wire.Session(channel, wire.INGEST)
+def _lease_one(path: str) -> tuple[wire.FramedSession, ingest_pb2.IngestWelcome, bytes]:
+    session = wire.FramedSession(path, ingest_pb2.IngestMessage)
     session.send(
         ingest_pb2.ProducerMessage(
             hello=ingest_pb2.ProducerHello(protocol_version=PROTOCOL_VERSION)
@@ -187,7 +188,7 @@ def _commit(key: bytes, offset: int, nbytes: int, **override: bytes) -> ingest_p
 )
 def test_malformed_commit_of_a_leased_sample_is_refused_and_the_lease_returns(job, bad, message):
     fc, channels = job
-    session, welcome, key = _lease_one(channels["unix"])
+    session, welcome, key = _lease_one(ingest_socket_path(fc.cluster.sockets[0]))
     offset = welcome.lane.size + 64 if bad.pop("offset", None) else 0
     nbytes = bad.pop("nbytes", 256)
     session.send(_commit(key, offset, nbytes, **bad))
@@ -195,6 +196,17 @@ def test_malformed_commit_of_a_leased_sample_is_refused_and_the_lease_returns(jo
     assert answer.code is Code.INVALID_ARGUMENT and message in answer.details, answer
     fc.wait_until(lambda: fc.status(0).leased_samples == 0, "the lease went back")
     assert fc.status(0).buffered_samples == 0, "a refused commit must not be buffered"
+
+
+@FUZZ
+@given(first=st.one_of(st.builds(ingest_pb2.ProducerMessage, hello=hellos), garbage))
+def test_grpc_produce_refuses_every_producer_with_the_upgrade(job, first):
+    """Protocol 7 moved the ingest stream off gRPC: an older producer calling Produce is told
+    to upgrade, whatever it sends."""
+    _, channels = job
+    answer = wire.stream(channels["unix"], wire.INGEST, [first])
+    assert answer.code is Code.FAILED_PRECONDITION, answer
+    assert "upgrade odbclient" in answer.details
 
 
 # -- Trainer ---------------------------------------------------------------------------------

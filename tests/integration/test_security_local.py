@@ -6,13 +6,14 @@ import ipaddress
 import os
 import socket
 import stat
+import struct
 import subprocess
 from pathlib import Path
 
 import grpc
 import pytest
 
-from odbclient.connect import PROTOCOL_VERSION
+from odbclient.framing import MAX_FRAME_BYTES, ingest_socket_path, steps_socket_path
 from odbclient.wire.odbd.v1 import ingest_pb2
 from tests.integration import faults_wire as wire
 from tests.integration.faults_cluster import FaultCluster
@@ -28,6 +29,10 @@ def test_socket_and_shm_segments_are_0600_and_owned_by_the_daemon_user():
         assert stat.S_ISSOCK(info.st_mode)
         assert stat.S_IMODE(info.st_mode) == 0o600, oct(info.st_mode)
         assert info.st_uid == os.getuid()
+        for beside in (steps_socket_path, ingest_socket_path):  # the framed sockets, too
+            info = os.stat(beside(fc.cluster.sockets[0]))
+            assert stat.S_IMODE(info.st_mode) == 0o600, (beside.__name__, oct(info.st_mode))
+            assert info.st_uid == os.getuid()
         prefix = f"odbd-{fc.cluster.spec.job_id}-0-"
         segments = [p for p in Path("/dev/shm").iterdir() if p.name.startswith(prefix)]
         assert segments, "the arena has no segment"
@@ -63,11 +68,15 @@ def test_tcp_listeners_bind_loopback_unless_told_otherwise():
 def test_oversized_messages_are_refused_and_the_daemon_stays_up():
     with FaultCluster(nodes=1, ranks_per_node=1, daemon_args=["--dataset-size", "10"]) as fc:
         channel = grpc.insecure_channel(f"unix:{fc.cluster.sockets[0]}")
-        hello = ingest_pb2.ProducerHello(
-            protocol_version=PROTOCOL_VERSION, name="x" * (LOCAL_BYTES + 1024)
+        # The ingest socket's frames (protocol 7) are bounded by MAX_FRAME_BYTES: a frame that
+        # announces more is refused before a byte of it is buffered.
+        session = wire.FramedSession(
+            ingest_socket_path(fc.cluster.sockets[0]), ingest_pb2.IngestMessage
         )
-        answer = wire.stream(channel, wire.INGEST, [ingest_pb2.ProducerMessage(hello=hello)])
-        assert answer.code is grpc.StatusCode.RESOURCE_EXHAUSTED, answer
+        session.send_raw(struct.pack("<I", MAX_FRAME_BYTES + 1))
+        answer = session.end()
+        assert answer.code is grpc.StatusCode.INVALID_ARGUMENT, answer
+        assert f"at most {MAX_FRAME_BYTES}" in answer.details, answer
         answer = wire.unary(channel, wire.ADMIN, b"\x00" * (LOCAL_BYTES + 1024))
         assert answer.code is grpc.StatusCode.RESOURCE_EXHAUSTED, answer
         assert fc.status(0).phase == "running"

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import AsyncIterator
 
 import numpy as np
 
@@ -134,16 +133,18 @@ def test_rejected_ids_leave_the_lease_budget_and_more_ids_are_granted() -> None:
         message = session.outbox.get_nowait()
         return np.frombuffer(message.lease.view_keys, "<i8").tolist()
 
-    async def producer() -> AsyncIterator[ingest_pb2.ProducerMessage]:
-        yield ingest_pb2.ProducerMessage(lease=ingest_pb2.LeaseRequest(count=100))
+    async def producer() -> None:  # pump_leases reads the running loop's clock
+        lease = ingest_pb2.ProducerMessage(lease=ingest_pb2.LeaseRequest(count=100))
+        service.on_message(session, lease)
         first = grant()
         assert len(first) == RUN_AHEAD_BUFFERS * BUFFER  # the lease budget, not the credit
         rows = [
             ingest_pb2.Rejection(view_key=k, reason="not_a_dict", detail="a tuple") for k in first
         ]
-        yield ingest_pb2.ProducerMessage(reject=ingest_pb2.RejectBatch(rejections=rows))
+        reject = ingest_pb2.ProducerMessage(reject=ingest_pb2.RejectBatch(rejections=rows))
+        service.on_message(session, reject)
 
-    asyncio.run(service._read(session, producer()))
+    asyncio.run(producer())
     assert len(rejected) == RUN_AHEAD_BUFFERS * BUFFER
     assert len(grant()) == RUN_AHEAD_BUFFERS * BUFFER  # granted again from the credit left
     assert state.first_rejection == {"not_a_dict": f"sample {rejected[0].identity}: a tuple"}

@@ -1,18 +1,22 @@
 """Producer decisions without a daemon: sample facts, rejections, lane bookkeeping, commit
-batching and credits; plus one run against a scripted fake daemon over a real unix socket."""
+batching and credits; plus runs against a scripted fake daemon over a real unix socket of
+frames (the ingest socket, protocol 7)."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
 import queue
+import socket as socketlib
+import subprocess
+import sys
 import threading
 import uuid
 from collections.abc import Iterator
-from concurrent import futures
 from pathlib import Path
 from typing import Any
 
-import grpc
 import numpy as np
 import pytest
 import torch
@@ -20,6 +24,7 @@ import torch
 from odbclient import Producer, RejectReason, producer_main
 from odbclient.connect import PROTOCOL_VERSION
 from odbclient.errors import DaemonUnavailableError, ODBClientError, ProtocolError
+from odbclient.framing import FrameBuffer, frame, ingest_socket_path
 from odbclient.lane import IDLE, LANE_HEADER_BYTES, CommitBuffer, LaneAllocator, LeaseCredits
 from odbclient.producer import ProducerCore
 from odbclient.samples import (
@@ -31,8 +36,9 @@ from odbclient.samples import (
     schema_hash,
 )
 from odbclient.shm import ArenaView, decode, encoded_size
-from odbclient.wire.odbd.v1 import ingest_pb2, ingest_pb2_grpc
+from odbclient.wire.odbd.v1 import ingest_pb2, trainer_pb2
 from odbd.ingest.arena import Arena
+from odbd.ingest.ingest_socket import IngestServer
 from odbd.ingest.service import IngestService
 
 
@@ -317,7 +323,91 @@ def test_credits_are_requested_again_once_half_are_used() -> None:
 # --- one Producer.run against a scripted daemon ------------------------------------------------
 
 
-class FakeIngest(ingest_pb2_grpc.IngestServicer):
+class FramedPeer:
+    """The fake daemon's end of one producer connection: frames out, frames in (a drain thread
+    queues what the producer sends, so the script reads with deadlines)."""
+
+    def __init__(self, connection: socketlib.socket) -> None:
+        self.connection = connection
+        self.frames = FrameBuffer()
+        self.requests: queue.Queue[ingest_pb2.ProducerMessage | None] = queue.Queue()
+        self._drain: threading.Thread | None = None
+
+    def first(self) -> ingest_pb2.ProducerMessage:
+        """The first frame (the hello); then the drain thread takes the rest."""
+        while True:
+            data = self.connection.recv(1 << 16)
+            assert data, "the producer closed before its hello"
+            payloads = self.frames.feed(data)
+            if payloads:
+                assert len(payloads) == 1, "the producer sent more than its hello before a welcome"
+                self._drain = threading.Thread(target=self._read, name="fake-ingest-drain")
+                self._drain.start()
+                return ingest_pb2.ProducerMessage.FromString(payloads[0])
+
+    def send(self, message: ingest_pb2.IngestMessage) -> None:
+        self.connection.sendall(frame(message.SerializeToString()))
+
+    def finish(self) -> None:
+        """Half-closes (the stream ends), then waits for the producer to close its side."""
+        with contextlib.suppress(OSError):
+            self.connection.shutdown(socketlib.SHUT_WR)
+        if self._drain is not None:
+            self._drain.join(timeout=30)
+            assert not self._drain.is_alive(), "the producer never closed its side"
+        self.connection.close()
+
+    def _read(self) -> None:
+        try:
+            while data := self.connection.recv(1 << 16):
+                for payload in self.frames.feed(data):
+                    self.requests.put(ingest_pb2.ProducerMessage.FromString(payload))
+        except OSError:
+            pass  # the producer went away
+        finally:
+            self.requests.put(None)
+
+
+class FakeIngestServer:
+    """A fake daemon's ingest socket beside `socket`: each connection runs `script(peer)` on
+    its own thread; close() joins every thread it started."""
+
+    def __init__(self, socket: str, script: Any) -> None:
+        self.script = script
+        self.listener = socketlib.socket(socketlib.AF_UNIX, socketlib.SOCK_STREAM)
+        self.listener.bind(ingest_socket_path(socket))
+        self.listener.listen()
+        self.threads: list[threading.Thread] = []
+        self._accepting = threading.Thread(target=self._accept, name="fake-ingest-accept")
+        self._accepting.start()
+
+    def close(self) -> None:
+        self.listener.shutdown(socketlib.SHUT_RDWR)
+        self.listener.close()
+        self._accepting.join(timeout=10)
+        for thread in self.threads:
+            thread.join(timeout=30)
+            assert not thread.is_alive(), f"{thread.name} still runs"
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                connection, _ = self.listener.accept()
+            except OSError:
+                return  # closed
+            peer = FramedPeer(connection)
+            thread = threading.Thread(target=self._serve, args=(peer,), name="fake-ingest")
+            self.threads.append(thread)
+            thread.start()
+
+    def _serve(self, peer: FramedPeer) -> None:
+        try:
+            self.script(peer)
+        finally:
+            peer.finish()
+
+
+class FakeIngest:
     """Welcome, one grant of `identities`, frees what was committed, then Shutdown."""
 
     def __init__(self, arena: Arena, identities: list[int]) -> None:
@@ -325,61 +415,50 @@ class FakeIngest(ingest_pb2_grpc.IngestServicer):
         self.lane = arena.allocate(1 << 16)
         self.identities = identities
         self.hello: ingest_pb2.ProducerHello | None = None
-        self.requests: queue.Queue[ingest_pb2.ProducerMessage] = queue.Queue()
         self.commits: list[ingest_pb2.CommitBatch] = []
+        self.producer_threads: list[str] = []  # comm of each thread of the producer process
 
-    def Produce(  # noqa: N802
-        self, request_iterator: Iterator[ingest_pb2.ProducerMessage], context: Any
-    ) -> Iterator[ingest_pb2.IngestMessage]:
-        self.hello = next(request_iterator).hello
-        threading.Thread(target=self._drain, args=(request_iterator,), daemon=True).start()
+    def __call__(self, peer: FramedPeer) -> None:
+        self.hello = peer.first().hello
         assert self.lane is not None
         lane = ingest_pb2.Lane(segment=0, offset=self.lane.offset, size=self.lane.length)
         welcome = ingest_pb2.IngestWelcome(
             segments=self.arena.segment_names, length_key="input_ids", labels_key="labels",
             lane=lane, dataset_size=len(self.identities),
         )  # fmt: skip
-        yield ingest_pb2.IngestMessage(welcome=welcome)
-        credit = self.requests.get(timeout=30)  # grants only against credit, like odbd
-        assert credit.lease.count >= len(self.identities), credit
+        peer.send(ingest_pb2.IngestMessage(welcome=welcome))
+        credit = peer.requests.get(timeout=30)  # grants only against credit, like odbd
+        assert credit is not None and credit.lease.count >= len(self.identities), credit
         identities = np.array(self.identities, "<i8")
         grant = ingest_pb2.LeaseGrant(
             view_keys=(identities + 1000).tobytes(), identities=identities.tobytes()
         )
-        yield ingest_pb2.IngestMessage(lease=grant)
+        peer.send(ingest_pb2.IngestMessage(lease=grant))
         offsets: list[int] = []
         while len(offsets) < len(self.identities):
-            message = self.requests.get(timeout=30)
+            message = peer.requests.get(timeout=30)
+            assert message is not None, "the producer closed before committing everything"
             if message.HasField("commit"):
                 self.commits.append(message.commit)
                 offsets += np.frombuffer(message.commit.offsets, "<u8").tolist()
+        # The producer is producing (it has committed, and waits for frees): its threads now.
+        tasks = Path(f"/proc/{self.hello.pid}/task")
+        self.producer_threads = [(t / "comm").read_text().strip() for t in tasks.iterdir()]
         packed = np.array(offsets, "<u8").tobytes()
-        yield ingest_pb2.IngestMessage(free=ingest_pb2.FreeBatch(offsets=packed))
-        yield ingest_pb2.IngestMessage(shutdown=ingest_pb2.Shutdown(reason="all epochs done"))
-
-    def _drain(self, request_iterator: Iterator[ingest_pb2.ProducerMessage]) -> None:
-        try:
-            for message in request_iterator:
-                self.requests.put(message)
-        except grpc.RpcError:
-            pass  # the producer went away
+        peer.send(ingest_pb2.IngestMessage(free=ingest_pb2.FreeBatch(offsets=packed)))
+        peer.send(ingest_pb2.IngestMessage(shutdown=ingest_pb2.Shutdown(reason="all epochs done")))
 
 
 @pytest.fixture
 def ingest_daemon(tmp_path: Path) -> Iterator[tuple[FakeIngest, str]]:
     with Arena.create(f"test-prod-{uuid.uuid4().hex[:8]}", 0, 1 << 20) as arena:
-        servicer = FakeIngest(arena, [0, 1, 2])
-        executor = futures.ThreadPoolExecutor(max_workers=4)
-        server = grpc.server(executor)
-        ingest_pb2_grpc.add_IngestServicer_to_server(servicer, server)
+        fake = FakeIngest(arena, [0, 1, 2])
         socket = str(tmp_path / "odbd.sock")
-        server.add_insecure_port(f"unix:{socket}")
-        server.start()
+        server = FakeIngestServer(socket, fake)
         try:
-            yield servicer, socket
+            yield fake, socket
         finally:
-            server.stop(grace=None).wait()
-            executor.shutdown(wait=True)  # grpc leaves its pool's threads idle
+            server.close()
 
 
 def committed_input_ids(servicer: FakeIngest) -> dict[int, list[int]]:
@@ -434,29 +513,44 @@ def test_producer_main_exits_0_on_shutdown(
     assert committed_input_ids(servicer) == {1000: [10], 1001: [10, 11], 1002: [10, 11, 12]}
 
 
-class RefusingIngest(ingest_pb2_grpc.IngestServicer):
-    def Produce(  # noqa: N802
-        self, request_iterator: Iterator[ingest_pb2.ProducerMessage], context: Any
-    ) -> Iterator[ingest_pb2.IngestMessage]:
-        next(request_iterator)
-        context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "no room for another lane")
-        yield ingest_pb2.IngestMessage()  # never reached
+@pytest.mark.timeout(60)
+def test_producer_run_has_no_grpc_thread_while_producing(
+    ingest_daemon: tuple[FakeIngest, str], tmp_path: Path
+) -> None:
+    """Protocol 7: a producer process runs its own thread, the frame reader and numpy's, none
+    of gRPC's (event_engine, grpc_global_timer, lifeguard, ...), which every thread but gRPC's
+    shows by keeping the process's name."""
+    fake, socket = ingest_daemon
+    module = tmp_path / "tiny_dataset.py"
+    module.write_text(
+        "import numpy as np\n"
+        "def build(n):\n"
+        "    return [{'input_ids': np.arange(i + 1)} for i in range(n)]\n"
+    )
+    argv = [sys.executable, "-m", "odbclient.producer_main", "--socket", socket]
+    argv += ["--dataset", f"{module}:build", "--dataset-arg", "n=3", "--name", "worker-0"]
+    done = subprocess.run(argv, timeout=60, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert fake.hello is not None and fake.producer_threads, "the fake daemon saw no producer"
+    main = Path(f"/proc/{os.getpid()}/comm").read_text().strip()  # the same interpreter
+    assert set(fake.producer_threads) == {main}, fake.producer_threads
+
+
+def refuse(peer: FramedPeer) -> None:
+    peer.first()
+    refusal = trainer_pb2.Refusal(code="RESOURCE_EXHAUSTED", message="no room for another lane")
+    peer.send(ingest_pb2.IngestMessage(refusal=refusal))
 
 
 @pytest.mark.timeout(60)
 def test_producer_refusal_carries_the_daemon_message_and_fix(tmp_path: Path) -> None:
-    executor = futures.ThreadPoolExecutor(max_workers=2)
-    server = grpc.server(executor)
-    ingest_pb2_grpc.add_IngestServicer_to_server(RefusingIngest(), server)
     socket = str(tmp_path / "odbd.sock")
-    server.add_insecure_port(f"unix:{socket}")
-    server.start()
+    server = FakeIngestServer(socket, refuse)
     try:
         with pytest.raises(ODBClientError, match="no room for another lane; run fewer producers"):
             Producer(ListDataset([]), socket, name="worker-1").run()
     finally:
-        server.stop(grace=None).wait()
-        executor.shutdown(wait=True)  # grpc leaves its pool's threads idle
+        server.close()
 
 
 @pytest.mark.timeout(60)
@@ -478,20 +572,34 @@ def test_a_producer_that_attaches_while_the_daemon_shuts_down_is_told_so_and_end
     )
 
     async def serve_one_late_producer() -> Producer:
-        server = grpc.aio.server()
-        ingest_pb2_grpc.add_IngestServicer_to_server(service, server)
-        server.add_insecure_port(f"unix:{socket}")
+        server = IngestServer(service, ingest_socket_path(socket))
         await server.start()
         service.shutdown("every epoch was trained")
         producer = Producer(ListDataset([]), socket, name="worker-1")
         try:
             await asyncio.to_thread(producer.run)
         finally:
-            await server.stop(grace=None)
+            await server.close()
         return producer
 
     producer = asyncio.run(serve_one_late_producer())
     assert producer.shutdown_reason == "every epoch was trained"
+
+
+@pytest.mark.timeout(30)
+def test_a_daemon_older_than_protocol_7_is_named_at_once(tmp_path: Path) -> None:
+    """Its gRPC socket answers but it has no ingest socket beside it: no 60 s wait."""
+    socket = str(tmp_path / "odbd.sock")
+    listener = socketlib.socket(socketlib.AF_UNIX, socketlib.SOCK_STREAM)
+    listener.bind(socket)  # stands for the old daemon's gRPC socket
+    listener.listen()
+    try:
+        with pytest.raises(
+            ProtocolError, match=r"no producer socket .*\.ingest: the daemon is older"
+        ):
+            Producer(ListDataset([]), socket, connect_timeout_s=60.0).run()
+    finally:
+        listener.close()
 
 
 @pytest.mark.timeout(30)

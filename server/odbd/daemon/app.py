@@ -34,7 +34,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry, start_http_server
 
-from odbclient.framing import steps_socket_path
+from odbclient.framing import ingest_socket_path, steps_socket_path
 from odbclient.shm import SAMPLE_LAYOUT_VERSION, Allocation, read_meta
 from odbclient.wire.odbd.v1 import (
     admin_pb2,
@@ -59,9 +59,10 @@ from odbd.daemon.round_loop import RoundLoop
 from odbd.errors import ConfigError, OdbdError
 from odbd.grpc_guard import DecodeGuard
 from odbd.ingest.arena import Arena
+from odbd.ingest.ingest_socket import IngestServer
 from odbd.ingest.lanes import Lanes
 from odbd.ingest.rejections import RejectionLog, samples_made
-from odbd.ingest.service import IngestService
+from odbd.ingest.service import IngestService, LegacyProduceRefusal
 from odbd.ingest.supervisor import ProducerSupervisor, SupervisorConfig
 from odbd.metrics.collector import DaemonCollector
 from odbd.metrics.stats import DaemonStats
@@ -100,6 +101,7 @@ class Daemon:
         self.arena: Arena | None = None
         self.server: grpc.aio.Server | None = None
         self.step_server: StepServer | None = None  # the trainers' step socket (protocol 6)
+        self.ingest_server: IngestServer | None = None  # the producers' socket (protocol 7)
         self.barrier: RoundBarrier | None = None
         self.supervisor: ProducerSupervisor | None = None
         self.health = health.aio.HealthServicer()
@@ -257,19 +259,23 @@ class Daemon:
     async def _serve_socket(self, trainer: TrainerService) -> None:
         path = self.config.socket
         _claim_socket_path(path)  # again: a stale file may have appeared since startup began
-        # The step socket first: a client that finds the gRPC socket answering but no step
-        # socket beside it may then conclude the daemon is older than protocol 6.
+        # The framed sockets first: a client that finds the gRPC socket answering but no step
+        # (ingest) socket beside it may then conclude the daemon is older than protocol 6 (7).
         steps_path = steps_socket_path(path)
         _claim_socket_path(steps_path)
         self.step_server = StepServer(trainer, steps_path)
         await self.step_server.start()
+        assert self.ingest is not None
+        ingest_path = ingest_socket_path(path)
+        _claim_socket_path(ingest_path)
+        self.ingest_server = IngestServer(self.ingest, ingest_path)
+        await self.ingest_server.start()
         options = [
             ("grpc.max_receive_message_length", _MESSAGE_BYTES),
             ("grpc.max_send_message_length", _MESSAGE_BYTES),
         ]
         server = grpc.aio.server(options=options, interceptors=[DecodeGuard()])
-        assert self.ingest is not None
-        ingest_pb2_grpc.add_IngestServicer_to_server(self.ingest, server)
+        ingest_pb2_grpc.add_IngestServicer_to_server(LegacyProduceRefusal(), server)
         trainer_pb2_grpc.add_TrainerServicer_to_server(LegacyTrainRefusal(steps_path), server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         admin_pb2_grpc.add_AdminServicer_to_server(AdminService(self.snapshot), server)
@@ -752,6 +758,8 @@ class Daemon:
             steps.append(("tell producers to stop", partial(self.ingest.shutdown, "job over")))
         if self.supervisor is not None:
             steps.append(("stop the producers", self.supervisor.stop))
+        if self.ingest_server is not None:
+            steps.append(("stop the ingest socket server", self.ingest_server.close))
         if self.step_server is not None:
             steps.append(("stop the step socket server", self.step_server.close))
         if self.server is not None:
@@ -777,6 +785,8 @@ class Daemon:
         """Removes the socket file only if it is still the one this daemon bound."""
         if self.step_server is not None:
             self.step_server.unlink()
+        if self.ingest_server is not None:
+            self.ingest_server.unlink()
         if self._socket_id is None:
             return  # never bound: the file (if any) belongs to someone else
         with contextlib.suppress(FileNotFoundError):

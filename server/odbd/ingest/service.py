@@ -1,4 +1,8 @@
-"""The Ingest gRPC service: producers lease sample ids and commit samples in their lane."""
+"""The producers' ingest stream, transport-agnostic: hello checks, lane assignment, leases,
+commits, rejections, frees, LaneFull, Shutdown, and the release of a producer's leases when its
+stream ends. `odbd.ingest.ingest_socket` is its edge (a unix stream socket of length-prefixed
+frames beside the gRPC socket, protocol 7); `LegacyProduceRefusal` answers the gRPC `Produce`
+of older producers with what to do."""
 
 from __future__ import annotations
 
@@ -10,12 +14,13 @@ from dataclasses import dataclass
 import grpc
 import numpy as np
 
+from odbclient.connect import PROTOCOL_VERSION
 from odbclient.wire.odbd.v1 import ingest_pb2, ingest_pb2_grpc
 from odbd.daemon.node_state import Locations, NodeState, Rejected
 from odbd.ingest.lanes import Lane, Lanes
-from odbd.ingest.validate import MalformedMessage, check_rejections, decode_commit
+from odbd.ingest.validate import check_rejections, decode_commit
 from odbd.metrics.stats import DaemonStats
-from odbd.serve.hello import read_hello
+from odbd.serve.hello import Refusal, hello_refusal
 
 log = logging.getLogger("odbd.ingest")
 
@@ -30,7 +35,7 @@ class ProducerSession:
     lane_full: bool = False  # said LaneFull and got no FreeBatch since
 
 
-class IngestService(ingest_pb2_grpc.IngestServicer):
+class IngestService:
     """Translates producer streams into NodeState calls; every decision is NodeState's."""
 
     def __init__(
@@ -58,61 +63,29 @@ class IngestService(ingest_pb2_grpc.IngestServicer):
         self.closing = False
         self._closed_for = ""  # the reason every producer's Shutdown gave
 
-    async def Produce(  # noqa: N802 (gRPC method name)
-        self,
-        request_iterator: AsyncIterator[ingest_pb2.ProducerMessage],
-        context: grpc.aio.ServicerContext,
-    ) -> AsyncIterator[ingest_pb2.IngestMessage]:
-        session = await self._open(request_iterator, context)
-        if session is None:  # the job is over: a late producer is told so, as the others were
-            yield ingest_pb2.IngestMessage(shutdown=ingest_pb2.Shutdown(reason=self._closed_for))
-            return
-        reader = asyncio.ensure_future(self._read(session, request_iterator))
-        reader.add_done_callback(lambda _: session.outbox.put_nowait(None))
-        try:
-            welcome = ingest_pb2.IngestWelcome()
-            welcome.CopyFrom(self._welcome)
-            welcome.lane.CopyFrom(_lane_message(session.lane))
-            yield ingest_pb2.IngestMessage(welcome=welcome)
-            while (message := await session.outbox.get()) is not None:
-                yield message
-                if message.HasField("shutdown"):
-                    return
-            await _refuse_if_malformed(session, reader, context)
-        finally:
-            reader.cancel()
-            self._close(session)
-
-    async def _open(
-        self,
-        request_iterator: AsyncIterator[ingest_pb2.ProducerMessage],
-        context: grpc.aio.ServicerContext,
-    ) -> ProducerSession | None:
-        """The new producer's session, or None once the daemon is shutting down."""
-        hello = await read_hello(
-            request_iterator,
-            context,
-            who="producer",
-            hello_type="ProducerHello",
-            job_id=self._welcome.job_id,
-        )
+    def open(self, hello: ingest_pb2.ProducerHello) -> ProducerSession | Refusal | None:
+        """The new producer's session; a Refusal (protocol, job, dataset size, no lane left);
+        None once the daemon is shutting down (the late producer is told so, as the others
+        were: `late_shutdown`)."""
+        refusal = hello_refusal(hello, who="producer", job_id=self._welcome.job_id)
+        if refusal is not None:
+            return refusal
         if self.closing:
             return None
-        refusal = size_refusal(hello, self._welcome.dataset_size)
-        if refusal is not None:
-            log.error("refused a producer: %s", refusal)
-            self._on_error(refusal)
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, refusal)
+        size = size_refusal(hello, self._welcome.dataset_size)
+        if size is not None:
+            log.error("refused a producer: %s", size)
+            self._on_error(size)
+            return Refusal("FAILED_PRECONDITION", size)
         producer = self._next_producer
-        self._next_producer += 1
         lane = self._lanes.open(producer)
         if lane is None:
-            await context.abort(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
+            return Refusal(
+                "RESOURCE_EXHAUSTED",
                 f"no room for another {self._lanes.lane_bytes}-byte producer lane in the "
                 "shared-memory arena; raise --shm-size or run fewer producers",
             )
-            raise AssertionError("context.abort() raises")
+        self._next_producer += 1
         session = ProducerSession(
             producer, hello.name or f"producer-{producer}", lane, asyncio.Queue()
         )
@@ -120,31 +93,40 @@ class IngestService(ingest_pb2_grpc.IngestServicer):
         log.info("producer %s attached (lane %d)", session.name, lane.lane_id)
         return session
 
-    async def _read(
-        self, session: ProducerSession, request_iterator: AsyncIterator[ingest_pb2.ProducerMessage]
-    ) -> None:
-        async for message in request_iterator:
-            kind = message.WhichOneof("kind")
-            if kind == "lease":
-                session.credit += message.lease.count
-                self.pump_leases()
-            elif kind == "commit":
-                self._commit(session, message.commit)
-            elif kind == "lane_full":
-                session.lane_full = True
-                self._on_progress()  # the round loop may plan with a partial buffer now
-            elif kind == "reject":
-                check_rejections(message.reject)
-                for rejection in message.reject.rejections:
-                    rejected = self._state.reject(
-                        session.producer, rejection.view_key, rejection.reason, rejection.detail
-                    )
-                    if rejected is not None:
-                        self._on_rejected(rejected)
-                # A rejected id leaves its unit's lease budget: without new grants a job whose
-                # samples are all rejected would wait forever with no lease outstanding.
-                self.pump_leases()
-                self._on_progress()
+    def welcome_for(self, session: ProducerSession) -> ingest_pb2.IngestMessage:
+        welcome = ingest_pb2.IngestWelcome()
+        welcome.CopyFrom(self._welcome)
+        welcome.lane.CopyFrom(_lane_message(session.lane))
+        return ingest_pb2.IngestMessage(welcome=welcome)
+
+    def late_shutdown(self) -> ingest_pb2.IngestMessage:
+        """What a producer arriving after shutdown began is told."""
+        return ingest_pb2.IngestMessage(shutdown=ingest_pb2.Shutdown(reason=self._closed_for))
+
+    def on_message(self, session: ProducerSession, message: ingest_pb2.ProducerMessage) -> None:
+        """A message after the hello; raises MalformedMessage (the edge refuses the producer
+        with INVALID_ARGUMENT, and the stream's end releases its leases)."""
+        kind = message.WhichOneof("kind")
+        if kind == "lease":
+            session.credit += message.lease.count
+            self.pump_leases()
+        elif kind == "commit":
+            self._commit(session, message.commit)
+        elif kind == "lane_full":
+            session.lane_full = True
+            self._on_progress()  # the round loop may plan with a partial buffer now
+        elif kind == "reject":
+            check_rejections(message.reject)
+            for rejection in message.reject.rejections:
+                rejected = self._state.reject(
+                    session.producer, rejection.view_key, rejection.reason, rejection.detail
+                )
+                if rejected is not None:
+                    self._on_rejected(rejected)
+            # A rejected id leaves its unit's lease budget: without new grants a job whose
+            # samples are all rejected would wait forever with no lease outstanding.
+            self.pump_leases()
+            self._on_progress()
 
     def _commit(self, session: ProducerSession, batch: ingest_pb2.CommitBatch) -> None:
         rows = decode_commit(batch, session.lane.allocation.length, session.lane.live)
@@ -169,7 +151,7 @@ class IngestService(ingest_pb2_grpc.IngestServicer):
         if give_back.size:
             self._send_free(session, give_back)
         if outcome.rejections:
-            self.pump_leases()  # rejected ids left the lease budget (see _read)
+            self.pump_leases()  # rejected ids left the lease budget (see on_message)
         self._on_progress()
 
     def pump_leases(self) -> None:
@@ -228,7 +210,9 @@ class IngestService(ingest_pb2_grpc.IngestServicer):
             message = ingest_pb2.IngestMessage(shutdown=ingest_pb2.Shutdown(reason=reason))
             session.outbox.put_nowait(message)
 
-    def _close(self, session: ProducerSession) -> None:
+    def detach(self, session: ProducerSession) -> None:
+        """The stream ended (EOF, a refusal, a broken connection, Shutdown sent): the
+        producer's leases go back to the pool and its lane is orphaned."""
         if self.sessions.pop(session.producer, None) is None:
             return
         self._account_death(session)
@@ -281,16 +265,25 @@ def size_refusal(hello: ingest_pb2.ProducerHello, served: int) -> str | None:
     )
 
 
-async def _refuse_if_malformed(
-    session: ProducerSession, reader: asyncio.Future[None], context: grpc.aio.ServicerContext
-) -> None:
-    """Ends the stream with INVALID_ARGUMENT when the reader stopped on a malformed message."""
-    if not reader.done() or reader.cancelled():
-        return
-    error = reader.exception()
-    if isinstance(error, MalformedMessage):
-        log.warning("refused producer %s: %s", session.name, error)
-        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+class LegacyProduceRefusal(ingest_pb2_grpc.IngestServicer):
+    """gRPC `Produce` (protocol <= 6): refused by name, so an old odbclient says what to do."""
+
+    async def Produce(  # noqa: N802 (gRPC method name)
+        self,
+        request_iterator: AsyncIterator[ingest_pb2.ProducerMessage],
+        context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[ingest_pb2.IngestMessage]:
+        await context.abort(grpc.StatusCode.FAILED_PRECONDITION, legacy_produce_refusal())
+        yield ingest_pb2.IngestMessage()  # pragma: no cover - abort raises
+
+
+def legacy_produce_refusal() -> str:
+    return (
+        f"this odbd speaks producer protocol {PROTOCOL_VERSION}, whose ingest stream is a unix "
+        "socket beside the gRPC socket (path + '.ingest'), not the gRPC Produce stream of "
+        "protocol 6 and older: upgrade odbclient in the producer's environment to the "
+        "daemon's odbd release"
+    )
 
 
 def _lane_message(lane: Lane) -> ingest_pb2.Lane:

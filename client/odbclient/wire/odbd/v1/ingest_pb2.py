@@ -22,41 +22,42 @@ _runtime_version.ValidateProtobufRuntimeVersion(
 _sym_db = _symbol_database.Default()
 
 
+from odbclient.wire.odbd.v1 import trainer_pb2 as odbd_dot_v1_dot_trainer__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14odbd/v1/ingest.proto\x12\x07odbd.v1\"j\n\rProducerHello\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x0e\n\x06job_id\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x0b\n\x03pid\x18\x04 \x01(\r\x12\x14\n\x0c\x64\x61taset_size\x18\x05 \x01(\x04\"\x1d\n\x0cLeaseRequest\x12\r\n\x05\x63ount\x18\x01 \x01(\r\"\x8f\x01\n\x0b\x43ommitBatch\x12\x11\n\tview_keys\x18\x01 \x01(\x0c\x12\x0f\n\x07offsets\x18\x02 \x01(\x0c\x12\x0e\n\x06nbytes\x18\x03 \x01(\x0c\x12\x0f\n\x07lengths\x18\x04 \x01(\x0c\x12\x13\n\x0bloss_tokens\x18\x05 \x01(\x0c\x12\x15\n\rschema_hashes\x18\x06 \x01(\x0c\x12\x0f\n\x07patches\x18\x07 \x01(\x0c\"=\n\tRejection\x12\x10\n\x08view_key\x18\x01 \x01(\x03\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x0e\n\x06\x64\x65tail\x18\x03 \x01(\t\"5\n\x0bRejectBatch\x12&\n\nrejections\x18\x01 \x03(\x0b\x32\x12.odbd.v1.Rejection\"\x1a\n\x08LaneFull\x12\x0e\n\x06nbytes\x18\x01 \x01(\x04\"\xe2\x01\n\x0fProducerMessage\x12\'\n\x05hello\x18\x01 \x01(\x0b\x32\x16.odbd.v1.ProducerHelloH\x00\x12&\n\x05lease\x18\x02 \x01(\x0b\x32\x15.odbd.v1.LeaseRequestH\x00\x12&\n\x06\x63ommit\x18\x03 \x01(\x0b\x32\x14.odbd.v1.CommitBatchH\x00\x12&\n\x06reject\x18\x04 \x01(\x0b\x32\x14.odbd.v1.RejectBatchH\x00\x12&\n\tlane_full\x18\x05 \x01(\x0b\x32\x11.odbd.v1.LaneFullH\x00\x42\x06\n\x04kind\"5\n\x04Lane\x12\x0f\n\x07segment\x18\x01 \x01(\r\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0c\n\x04size\x18\x03 \x01(\x04\"\xfe\x01\n\rIngestWelcome\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x10\n\x08segments\x18\x02 \x03(\t\x12\x16\n\x0elayout_version\x18\x03 \x01(\r\x12\x12\n\nlength_key\x18\x04 \x01(\t\x12\x12\n\nlabels_key\x18\x05 \x01(\t\x12\x1b\n\x04lane\x18\x06 \x01(\x0b\x32\r.odbd.v1.Lane\x12\x17\n\x0flease_timeout_s\x18\x07 \x01(\x01\x12\x14\n\x0c\x64\x61taset_size\x18\x08 \x01(\x04\x12\x11\n\tpatch_key\x18\t \x01(\t\x12\x17\n\x0fpatch_count_key\x18\n \x01(\t\x12\x13\n\x0b\x63oncat_keys\x18\x0b \x03(\t\"3\n\nLeaseGrant\x12\x11\n\tview_keys\x18\x01 \x01(\x0c\x12\x12\n\nidentities\x18\x02 \x01(\x0c\"\x1c\n\tFreeBatch\x12\x0f\n\x07offsets\x18\x01 \x01(\x0c\"\x1a\n\x08Shutdown\x12\x0e\n\x06reason\x18\x01 \x01(\t\"\xb3\x01\n\rIngestMessage\x12)\n\x07welcome\x18\x01 \x01(\x0b\x32\x16.odbd.v1.IngestWelcomeH\x00\x12$\n\x05lease\x18\x02 \x01(\x0b\x32\x13.odbd.v1.LeaseGrantH\x00\x12\"\n\x04\x66ree\x18\x03 \x01(\x0b\x32\x12.odbd.v1.FreeBatchH\x00\x12%\n\x08shutdown\x18\x04 \x01(\x0b\x32\x11.odbd.v1.ShutdownH\x00\x42\x06\n\x04kind2I\n\x06Ingest\x12?\n\x07Produce\x12\x18.odbd.v1.ProducerMessage\x1a\x16.odbd.v1.IngestMessage(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14odbd/v1/ingest.proto\x12\x07odbd.v1\x1a\x15odbd/v1/trainer.proto\"j\n\rProducerHello\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x0e\n\x06job_id\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x0b\n\x03pid\x18\x04 \x01(\r\x12\x14\n\x0c\x64\x61taset_size\x18\x05 \x01(\x04\"\x1d\n\x0cLeaseRequest\x12\r\n\x05\x63ount\x18\x01 \x01(\r\"\x8f\x01\n\x0b\x43ommitBatch\x12\x11\n\tview_keys\x18\x01 \x01(\x0c\x12\x0f\n\x07offsets\x18\x02 \x01(\x0c\x12\x0e\n\x06nbytes\x18\x03 \x01(\x0c\x12\x0f\n\x07lengths\x18\x04 \x01(\x0c\x12\x13\n\x0bloss_tokens\x18\x05 \x01(\x0c\x12\x15\n\rschema_hashes\x18\x06 \x01(\x0c\x12\x0f\n\x07patches\x18\x07 \x01(\x0c\"=\n\tRejection\x12\x10\n\x08view_key\x18\x01 \x01(\x03\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x0e\n\x06\x64\x65tail\x18\x03 \x01(\t\"5\n\x0bRejectBatch\x12&\n\nrejections\x18\x01 \x03(\x0b\x32\x12.odbd.v1.Rejection\"\x1a\n\x08LaneFull\x12\x0e\n\x06nbytes\x18\x01 \x01(\x04\"\xe2\x01\n\x0fProducerMessage\x12\'\n\x05hello\x18\x01 \x01(\x0b\x32\x16.odbd.v1.ProducerHelloH\x00\x12&\n\x05lease\x18\x02 \x01(\x0b\x32\x15.odbd.v1.LeaseRequestH\x00\x12&\n\x06\x63ommit\x18\x03 \x01(\x0b\x32\x14.odbd.v1.CommitBatchH\x00\x12&\n\x06reject\x18\x04 \x01(\x0b\x32\x14.odbd.v1.RejectBatchH\x00\x12&\n\tlane_full\x18\x05 \x01(\x0b\x32\x11.odbd.v1.LaneFullH\x00\x42\x06\n\x04kind\"5\n\x04Lane\x12\x0f\n\x07segment\x18\x01 \x01(\r\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0c\n\x04size\x18\x03 \x01(\x04\"\xfe\x01\n\rIngestWelcome\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x10\n\x08segments\x18\x02 \x03(\t\x12\x16\n\x0elayout_version\x18\x03 \x01(\r\x12\x12\n\nlength_key\x18\x04 \x01(\t\x12\x12\n\nlabels_key\x18\x05 \x01(\t\x12\x1b\n\x04lane\x18\x06 \x01(\x0b\x32\r.odbd.v1.Lane\x12\x17\n\x0flease_timeout_s\x18\x07 \x01(\x01\x12\x14\n\x0c\x64\x61taset_size\x18\x08 \x01(\x04\x12\x11\n\tpatch_key\x18\t \x01(\t\x12\x17\n\x0fpatch_count_key\x18\n \x01(\t\x12\x13\n\x0b\x63oncat_keys\x18\x0b \x03(\t\"3\n\nLeaseGrant\x12\x11\n\tview_keys\x18\x01 \x01(\x0c\x12\x12\n\nidentities\x18\x02 \x01(\x0c\"\x1c\n\tFreeBatch\x12\x0f\n\x07offsets\x18\x01 \x01(\x0c\"\x1a\n\x08Shutdown\x12\x0e\n\x06reason\x18\x01 \x01(\t\"\xd8\x01\n\rIngestMessage\x12)\n\x07welcome\x18\x01 \x01(\x0b\x32\x16.odbd.v1.IngestWelcomeH\x00\x12$\n\x05lease\x18\x02 \x01(\x0b\x32\x13.odbd.v1.LeaseGrantH\x00\x12\"\n\x04\x66ree\x18\x03 \x01(\x0b\x32\x12.odbd.v1.FreeBatchH\x00\x12%\n\x08shutdown\x18\x04 \x01(\x0b\x32\x11.odbd.v1.ShutdownH\x00\x12#\n\x07refusal\x18\x05 \x01(\x0b\x32\x10.odbd.v1.RefusalH\x00\x42\x06\n\x04kind2I\n\x06Ingest\x12?\n\x07Produce\x12\x18.odbd.v1.ProducerMessage\x1a\x16.odbd.v1.IngestMessage(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'odbd.v1.ingest_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_PRODUCERHELLO']._serialized_start=33
-  _globals['_PRODUCERHELLO']._serialized_end=139
-  _globals['_LEASEREQUEST']._serialized_start=141
-  _globals['_LEASEREQUEST']._serialized_end=170
-  _globals['_COMMITBATCH']._serialized_start=173
-  _globals['_COMMITBATCH']._serialized_end=316
-  _globals['_REJECTION']._serialized_start=318
-  _globals['_REJECTION']._serialized_end=379
-  _globals['_REJECTBATCH']._serialized_start=381
-  _globals['_REJECTBATCH']._serialized_end=434
-  _globals['_LANEFULL']._serialized_start=436
-  _globals['_LANEFULL']._serialized_end=462
-  _globals['_PRODUCERMESSAGE']._serialized_start=465
-  _globals['_PRODUCERMESSAGE']._serialized_end=691
-  _globals['_LANE']._serialized_start=693
-  _globals['_LANE']._serialized_end=746
-  _globals['_INGESTWELCOME']._serialized_start=749
-  _globals['_INGESTWELCOME']._serialized_end=1003
-  _globals['_LEASEGRANT']._serialized_start=1005
-  _globals['_LEASEGRANT']._serialized_end=1056
-  _globals['_FREEBATCH']._serialized_start=1058
-  _globals['_FREEBATCH']._serialized_end=1086
-  _globals['_SHUTDOWN']._serialized_start=1088
-  _globals['_SHUTDOWN']._serialized_end=1114
-  _globals['_INGESTMESSAGE']._serialized_start=1117
-  _globals['_INGESTMESSAGE']._serialized_end=1296
-  _globals['_INGEST']._serialized_start=1298
-  _globals['_INGEST']._serialized_end=1371
+  _globals['_PRODUCERHELLO']._serialized_start=56
+  _globals['_PRODUCERHELLO']._serialized_end=162
+  _globals['_LEASEREQUEST']._serialized_start=164
+  _globals['_LEASEREQUEST']._serialized_end=193
+  _globals['_COMMITBATCH']._serialized_start=196
+  _globals['_COMMITBATCH']._serialized_end=339
+  _globals['_REJECTION']._serialized_start=341
+  _globals['_REJECTION']._serialized_end=402
+  _globals['_REJECTBATCH']._serialized_start=404
+  _globals['_REJECTBATCH']._serialized_end=457
+  _globals['_LANEFULL']._serialized_start=459
+  _globals['_LANEFULL']._serialized_end=485
+  _globals['_PRODUCERMESSAGE']._serialized_start=488
+  _globals['_PRODUCERMESSAGE']._serialized_end=714
+  _globals['_LANE']._serialized_start=716
+  _globals['_LANE']._serialized_end=769
+  _globals['_INGESTWELCOME']._serialized_start=772
+  _globals['_INGESTWELCOME']._serialized_end=1026
+  _globals['_LEASEGRANT']._serialized_start=1028
+  _globals['_LEASEGRANT']._serialized_end=1079
+  _globals['_FREEBATCH']._serialized_start=1081
+  _globals['_FREEBATCH']._serialized_end=1109
+  _globals['_SHUTDOWN']._serialized_start=1111
+  _globals['_SHUTDOWN']._serialized_end=1137
+  _globals['_INGESTMESSAGE']._serialized_start=1140
+  _globals['_INGESTMESSAGE']._serialized_end=1356
+  _globals['_INGEST']._serialized_start=1358
+  _globals['_INGEST']._serialized_end=1431
 # @@protoc_insertion_point(module_scope)

@@ -1,3 +1,4 @@
+from odbclient.wire.odbd.v1 import trainer_pb2 as _trainer_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
@@ -137,13 +138,15 @@ class Shutdown(_message.Message):
     def __init__(self, reason: _Optional[str] = ...) -> None: ...
 
 class IngestMessage(_message.Message):
-    __slots__ = ("welcome", "lease", "free", "shutdown")
+    __slots__ = ("welcome", "lease", "free", "shutdown", "refusal")
     WELCOME_FIELD_NUMBER: _ClassVar[int]
     LEASE_FIELD_NUMBER: _ClassVar[int]
     FREE_FIELD_NUMBER: _ClassVar[int]
     SHUTDOWN_FIELD_NUMBER: _ClassVar[int]
+    REFUSAL_FIELD_NUMBER: _ClassVar[int]
     welcome: IngestWelcome
     lease: LeaseGrant
     free: FreeBatch
     shutdown: Shutdown
-    def __init__(self, welcome: _Optional[_Union[IngestWelcome, _Mapping]] = ..., lease: _Optional[_Union[LeaseGrant, _Mapping]] = ..., free: _Optional[_Union[FreeBatch, _Mapping]] = ..., shutdown: _Optional[_Union[Shutdown, _Mapping]] = ...) -> None: ...
+    refusal: _trainer_pb2.Refusal
+    def __init__(self, welcome: _Optional[_Union[IngestWelcome, _Mapping]] = ..., lease: _Optional[_Union[LeaseGrant, _Mapping]] = ..., free: _Optional[_Union[FreeBatch, _Mapping]] = ..., shutdown: _Optional[_Union[Shutdown, _Mapping]] = ..., refusal: _Optional[_Union[_trainer_pb2.Refusal, _Mapping]] = ...) -> None: ...
