@@ -19,135 +19,71 @@ the pool (the supervisor and the fault tests depend on it).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-import os
-from typing import cast
 
-from google.protobuf.message import DecodeError
+from google.protobuf.message import Message
 
-from odbclient.framing import FrameBuffer, FrameError, frame
 from odbclient.wire.odbd.v1 import ingest_pb2, trainer_pb2
+from odbd.framed_socket import FramedConnection, FramedServer
 from odbd.ingest.service import IngestService, ProducerSession
 from odbd.ingest.validate import MalformedMessage
 from odbd.serve.hello import Refusal
 
-log = logging.getLogger("odbd.ingest")
 
-HELLO_TIMEOUT_S = 30.0  # a connection that says nothing must not hold a socket forever
-_CLOSE_WAIT_S = 1.0  # shutdown: how long closing connections may take (like gRPC's grace)
-
-
-class IngestConnection(asyncio.Protocol):
+class IngestConnection(FramedConnection):
     """One producer's connection (see the module docstring for its lifecycle)."""
 
-    def __init__(self, service: IngestService, connections: set[IngestConnection]) -> None:
+    peer = "producer"
+    socket_name = "ingest socket"
+    hello_name = "ProducerHello"
+    log = logging.getLogger("odbd.ingest")
+
+    def __init__(self, service: IngestService, connections: set[FramedConnection]) -> None:
+        super().__init__(connections)
         self._service = service
-        self._connections = connections
-        self._frames = FrameBuffer()
-        self._transport: asyncio.Transport | None = None
         self._session: ProducerSession | None = None
-        self._sender: asyncio.Task[None] | None = None
-        self._writable = asyncio.Event()
-        self._writable.set()
-        self._hello_timer: asyncio.TimerHandle | None = None
-        self._closed = False
 
-    # -- asyncio.Protocol ---------------------------------------------------------------------
+    def parse(self, payload: bytes) -> ingest_pb2.ProducerMessage:
+        return ingest_pb2.ProducerMessage.FromString(payload)
 
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self._transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
-        self._connections.add(self)
-        self._hello_timer = asyncio.get_running_loop().call_later(
-            HELLO_TIMEOUT_S,
-            self._refuse,
-            Refusal("INVALID_ARGUMENT", f"no ProducerHello within {HELLO_TIMEOUT_S:g} s"),
+    def refusal_message(self, refusal: Refusal) -> Message:
+        return ingest_pb2.IngestMessage(
+            refusal=trainer_pb2.Refusal(code=refusal.code, message=refusal.message)
         )
 
-    def data_received(self, data: bytes) -> None:
-        try:
-            for payload in self._frames.feed(data):
-                if self._closed:
-                    return
-                self._on_message(ingest_pb2.ProducerMessage.FromString(payload))
-        except (FrameError, DecodeError) as error:
-            self._refuse(
-                Refusal("INVALID_ARGUMENT", f"unreadable message on the ingest socket: {error}")
-            )
-        except MalformedMessage as error:
-            name = self._session.name if self._session is not None else "?"
-            log.warning("refused producer %s: %s", name, error)
-            self._refuse(Refusal("INVALID_ARGUMENT", str(error)))
-        except (
-            Exception
-        ) as error:  # a bug: drop this producer (its leases go back), keep the daemon
-            log.exception("ingest socket: a producer's message failed")
-            self._refuse(Refusal("INTERNAL", f"odbd failed on this message (a bug): {error!r}"))
+    def on_error(self, error: Exception) -> Refusal | None:
+        if not isinstance(error, MalformedMessage):
+            return None
+        name = self._session.name if self._session is not None else "?"
+        self.log.warning("refused producer %s: %s", name, error)
+        return Refusal("INVALID_ARGUMENT", str(error))
 
-    def eof_received(self) -> bool:
-        return False  # the producer is done: close our side too (connection_lost detaches)
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self._closed = True
-        self._connections.discard(self)
-        if self._hello_timer is not None:
-            self._hello_timer.cancel()
-        if self._sender is not None:
-            self._sender.cancel()
+    def release(self) -> None:
+        """Its leases go back to the pool (the supervisor and the fault tests depend on it)."""
         if self._session is not None:
             self._service.detach(self._session)
             self._session = None
-        self._writable.set()
 
-    def pause_writing(self) -> None:
-        self._writable.clear()
-
-    def resume_writing(self) -> None:
-        self._writable.set()
-
-    # -- odbd ---------------------------------------------------------------------------------
-
-    def close(self) -> None:
-        """Ends the connection after what is buffered (daemon shutdown)."""
-        if self._transport is not None:
-            self._transport.close()
-
-    def _on_message(self, message: ingest_pb2.ProducerMessage) -> None:
+    def on_message(self, message: ingest_pb2.ProducerMessage) -> None:
         if self._session is not None:
             self._service.on_message(self._session, message)
             return
         if not message.HasField("hello"):
-            self._refuse(Refusal("INVALID_ARGUMENT", "the first message must be a ProducerHello"))
+            self.refuse(Refusal("INVALID_ARGUMENT", "the first message must be a ProducerHello"))
             return
-        if self._hello_timer is not None:
-            self._hello_timer.cancel()
+        self.hello_done()
         opened = self._service.open(message.hello)
         if isinstance(opened, Refusal):
-            self._refuse(opened)
+            self.refuse(opened)
             return
         if opened is None:  # the job is over: a late producer is told so, as the others were
-            self._write([self._service.late_shutdown()])
+            self.write([self._service.late_shutdown()])
             self._closed = True
             self.close()
             return
         self._session = opened
-        self._write([self._service.welcome_for(opened)])
+        self.write([self._service.welcome_for(opened)])
         self._sender = asyncio.get_running_loop().create_task(self._send(opened))
-
-    def _refuse(self, refusal: Refusal) -> None:
-        if self._closed or self._transport is None:
-            return
-        log.info("producer refused: %s", refusal.message)
-        message = ingest_pb2.IngestMessage(
-            refusal=trainer_pb2.Refusal(code=refusal.code, message=refusal.message)
-        )
-        self._write([message])
-        self._closed = True
-        self._transport.close()
-
-    def _write(self, messages: list[ingest_pb2.IngestMessage]) -> None:
-        assert self._transport is not None
-        self._transport.write(b"".join(frame(m.SerializeToString()) for m in messages))
 
     async def _send(self, session: ProducerSession) -> None:
         """Writes what the outbox holds, all at once; waits for more; ends the stream after
@@ -162,7 +98,7 @@ class IngestConnection(asyncio.Protocol):
                     if more is not None:
                         messages.append(more)
                 if messages:
-                    self._write(messages)
+                    self.write(messages)
                 if any(m.HasField("shutdown") for m in messages):
                     self._closed = True
                     self.close()
@@ -171,52 +107,12 @@ class IngestConnection(asyncio.Protocol):
         except asyncio.CancelledError:
             raise
         except Exception:  # a bug: drop this producer (its leases go back), keep the daemon
-            log.exception("ingest socket of producer %s failed", session.name)
-            if self._transport is not None:
-                self._transport.abort()
+            self.log.exception("ingest socket of producer %s failed", session.name)
+            self.abort()
 
 
-class IngestServer:
+class IngestServer(FramedServer):
     """The daemon's ingest socket: a unix stream server at `path`, mode 0600."""
 
     def __init__(self, service: IngestService, path: str) -> None:
-        self._service = service
-        self.path = path
-        self._server: asyncio.AbstractServer | None = None
-        self._connections: set[IngestConnection] = set()
-        self._socket_id: tuple[int, int] | None = None  # (st_dev, st_ino) of the file we bound
-
-    async def start(self) -> None:
-        loop = asyncio.get_running_loop()
-        old_umask = os.umask(0o177)  # created 0600: only this user connects (like the gRPC one)
-        try:
-            self._server = await loop.create_unix_server(
-                lambda: IngestConnection(self._service, self._connections), self.path
-            )
-        finally:
-            os.umask(old_umask)
-        os.chmod(self.path, 0o600)
-        info = os.stat(self.path)
-        self._socket_id = (info.st_dev, info.st_ino)
-
-    async def close(self) -> None:
-        """Stops accepting, ends every connection (what is buffered is still sent), removes
-        the socket file."""
-        if self._server is not None:
-            self._server.close()
-        for connection in list(self._connections):
-            connection.close()
-        if self._server is not None:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._server.wait_closed(), _CLOSE_WAIT_S)
-        self.unlink()
-
-    def unlink(self) -> None:
-        """Removes the socket file only if it is still the one this server bound."""
-        if self._socket_id is None:
-            return
-        with contextlib.suppress(FileNotFoundError):
-            info = os.stat(self.path)
-            if (info.st_dev, info.st_ino) == self._socket_id:
-                os.unlink(self.path)
-        self._socket_id = None
+        super().__init__(path, lambda connections: IngestConnection(service, connections))
