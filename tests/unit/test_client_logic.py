@@ -41,6 +41,7 @@ from odbclient.framing import FrameBuffer, frame, steps_socket_path
 from odbclient.shm import ShmLayoutError, encode_into, encoded_size
 from odbclient.wire.odbd.v1 import admin_pb2, admin_pb2_grpc, trainer_pb2
 from odbd.ingest.arena import Arena
+from tests.unit.fake_listener import FakeListener
 
 Event = trainer_pb2.TrainerEvent
 Script = Callable[[trainer_pb2.TrainerHello, Any], Iterator[Event]]  # (hello, StepContext)
@@ -146,30 +147,13 @@ class FakeStepServer:
 
     def __init__(self, daemon: FakeDaemon) -> None:
         self.daemon = daemon
-        self.listener = socketlib.socket(socketlib.AF_UNIX, socketlib.SOCK_STREAM)
-        self.listener.bind(steps_socket_path(daemon.socket))
-        self.listener.listen()
-        self.threads: list[threading.Thread] = []
-        self._accepting = threading.Thread(target=self._accept, name="fake-steps-accept")
-        self._accepting.start()
+        self._listener = FakeListener(
+            steps_socket_path(daemon.socket), "fake-steps", self._serve, join_s=10
+        )
+        self.threads = self._listener.threads  # _serve adds its drain threads
 
     def close(self) -> None:
-        self.listener.shutdown(socketlib.SHUT_RDWR)
-        self.listener.close()
-        self._accepting.join(timeout=10)
-        for thread in self.threads:
-            thread.join(timeout=10)
-            assert not thread.is_alive(), f"{thread.name} still runs"
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                connection, _ = self.listener.accept()
-            except OSError:
-                return  # closed
-            thread = threading.Thread(target=self._serve, args=(connection,), name="fake-steps")
-            self.threads.append(thread)
-            thread.start()
+        self._listener.close()
 
     def _serve(self, connection: socketlib.socket) -> None:
         context = StepContext(connection)

@@ -40,6 +40,7 @@ from odbclient.wire.odbd.v1 import ingest_pb2, trainer_pb2
 from odbd.ingest.arena import Arena
 from odbd.ingest.ingest_socket import IngestServer
 from odbd.ingest.service import IngestService
+from tests.unit.fake_listener import FakeListener
 
 
 def make_sample(n: int, *, ignored: int = 0, seed: int = 0) -> dict[str, np.ndarray]:
@@ -374,31 +375,15 @@ class FakeIngestServer:
 
     def __init__(self, socket: str, script: Any) -> None:
         self.script = script
-        self.listener = socketlib.socket(socketlib.AF_UNIX, socketlib.SOCK_STREAM)
-        self.listener.bind(ingest_socket_path(socket))
-        self.listener.listen()
-        self.threads: list[threading.Thread] = []
-        self._accepting = threading.Thread(target=self._accept, name="fake-ingest-accept")
-        self._accepting.start()
+        self._listener = FakeListener(
+            ingest_socket_path(socket), "fake-ingest", self._serve_connection, join_s=30
+        )
 
     def close(self) -> None:
-        self.listener.shutdown(socketlib.SHUT_RDWR)
-        self.listener.close()
-        self._accepting.join(timeout=10)
-        for thread in self.threads:
-            thread.join(timeout=30)
-            assert not thread.is_alive(), f"{thread.name} still runs"
+        self._listener.close()
 
-    def _accept(self) -> None:
-        while True:
-            try:
-                connection, _ = self.listener.accept()
-            except OSError:
-                return  # closed
-            peer = FramedPeer(connection)
-            thread = threading.Thread(target=self._serve, args=(peer,), name="fake-ingest")
-            self.threads.append(thread)
-            thread.start()
+    def _serve_connection(self, connection: socketlib.socket) -> None:
+        self._serve(FramedPeer(connection))
 
     def _serve(self, peer: FramedPeer) -> None:
         try:
