@@ -276,7 +276,7 @@ class Daemon:
         ]
         server = grpc.aio.server(options=options, interceptors=[DecodeGuard()])
         ingest_pb2_grpc.add_IngestServicer_to_server(LegacyProduceRefusal(), server)
-        trainer_pb2_grpc.add_TrainerServicer_to_server(LegacyTrainRefusal(steps_path), server)
+        trainer_pb2_grpc.add_TrainerServicer_to_server(LegacyTrainRefusal(), server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         admin_pb2_grpc.add_AdminServicer_to_server(AdminService(self.snapshot), server)
         old_umask = os.umask(0o177)  # the socket file is created 0600: only this user connects

@@ -128,9 +128,6 @@ def _event_from(item: QueuedItem, attachment: Attachment) -> trainer_pb2.Trainer
 class LegacyTrainRefusal(trainer_pb2_grpc.TrainerServicer):
     """gRPC `Train` (protocol <= 5): refused by name, so an old odbclient says what to do."""
 
-    def __init__(self, steps_socket: str) -> None:
-        self._steps_socket = steps_socket
-
     async def Train(  # noqa: N802 (gRPC method name)
         self,
         request_iterator: AsyncIterator[trainer_pb2.TrainerMessage],
