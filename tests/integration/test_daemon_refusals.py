@@ -66,6 +66,10 @@ def test_mismatched_settings_are_refused_naming_the_setting_and_both_values():
         (["--world", "2", "--nproc-per-node", "2", "--dataset-size", "5", "--token-budget", "0"],
          "token budget must be > 0"),
         (["--world", "4", "--nproc-per-node", "2", "--dataset-size", "5"], "--peers"),
+        # W = 8192: a full offer (--buffer 1024 x 8 ranks) is over a node's share of a round
+        (["--world", "8192", "--nproc-per-node", "8", "--node-rank", "0", "--dataset-size", "5",
+          "--listen", "127.0.0.1:0", "--peers", ",".join(["127.0.0.1:1"] * 1024)],
+         "Pass --buffer 319 or less"),
     ],
 )  # fmt: skip
 def test_bad_flags_exit_2_with_one_line(args, message, tmp_path):
@@ -78,3 +82,4 @@ def test_bad_flags_exit_2_with_one_line(args, message, tmp_path):
     assert proc.returncode == 2
     assert message in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert not list(tmp_path.iterdir())  # refused before the socket was made

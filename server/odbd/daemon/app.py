@@ -55,6 +55,7 @@ from odbd.daemon.job_end import (
 )
 from odbd.daemon.journal import Journal, check_header, replay
 from odbd.daemon.node_state import NodeState, Rejected
+from odbd.daemon.offer_codec import check_offer_fits
 from odbd.daemon.round_loop import RoundLoop
 from odbd.errors import ConfigError, OdbdError
 from odbd.grpc_guard import DecodeGuard
@@ -136,6 +137,8 @@ class Daemon:
 
     async def startup(self) -> None:
         config = self.config
+        world = config.world
+        check_offer_fits(config.buffer, world.ranks_per_node, world.num_nodes)
         # First, before anything is created: a live daemon on this socket refuses the start.
         _claim_socket_path(config.socket)
         self.arena = Arena.create(config.job_id, config.node_rank, config.shm_size)
