@@ -15,13 +15,13 @@ import argparse
 import dataclasses
 import json
 import os
-import sys
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from odbclient import Batch, ODBClient
+from tests.integration.rank_exit import end_rank
 
 MODEL_SEED = 0
 
@@ -185,17 +185,8 @@ def main(argv: list[str] | None = None) -> int:
         log.close(**train(args, client, log))
     finally:
         client.close()
-        end_process_group()
     return 0
 
 
-def end_process_group() -> None:
-    """Destroy the process group the Trainer or Accelerate initialised: a gloo process that
-    exits without it may abort in interpreter teardown ("terminate called without an active
-    exception", pytorch/pytorch#190489), which failed this test once."""
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    end_rank(main())  # an exception propagates before it, with its traceback and status 1

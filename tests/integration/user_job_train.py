@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -23,6 +22,7 @@ from typing import Any
 import torch
 
 from odbclient import ODBClient
+from tests.integration.rank_exit import end_rank
 from tests.integration.user_job_data import vocab_size
 
 
@@ -90,11 +90,9 @@ def main(argv: list[str] | None = None) -> int:
             closing = train(args, client, report)
         finally:
             client.close()
-            if torch.distributed.is_initialized():  # as every DDP script should end (gloo
-                torch.distributed.destroy_process_group()  # may abort at exit otherwise)
         report.write(json.dumps({"done": True, **closing}) + "\n")
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    end_rank(main())  # destroy_process_group, as every DDP script should end (rank_exit.py)
