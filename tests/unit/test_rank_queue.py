@@ -5,6 +5,7 @@ delivery and re-sending after a reconnect."""
 from __future__ import annotations
 
 import asyncio
+import random
 
 from odbclient.wire.odbd.v1 import trainer_pb2
 from odbd.daemon.node_state import Location
@@ -189,3 +190,35 @@ def test_next_to_send_returns_none_once_a_failed_job_end_went_out_but_waits_afte
 
     assert asyncio.run(scenario(failed=True))
     assert not asyncio.run(scenario(failed=False))  # the trainer, not the daemon, closes it
+
+
+def _recount(queue: RankQueue) -> tuple[int, int]:
+    """(queued steps, sent steps awaiting Delivered), counted from the items themselves."""
+    items = list(queue._items)
+    return sum(i.is_step for i in items), sum(i.is_step for i in items[: queue._sent])
+
+
+def test_step_counts_kept_by_the_queue_match_a_recount_after_every_operation() -> None:
+    queue, rng, next_step = RankQueue(0), random.Random(5), 0
+    for _ in range(2000):
+        op = rng.choice(["push", "push", "take", "take", "deliver", "rewind", "drop", "skip"])
+        if op == "push":
+            items = [step(0, next_step + i) for i in range(rng.randint(1, 4))]
+            next_step += len(items)
+            queue.push(items + ([marker(0)] if rng.random() < 0.1 else []))
+        elif op == "take":
+            queue.take_ready(prefetch=rng.randint(1, 6))
+        elif op == "deliver" and queue._sent:
+            sent = [i for i in list(queue._items)[: queue._sent] if i.is_step]
+            if sent:
+                last = rng.choice(sent)
+                queue.deliver(last.epoch, last.step)
+        elif op == "rewind":
+            queue.rewind()
+        elif op == "drop":
+            queue.drop_unsent()
+        elif op == "skip" and rng.random() < 0.2:
+            queue.skip_before(0, next_step - rng.randint(0, 5))
+        num_steps, sent_steps = _recount(queue)
+        assert queue.queued_steps() == num_steps
+        assert queue._sent_steps == sent_steps
