@@ -263,6 +263,8 @@ class NodeState:
         keys: list[int] = []
         for unit in sorted(self._units, key=self._outstanding):
             room = min(self.lease_capacity - self._outstanding(unit), count - len(keys))
+            if room <= 0:  # the usual answer to a free: every unit's buffer is spoken for
+                continue
             taken = np.asarray(self._take_keys(unit, room), dtype=np.int64)
             for it, _, views in by_iteration(taken, self.views_per_iteration):
                 unit.leased_in[it] += len(views)

@@ -200,7 +200,10 @@ class RoundLoop:
             self.progress.clear()
             self._room = room
             try:
-                await asyncio.wait_for(self.progress.wait(), timeout=self.config.stall_s)
+                # asyncio.timeout, not wait_for: this runs on every commit and Delivered, and
+                # wait_for wraps the wait in a new Task each time.
+                async with asyncio.timeout(self.config.stall_s):
+                    await self.progress.wait()
             except TimeoutError:
                 # Producers made no progress for stall_s: rather than starve the trainers,
                 # plan with what is buffered once they are about to run dry.
@@ -213,6 +216,19 @@ class RoundLoop:
                     reported = reason
             finally:
                 self._room = None
+
+    def ingest_progress(self) -> None:
+        """A commit, rejection, LaneFull or producer change: it may end a wait for buffers,
+        never a wait for queue room (only Delivered reports make room), so that wait sleeps on."""
+        if self._room is not False:
+            self.progress.set()
+
+    def trainer_progress(self) -> None:
+        """A Delivered report (or steps skipped on resume): it may end a wait for queue room,
+        never a wait for buffers, so that wait sleeps on. Without the split, every commit and
+        every report woke the loop to find nothing to do."""
+        if self._room is not True:
+            self.progress.set()
 
     def _round_rejected(self) -> bool:
         """A round's worth of this node's samples was rejected and none is buffered: offer the
@@ -627,7 +643,7 @@ class RoundLoop:
         if update is not None:
             batch.update.CopyFrom(update)
         freed = [emitted.locations.take(rows)] if not idle else []
-        return QueuedItem(epoch, number, trainer_pb2.TrainerEvent(step=batch), freed)
+        return QueuedItem(epoch, number, batch.SerializeToString(), freed)
 
     def _learn_schema(self, where: tuple[int, int], nbytes: int) -> None:
         meta = read_meta(self.read_sample(where[0], where[1], nbytes))

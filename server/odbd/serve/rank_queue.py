@@ -28,7 +28,9 @@ from odbd.daemon.node_state import Locations
 class QueuedItem:
     epoch: int
     step: int  # -1 for markers (epoch end, job end)
-    event: Any  # trainer_pb2.TrainerEvent, built once when planned
+    # A marker's trainer_pb2.TrainerEvent; a step's serialized trainer_pb2.StepBatch (bytes),
+    # encoded once when planned however often it is sent (trainer_service._steps_event)
+    event: Any
     locations: list[Locations] = field(default_factory=list)
 
     @property
