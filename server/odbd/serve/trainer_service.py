@@ -207,6 +207,10 @@ def _field(tag: bytes, payload: bytes) -> bytes:
 
 
 def _varint(value: int) -> bytes:
+    if value < 0x80:  # a StepBatch of a few samples
+        return bytes((value,))
+    if value < 0x4000:  # most steps and StepBatches
+        return bytes((value & 0x7F | 0x80, value >> 7))
     out = bytearray()
     while value > 0x7F:
         out.append(value & 0x7F | 0x80)
