@@ -131,8 +131,12 @@ class FramedConnection(asyncio.Protocol):
         self._transport.close()
 
     def write(self, messages: list[Message]) -> None:
+        self.write_payloads([m.SerializeToString() for m in messages])
+
+    def write_payloads(self, payloads: list[bytes]) -> None:
+        """Writes serialized messages, one frame each, in one write."""
         assert self._transport is not None
-        self._transport.write(b"".join(frame(m.SerializeToString()) for m in messages))
+        self._transport.write(b"".join([frame(p) for p in payloads]))
 
     def abort(self) -> None:
         if self._transport is not None:

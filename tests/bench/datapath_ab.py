@@ -1,13 +1,16 @@
 """A/B of the node data path between two source trees, alternated, with DataLoader(2 workers).
 
     .venv/bin/python tests/bench/datapath_ab.py --base /work/main --rounds 4 [--nbytes 8192]
+        [--ring]
 
-Each round runs, in turn: torch's DataLoader with 2 workers, odbd from --base, odbd from this
-tree (the order of the two odbd runs alternates by round), each in a child process whose
-PYTHONPATH puts that tree's server/ and client/ first, so the daemon, producer and trainer it
-spawns all run that tree's code. The same machine load hits every variant of a round. Prints
-one line per run and the medians: samples/s, CPU us per sample (daemon / producer / trainer),
-and ratios against the DataLoader of the same round.
+Each round runs, in turn: torch's DataLoader with 2 workers (with --ring, also the raw 16-slot
+shared-memory ring of tests/bench/shm_ring.py: 20,000 samples at 8 KiB, 2,000 at 1 MiB), odbd
+from --base, odbd from this tree (the order of the two odbd runs alternates by round), each in
+a child process whose PYTHONPATH puts that tree's server/ and client/ first, so the daemon,
+producer and trainer it spawns all run that tree's code. The same machine load hits every
+variant of a round. Prints one line per run and the medians: samples/s, CPU us per sample
+(daemon / producer / trainer), and ratios against the DataLoader (and the ring) of the same
+round.
 """
 
 from __future__ import annotations
@@ -70,21 +73,36 @@ def run_dataloader_2(case: dict[str, object]) -> float:
     return run_dataloader(dl).samples_per_s
 
 
+def run_ring_16(case: dict[str, object]) -> float:
+    sys.path.insert(0, str(HERE))
+    from tests.bench.shm_ring import run_ring
+
+    nbytes = int(case["nbytes"])  # type: ignore[call-overload]
+    return run_ring(
+        slot_bytes=nbytes, num_samples=2_000 if nbytes >= 1 << 20 else 20_000
+    ).samples_per_s
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--base", type=Path, required=True, help="the other source tree")
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--nbytes", type=int, default=8192)
     parser.add_argument("--no-dataloader", action="store_true")
+    parser.add_argument("--ring", action="store_true", help="also the raw 16-slot shm ring")
     args = parser.parse_args()
     case = _case(args.nbytes)
     trees = {"base": args.base.resolve(), "this": HERE}
     rows: dict[str, list[dict[str, object]]] = {"base": [], "this": []}
     loader: list[float] = []
+    ring: list[float] = []
     for r in range(args.rounds):
         if not args.no_dataloader:
             loader.append(run_dataloader_2(case))
             print(f"round {r} DataLoader(2 workers): {loader[-1]:,.0f} samples/s", flush=True)
+        if args.ring:
+            ring.append(run_ring_16(case))
+            print(f"round {r} raw 16-slot ring: {ring[-1]:,.0f} samples/s", flush=True)
         for name in ("base", "this") if r % 2 == 0 else ("this", "base"):
             result = run_tree(trees[name], case)
             rows[name].append(result)
@@ -110,9 +128,17 @@ def main() -> None:
                 f"; vs DataLoader(2 workers) median {statistics.median(ratios):.2f}x "
                 f"(rounds: {', '.join(f'{x:.2f}' for x in ratios)})"
             )
+        if ring:
+            ratios = [float(x["samples_per_s"]) / rr for x, rr in zip(results, ring, strict=True)]  # type: ignore[arg-type]
+            line += (
+                f"; vs the 16-slot ring median {statistics.median(ratios):.3f}x "
+                f"(rounds: {', '.join(f'{x:.3f}' for x in ratios)})"
+            )
         print(line, flush=True)
     if loader:
         print(f"median DataLoader(2 workers): {statistics.median(loader):,.0f} samples/s")
+    if ring:
+        print(f"median raw 16-slot ring: {statistics.median(ring):,.0f} samples/s")
 
 
 if __name__ == "__main__":

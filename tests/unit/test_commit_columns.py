@@ -41,7 +41,7 @@ def test_a_repeated_key_in_one_commit_is_buffered_once_and_its_repeat_freed() ->
     outcome = state.commit(0, twice, at([64, 128, 192]), ones * 3, ones * 3, ones)
     assert outcome.accepted.tolist() == [True, False, True]
     assert outcome.stale.tolist() == [False, True, False]
-    assert state.buffered_now() == 2 and state.leases == {}
+    assert state.buffered_now() == 2 and len(state.leases) == 0
     assert state.locations_of(keys).offsets.tolist() == [64, 192]
 
 
@@ -60,7 +60,7 @@ def test_each_row_is_accepted_rejected_or_stale_and_rejections_keep_row_order() 
     assert reasons == [(keys[1], "zero_length", 128), (keys[2], "schema_mismatch", 256)]
     counts = state.ledger_counts()
     assert (counts["buffered"], counts["rejected"], counts["leased"]) == (2, 2, 2)
-    assert sorted(state.leases) == sorted([int(keys[4]), int(other[0])])
+    assert state.leases.keys().tolist() == sorted([int(keys[4]), int(other[0])])
 
 
 def test_locations_are_found_across_iterations() -> None:

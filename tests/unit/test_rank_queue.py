@@ -5,6 +5,9 @@ delivery and re-sending after a reconnect."""
 from __future__ import annotations
 
 import asyncio
+import random
+
+import pytest
 
 from odbclient.wire.odbd.v1 import trainer_pb2
 from odbd.daemon.node_state import Location
@@ -84,7 +87,7 @@ def test_a_reconnect_is_sent_every_undelivered_step_again() -> None:
 def test_a_message_of_steps_stays_within_its_step_and_byte_limits() -> None:
     def planned(index: int, sample_bytes: int) -> QueuedItem:
         batch = trainer_pb2.StepBatch(epoch=0, step=index, sample_ids=bytes(sample_bytes))
-        return QueuedItem(0, index, event=trainer_pb2.TrainerEvent(step=batch))
+        return QueuedItem(0, index, event=batch.SerializeToString())
 
     queue = RankQueue(rank=0)
     queue.push([planned(s, 400_000) for s in range(5)])
@@ -92,8 +95,8 @@ def test_a_message_of_steps_stays_within_its_step_and_byte_limits() -> None:
     assert first is not None
     steps = _ready_steps(queue, 64, first=first)
     assert keys(steps) == [(0, 0), (0, 1), (0, 2)]  # stops once past MAX_EVENT_BYTES
-    assert sum(s.event.ByteSize() for s in steps[:-1]) < MAX_EVENT_BYTES
-    assert len(_steps_event(steps).SerializeToString()) < 4 << 20  # the client's limit
+    assert sum(len(s.event) for s in steps[:-1]) < MAX_EVENT_BYTES
+    assert len(_steps_event(steps)) < 4 << 20  # the client's limit
 
     small = RankQueue(rank=0)
     small.push([planned(s, 8) for s in range(MAX_STEPS_PER_EVENT + 5)])
@@ -189,3 +192,57 @@ def test_next_to_send_returns_none_once_a_failed_job_end_went_out_but_waits_afte
 
     assert asyncio.run(scenario(failed=True))
     assert not asyncio.run(scenario(failed=False))  # the trainer, not the daemon, closes it
+
+
+def _recount(queue: RankQueue) -> tuple[int, int]:
+    """(queued steps, sent steps awaiting Delivered), counted from the items themselves."""
+    items = list(queue._items)
+    return sum(i.is_step for i in items), sum(i.is_step for i in items[: queue._sent])
+
+
+def test_step_counts_kept_by_the_queue_match_a_recount_after_every_operation() -> None:
+    queue, rng, next_step = RankQueue(0), random.Random(5), 0
+    for _ in range(2000):
+        op = rng.choice(["push", "push", "take", "take", "deliver", "rewind", "drop", "skip"])
+        if op == "push":
+            items = [step(0, next_step + i) for i in range(rng.randint(1, 4))]
+            next_step += len(items)
+            queue.push(items + ([marker(0)] if rng.random() < 0.1 else []))
+        elif op == "take":
+            queue.take_ready(prefetch=rng.randint(1, 6))
+        elif op == "deliver" and queue._sent:
+            sent = [i for i in list(queue._items)[: queue._sent] if i.is_step]
+            if sent:
+                last = rng.choice(sent)
+                queue.deliver(last.epoch, last.step)
+        elif op == "rewind":
+            queue.rewind()
+        elif op == "drop":
+            queue.drop_unsent()
+        elif op == "skip" and rng.random() < 0.2:
+            queue.skip_before(0, next_step - rng.randint(0, 5))
+        num_steps, sent_steps = _recount(queue)
+        assert queue.queued_steps() == num_steps
+        assert queue._sent_steps == sent_steps
+
+
+@pytest.mark.parametrize("num_steps", [1, 2, 5])
+@pytest.mark.parametrize("sample_bytes", [0, 100, 20_000])  # lengths of 1, 2 and 3 varint bytes
+def test_a_steps_event_joined_from_serialized_steps_is_the_event_protobuf_builds(
+    num_steps: int, sample_bytes: int
+) -> None:
+    batches = [
+        trainer_pb2.StepBatch(
+            epoch=1, step=s, loss_scale=0.25, sample_ids=bytes(sample_bytes),
+            progress=trainer_pb2.Progress(epoch_steps_estimate=9, epoch_sample_fraction=0.5),
+        )
+        for s in range(num_steps)
+    ]  # fmt: skip
+    items = [QueuedItem(1, s, event=b.SerializeToString()) for s, b in enumerate(batches)]
+    expected = (
+        trainer_pb2.TrainerEvent(step=batches[0])
+        if num_steps == 1
+        else trainer_pb2.TrainerEvent(steps=trainer_pb2.StepBatches(steps=batches))
+    )
+    assert trainer_pb2.TrainerEvent.FromString(_steps_event(items)) == expected
+    assert _steps_event(items) == expected.SerializeToString()

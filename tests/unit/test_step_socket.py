@@ -57,7 +57,7 @@ def hello(rank: int = 0, **fields: object) -> trainer_pb2.TrainerMessage:
 
 
 def step(epoch: int, index: int) -> QueuedItem:
-    event = trainer_pb2.TrainerEvent(step=trainer_pb2.StepBatch(epoch=epoch, step=index))
+    event = trainer_pb2.StepBatch(epoch=epoch, step=index).SerializeToString()
     return QueuedItem(epoch, index, event, locations=[f"loc{index}"])  # type: ignore[list-item]
 
 

@@ -492,11 +492,11 @@ class Daemon:
         if self.loop is not None:
             for timed in delivered.measured:
                 self.loop.cost.measured(rank, timed.epoch, timed.step, timed.compute_s)
-        self._on_progress()
+            self.loop.trainer_progress()
 
     def _on_progress(self) -> None:
         if self.loop is not None:
-            self.loop.progress.set()
+            self.loop.ingest_progress()
 
     def _on_ingest_error(self, message: str) -> None:
         self.last_error = message  # e.g. a producer refused for its dataset size
@@ -523,7 +523,8 @@ class Daemon:
         if locations and self.ingest is not None:
             self.ingest.give_back(lanes.free(locations))
             self.ingest.pump_leases()
-            self._on_progress()
+        if locations and self.loop is not None:
+            self.loop.trainer_progress()
 
     def _read_sample(self, segment: int, offset: int, nbytes: int) -> memoryview:
         assert self.arena is not None

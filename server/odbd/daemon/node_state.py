@@ -18,6 +18,7 @@ import numpy as np
 from odbclient.samples import schema_difference
 from odbclient.shm import SampleMeta, ShmLayoutError
 from odbd.config import DaemonConfig
+from odbd.daemon.leases import NO_HOLDER, LeaseTable
 from odbd.errors import InvariantError
 from odbd.ingest.rejections import PRODUCER_CRASH
 from odbd.planner.ledger import ViewLedger, ViewState
@@ -142,7 +143,7 @@ class _Unit:
     iteration: int = 0  # the iteration `cursor` walks
     cursor: int = 0
     retry: deque[int] = field(default_factory=deque)  # released leases, re-leased first
-    leased: set[int] = field(default_factory=set)
+    leased_in: Counter[int] = field(default_factory=Counter)  # iteration -> its keys leased
     buffers: dict[int, list[SampleTable]] = field(default_factory=dict)  # slot -> chunks
 
     def buffered(self, slot: int) -> int:
@@ -151,14 +152,23 @@ class _Unit:
     def take_buffer(self, slot: int, limit: int) -> SampleTable:
         """The first `limit` buffered samples in view order; the rest wait for the next round."""
         chunks = self.buffers.pop(slot, [])
-        table = SampleTable.empty()
-        for chunk in chunks:
-            table = table.concat(chunk)
+        table = SampleTable.concat_all(chunks)
         # Sorted by view, so the plan does not depend on the order producers committed in.
         order = np.argsort(table.views, kind="stable")
         if len(order) > limit:
             self.buffers[slot] = [table.take(order[limit:])]
         return table.take(order[:limit])
+
+
+def _groups_of(values: IntArray) -> list[tuple[int, IntArray | slice]]:
+    """(value, rows holding it) for each distinct value; `slice(None)` when all are equal (a
+    commit's rows usually share one unit and one buffer slot: no sort, no mask)."""
+    if values.size == 0:
+        return []
+    first, last = int(values.min()), int(values.max())
+    if first == last:
+        return [(first, slice(None))]
+    return [(v, values == v) for v in np.unique(values).tolist()]
 
 
 class NodeState:
@@ -173,7 +183,7 @@ class NodeState:
         self._iterations: dict[int, _Iteration] = {}
         self._units = [self._new_unit(u) for u in self._local_units()]
         self._num_local_views = sum(len(u.views) for u in self._units)  # per iteration
-        self.leases: dict[int, tuple[int, float]] = {}  # key -> (producer, deadline)
+        self.leases = LeaseTable(self.views_per_iteration)
         self.schema_hash: int | None = None
         self.first_schema: SampleMeta | None = None  # the first sample's, to name a mismatch
         # Reads a committed sample's header from shared memory; set by the daemon (I/O), None
@@ -244,7 +254,7 @@ class NodeState:
         return self.config.epochs - 1
 
     def _outstanding(self, unit: _Unit) -> int:
-        return len(unit.leased) + sum(unit.buffered(s) for s in unit.buffers)
+        return sum(unit.leased_in.values()) + sum(unit.buffered(s) for s in unit.buffers)
 
     def lease(self, producer: int, count: int, deadline: float) -> IntArray:
         """Up to `count` view keys for a producer, keeping each unit within its buffer."""
@@ -253,13 +263,17 @@ class NodeState:
         keys: list[int] = []
         for unit in sorted(self._units, key=self._outstanding):
             room = min(self.lease_capacity - self._outstanding(unit), count - len(keys))
-            taken = self._take_keys(unit, room)
-            unit.leased.update(taken)
-            keys += taken
+            if room <= 0:  # the usual answer to a free: every unit's buffer is spoken for
+                continue
+            taken = np.asarray(self._take_keys(unit, room), dtype=np.int64)
+            for it, _, views in by_iteration(taken, self.views_per_iteration):
+                unit.leased_in[it] += len(views)
+            keys += taken.tolist()
+        granted = np.asarray(keys, dtype=np.int64)
         if keys:
-            self._transition(np.asarray(keys, dtype=np.int64), "lease")
-            self.leases.update(dict.fromkeys(keys, (producer, deadline)))
-        return np.asarray(keys, dtype=np.int64)
+            self._transition(granted, "lease")
+            self.leases.grant(granted, producer, deadline)
+        return granted
 
     def _take_keys(self, unit: _Unit, room: int) -> list[int]:
         """The unit's next `room` keys: released leases first, then the sampler, in bulk."""
@@ -293,22 +307,25 @@ class NodeState:
 
     def release(self, keys: list[int]) -> None:
         """Leases that will not be committed (producer gone, lease expired) go back to pending."""
-        held = [k for k in keys if self.leases.pop(k, None) is not None]
-        for key in held:
+        asked = np.unique(np.asarray(keys, dtype=np.int64))
+        held = asked[self.leases.holders(asked) != NO_HOLDER]
+        if not held.size:
+            return
+        self.leases.end(held)
+        for key in held.tolist():  # rare (expiry, a producer's end): a loop is fine here
             unit = self._unit_of(key)
-            unit.leased.discard(key)
+            unit.leased_in[key // self.views_per_iteration] -= 1
             unit.retry.append(key)
-        if held:
-            self._transition(np.asarray(held, dtype=np.int64), "release")
+        self._transition(held, "release")
 
     def expired(self, now: float) -> list[int]:
-        return [k for k, (_, deadline) in self.leases.items() if deadline <= now]
+        return self.leases.expired(now).tolist()
 
     def leases_of(self, producer: int) -> list[int]:
-        return [k for k, (p, _) in self.leases.items() if p == producer]
+        return self.leases.keys_of(producer).tolist()
 
     def lease_holders(self) -> set[int]:
-        return {p for p, _ in self.leases.values()}
+        return self.leases.producers()
 
     # -- commits -----------------------------------------------------------------------------
 
@@ -345,8 +362,7 @@ class NodeState:
         rows = np.flatnonzero(accepted)
         if rows.size:
             good = keys[rows]
-            for key in good.tolist():  # C-speed dict deletes; no object per sample
-                del self.leases[key]
+            self.leases.end(good)
             for it, mask, views in by_iteration(good, self.views_per_iteration):
                 self.iteration(it).store(views, locations.take(rows[mask]))
             if patches is None:
@@ -357,19 +373,13 @@ class NodeState:
     def _held_by(self, producer: int, keys: IntArray) -> np.ndarray:
         """(n,) bool: the key's lease is this producer's, and it is the key's first row (a
         repeated key in one commit is stale after its first row, as with one row at a time)."""
-        leases = self.leases
-        holders = np.fromiter(
-            (h[0] if (h := leases.get(k)) is not None else -1 for k in keys.tolist()),
-            dtype=np.int64,
-            count=len(keys),
-        )
-        held = holders == producer
-        if len(keys) > 1:
+        listed = keys.tolist()
+        held = self.leases.holders(keys) == producer
+        if len(set(listed)) < len(listed):  # rare: a producer repeated a key
             _, first = np.unique(keys, return_index=True)
-            if len(first) < len(keys):
-                once = np.zeros(len(keys), dtype=bool)
-                once[first] = True
-                held &= once
+            once = np.zeros(len(keys), dtype=bool)
+            once[first] = True
+            held &= once
         return held
 
     def _reject_row(self, key: int, zero_length: bool, location: Location) -> Rejected:
@@ -416,12 +426,12 @@ class NodeState:
         rank = (accepted % self.views_per_iteration) % self.config.world.world_size
         unit_ids = rank // self.planner.ranks_per_unit
         slots = self._slot_array(accepted)
-        for unit_id in np.unique(unit_ids).tolist():
+        for unit_id, mine in _groups_of(unit_ids):
             unit = self._units[unit_id - self._units[0].unit]
-            mine = unit_ids == unit_id
-            unit.leased.difference_update(accepted[mine].tolist())
-            for slot in np.unique(slots[mine]).tolist():
-                pick = rows[mine & (slots == slot)]
+            for it, _, views in by_iteration(accepted[mine], self.views_per_iteration):
+                unit.leased_in[it] -= len(views)
+            for slot, picked in _groups_of(slots[mine]):
+                pick = rows[mine][picked]
                 table = SampleTable.of(
                     keys[pick], lengths[pick], loss_tokens[pick], patches=patches[pick]
                 )
@@ -443,8 +453,7 @@ class NodeState:
 
     def reject(self, producer: int, key: int, reason: str, detail: str) -> Rejected | None:
         """A producer could not make this sample; None if it no longer held the lease."""
-        holder = self.leases.get(key)
-        if holder is None or holder[0] != producer:
+        if self.leases.holder(key) != producer:
             return None
         return self._reject_leased(key, reason, detail, None)
 
@@ -452,8 +461,7 @@ class NodeState:
         """Producer `producer` (`name`) ended with `key` in flight (its lane header): counts the
         death against the sample's identity. Returns (deaths so far, the quarantine as a
         rejection once they reach DEATHS_TO_QUARANTINE, else None: the lease is released)."""
-        holder = self.leases.get(key)
-        if holder is None or holder[0] != producer:
+        if self.leases.holder(key) != producer:
             return 0, None  # a stale mark: the lease expired and went elsewhere
         it, view = self._split(key)
         identity = int(it.identities[view])
@@ -470,8 +478,8 @@ class NodeState:
     def _reject_leased(
         self, key: int, reason: str, detail: str, location: Location | None
     ) -> Rejected:
-        del self.leases[key]
-        self._unit_of(key).leased.discard(key)
+        self.leases.end(np.asarray([key], dtype=np.int64))
+        self._unit_of(key).leased_in[key // self.views_per_iteration] -= 1
         it, view = self._split(key)
         it.ledger.reject([view])
         self.rejected_keys.append(key)
@@ -494,7 +502,7 @@ class NodeState:
         exhausted = unit.iteration > e or (unit.iteration == e and unit.cursor == len(unit.views))
         if not exhausted:  # the usual case, checked on every commit: skip the scans below
             return False
-        in_flight = any(k // max(self.views_per_iteration, 1) == e for k in unit.leased)
+        in_flight = unit.leased_in[e] > 0
         retrying = any(k // max(self.views_per_iteration, 1) == e for k in unit.retry)
         return not in_flight and not retrying
 

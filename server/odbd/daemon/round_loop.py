@@ -85,6 +85,14 @@ class EpochTally:
     samples: int = 0
     seen: np.ndarray | None = None  # (N,) bool: identity emitted this epoch
     rejected: Counter[str] | None = None
+    num_seen: int = 0  # seen.sum(), kept as identities are marked (a round is O(its samples))
+
+    def mark_seen(self, identities: np.ndarray) -> None:
+        assert self.seen is not None
+        fresh = identities[~self.seen[identities]]
+        if fresh.size:  # an identity may repeat (the sampler pads an epoch by repeating some)
+            self.num_seen += len(set(fresh.tolist()))  # a set in C: no sort, unlike np.unique
+            self.seen[fresh] = True
 
 
 class RoundLoop:
@@ -192,7 +200,10 @@ class RoundLoop:
             self.progress.clear()
             self._room = room
             try:
-                await asyncio.wait_for(self.progress.wait(), timeout=self.config.stall_s)
+                # asyncio.timeout, not wait_for: this runs on every commit and Delivered, and
+                # wait_for wraps the wait in a new Task each time.
+                async with asyncio.timeout(self.config.stall_s):
+                    await self.progress.wait()
             except TimeoutError:
                 # Producers made no progress for stall_s: rather than starve the trainers,
                 # plan with what is buffered once they are about to run dry.
@@ -205,6 +216,19 @@ class RoundLoop:
                     reported = reason
             finally:
                 self._room = None
+
+    def ingest_progress(self) -> None:
+        """A commit, rejection, LaneFull or producer change: it may end a wait for buffers,
+        never a wait for queue room (only Delivered reports make room), so that wait sleeps on."""
+        if self._room is not False:
+            self.progress.set()
+
+    def trainer_progress(self) -> None:
+        """A Delivered report (or steps skipped on resume): it may end a wait for queue room,
+        never a wait for buffers, so that wait sleeps on. Without the split, every commit and
+        every report woke the loop to find nothing to do."""
+        if self._room is not True:
+            self.progress.set()
 
     def _round_rejected(self) -> bool:
         """A round's worth of this node's samples was rejected and none is buffered: offer the
@@ -369,9 +393,8 @@ class RoundLoop:
         if self.done:
             return  # keep the last epoch's final progress (set by _end_epoch) on display
         s.epoch = self.state.epoch
-        assert self.tally.seen is not None
         s.epoch_samples = self.tally.samples
-        s.epoch_identities = int(self.tally.seen.sum())
+        s.epoch_identities = self.tally.num_seen
 
     def _record_steps(self, plan: RoundPlan, kept: int) -> None:
         stats, s = plan.stats, self.stats
@@ -438,9 +461,8 @@ class RoundLoop:
             if s.epoch == resume.epoch:
                 self.tally.steps += 1
                 self.tally.samples += s.global_samples
-                assert self.tally.seen is not None
                 for keys in s.keys_by_rank:
-                    self.tally.seen[self.state.identities_of(keys)] = True
+                    self.tally.mark_seen(self.state.identities_of(keys))
         self.steps_in_epoch[resume.epoch] = resume.step
         if not self.config.join:
             self.quota_consumed += sum(resume.rejected.values())
@@ -483,10 +505,13 @@ class RoundLoop:
         rejected = sum(self.tally.rejected.values())  # join: of the epoch being planned
         quota = quota_before
         progress = []
+        # Python ints, once per round: the properties sum a (T, world) array on every access.
+        global_samples = plan.stats.global_num_samples.tolist()
+        global_tokens = plan.stats.global_num_tokens.tolist()
         for i, (epoch, number) in enumerate(zip(step_epochs, step_numbers, strict=True)):
-            samples = int(plan.stats.global_num_samples[i])
+            samples = global_samples[i]
             self.epoch_emitted[epoch] += samples
-            self.epoch_tokens[epoch] += int(plan.stats.global_num_tokens[i])
+            self.epoch_tokens[epoch] += global_tokens[i]
             quota += samples
             if self.config.join:
                 consumed = self.epoch_emitted[epoch] + rejected
@@ -509,8 +534,7 @@ class RoundLoop:
         g = self.state.planner.ranks_per_unit
         end = int(unit.slot_offsets[kept * g])
         keys = unit.emitted.views[:end]
-        assert self.tally.seen is not None
-        self.tally.seen[self.state.identities_of(keys)] = True
+        self.tally.mark_seen(self.state.identities_of(keys))
 
     def _queue_unit(
         self,
@@ -531,14 +555,16 @@ class RoundLoop:
         tail = unit.emitted.take(np.arange(end, len(unit.emitted)))  # past the quota: not run
         self.state.return_samples(unit.unit, unit.leftover.concat(tail))
         progress_messages = [_progress_message(p) for p in progress]  # one per step, every rank
+        facts = _StepColumns.of(plan, unit, kept * g)
+        bounds = unit.slot_offsets.tolist()
         for local_rank, rank in enumerate(ranks):
-            items = [
-                self._step_item(
-                    plan, unit, emitted, step, rank, unit.slot(step, local_rank, g),
+            items = []
+            for step in range(kept):
+                s = step * g + local_rank
+                items.append(self._step_item(
+                    facts, emitted, step, rank, s, slice(bounds[s], bounds[s + 1]),
                     step_epochs[step], step_numbers[step], progress_messages[step], updates[step],
-                )
-                for step in range(kept)
-            ]  # fmt: skip
+                ))  # fmt: skip
             self.queues[rank].push(items)
 
     def _count_oversized(self, emitted: SampleTable) -> None:
@@ -577,25 +603,22 @@ class RoundLoop:
 
     def _step_item(
         self,
-        plan: RoundPlan,
-        unit: UnitPlan,
+        facts: _StepColumns,
         emitted: _EmittedColumns,
         step: int,
         rank: int,
+        slot: int,
         rows: slice,
         epoch: int,
         number: int,
         progress: trainer_pb2.Progress,
         update: trainer_pb2.Update | None,
     ) -> QueuedItem:
-        stats = plan.stats
         idle = rows.stop <= rows.start
-        lengths = unit.emitted.lengths[rows].astype(np.float64)
-        padded = int(stats.padded_tokens[step, rank])
         # Patches enter the fit as p token-equivalents each (the planner's own weight), so the
         # learned model keeps the vision share fixed and fits the scale of the whole step.
-        linear = padded + self.cost.model.p * float(unit.emitted.patches[rows].sum())
-        self.cost.expect(rank, epoch, number, linear, float((lengths * lengths).sum()))
+        linear = facts.padded_tokens[step][rank] + self.cost.model.p * facts.slot_patches[slot]
+        self.cost.expect(rank, epoch, number, linear, facts.slot_sum_sq[slot])
         if not idle and not self.filler_schema:
             self._learn_schema(
                 (int(emitted.segments[rows.start]), int(emitted.offsets[rows.start])),
@@ -605,11 +628,11 @@ class RoundLoop:
             epoch=epoch,
             step=number,
             is_idle=idle,
-            loss_scale=float(stats.loss_scale[step, rank]),
-            num_samples=int(stats.num_samples[step, rank]),
-            num_tokens=int(stats.num_tokens[step, rank]),
-            global_num_samples=int(stats.global_num_samples[step]),
-            global_num_tokens=int(stats.global_num_tokens[step]),
+            loss_scale=facts.loss_scale[step][rank],
+            num_samples=facts.num_samples[step][rank],
+            num_tokens=facts.num_tokens[step][rank],
+            global_num_samples=facts.global_num_samples[step],
+            global_num_tokens=facts.global_num_tokens[step],
             sample_ids=emitted.sample_ids[rows].tobytes(),
             segments=emitted.segments[rows].tobytes(),
             offsets=emitted.offsets[rows].tobytes(),
@@ -620,7 +643,7 @@ class RoundLoop:
         if update is not None:
             batch.update.CopyFrom(update)
         freed = [emitted.locations.take(rows)] if not idle else []
-        return QueuedItem(epoch, number, trainer_pb2.TrainerEvent(step=batch), freed)
+        return QueuedItem(epoch, number, batch.SerializeToString(), freed)
 
     def _learn_schema(self, where: tuple[int, int], nbytes: int) -> None:
         meta = read_meta(self.read_sample(where[0], where[1], nbytes))
@@ -664,7 +687,7 @@ class RoundLoop:
             num_steps=tally.steps,
             global_num_samples=tally.samples,
             rejected_by_reason=dict(tally.rejected),
-            num_identities=int(tally.seen.sum()),
+            num_identities=tally.num_seen,
         )
         log.info(
             "epoch %d done: %d steps, %d samples, %d identities of %d, rejected %s",
@@ -743,6 +766,44 @@ class _EmittedColumns:
             offsets.astype("<u8"),
             locations.nbytes.astype("<u8"),
         )
+
+
+@dataclass(frozen=True, slots=True)
+class _StepColumns:
+    """A round's per-(step, rank) numbers as Python lists and one unit's per-slot sums, read
+    once per round: each StepBatch then reads list items, not numpy scalars and reductions."""
+
+    loss_scale: list[list[float]]  # [step][rank]
+    num_samples: list[list[int]]  # [step][rank]
+    num_tokens: list[list[int]]  # [step][rank]
+    padded_tokens: list[list[int]]  # [step][rank]
+    global_num_samples: list[int]  # [step]
+    global_num_tokens: list[int]  # [step]
+    slot_sum_sq: list[float]  # [slot]: sum of squared lengths (the cost model's l^2 feature)
+    slot_patches: list[float]  # [slot]: vision patches
+
+    @staticmethod
+    def of(plan: RoundPlan, unit: UnitPlan, num_slots: int) -> _StepColumns:
+        stats = plan.stats
+        lengths = unit.emitted.lengths.astype(np.int64)
+        return _StepColumns(
+            stats.loss_scale.astype(np.float64).tolist(),
+            stats.num_samples.tolist(),
+            stats.num_tokens.tolist(),
+            stats.padded_tokens.tolist(),
+            stats.global_num_samples.tolist(),
+            stats.global_num_tokens.tolist(),
+            _slot_sums(lengths * lengths, unit.slot_offsets, num_slots),
+            _slot_sums(unit.emitted.patches.astype(np.int64), unit.slot_offsets, num_slots),
+        )
+
+
+def _slot_sums(values: np.ndarray, slot_offsets: np.ndarray, num_slots: int) -> list[float]:
+    """Per slot s, the sum of values[slot_offsets[s]:slot_offsets[s + 1]] (int64: exact, as
+    the per-slot float sums were for any realistic lengths)."""
+    cumulative = np.concatenate([np.zeros(1, np.int64), np.cumsum(values, dtype=np.int64)])
+    bounds = slot_offsets[: num_slots + 1]
+    return (cumulative[bounds[1:]] - cumulative[bounds[:-1]]).astype(np.float64).tolist()
 
 
 def _progress_message(progress: Progress) -> trainer_pb2.Progress:

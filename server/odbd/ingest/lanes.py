@@ -103,8 +103,9 @@ class Lanes:
         back: dict[int, np.ndarray] = {}
         if len(freed) == 0:
             return back
-        ids = np.unique(freed.lanes)
-        for lane_id in ids.tolist():
+        first, last = int(freed.lanes.min()), int(freed.lanes.max())
+        ids = [first] if first == last else np.unique(freed.lanes).tolist()  # one: no sort
+        for lane_id in ids:
             lane = self._lanes.get(lane_id)
             if lane is None:
                 continue

@@ -77,6 +77,20 @@ class SampleTable:
             )
         )
 
+    @staticmethod
+    def concat_all(tables: list[SampleTable]) -> SampleTable:
+        """The tables' rows in order, one concatenation per column."""
+        if not tables:
+            return SampleTable.empty()
+        if len(tables) == 1:
+            return tables[0]
+        return SampleTable(
+            *(
+                np.concatenate([getattr(t, name) for t in tables])
+                for name in ("views", "lengths", "tokens", "ages", "patches")
+            )
+        )
+
     def aged(self) -> SampleTable:
         """The same samples one recirculation older (leftovers of a round)."""
         return SampleTable(self.views, self.lengths, self.tokens, self.ages + 1, self.patches)

@@ -28,7 +28,9 @@ from odbd.daemon.node_state import Locations
 class QueuedItem:
     epoch: int
     step: int  # -1 for markers (epoch end, job end)
-    event: Any  # trainer_pb2.TrainerEvent, built once when planned
+    # A marker's trainer_pb2.TrainerEvent; a step's serialized trainer_pb2.StepBatch (bytes),
+    # encoded once when planned however often it is sent (trainer_service._steps_event)
+    event: Any
     locations: list[Locations] = field(default_factory=list)
 
     @property
@@ -49,6 +51,10 @@ class RankQueue:
         self.rank = rank
         self._items: deque[QueuedItem] = deque()
         self._sent = 0  # items[:_sent] were sent on the current connection
+        # Counts kept as items move, so the round loop's readiness check (on every commit) and
+        # each step sent cost O(1), not a scan of the queue.
+        self._num_steps = 0  # steps among items
+        self._sent_steps = 0  # steps among items[:_sent]: sent, awaiting Delivered
         self._changed = asyncio.Event()
         self._clock = clock
         self.delivered_steps = 0
@@ -75,14 +81,15 @@ class RankQueue:
 
     def push(self, items: list[QueuedItem]) -> None:
         self._items.extend(items)
+        self._num_steps += sum(1 for item in items if item.is_step)
         self._changed.set()
 
     def queued_steps(self) -> int:
-        return sum(1 for item in self._items if item.is_step)
+        return self._num_steps
 
     def rewind(self) -> None:
         """The connection ended: the next one starts at the first undelivered item."""
-        self._sent = 0
+        self._sent = self._sent_steps = 0
         self._job_end_sent = None
         self._changed.set()
 
@@ -101,9 +108,9 @@ class RankQueue:
             return None
         item = self._items[self._sent]
         if item.is_step:
-            in_flight = sum(1 for i in range(self._sent) if self._items[i].is_step)
-            if in_flight >= prefetch:
+            if self._sent_steps >= prefetch:
                 return None
+            self._sent_steps += 1
         elif item.job_end is not None:
             self._job_end_sent = item.job_end
         self._sent += 1
@@ -139,12 +146,15 @@ class RankQueue:
             freed.extend(head.locations)
             if head.is_step:
                 self.delivered_steps += 1
+                self._num_steps -= 1
+                self._sent_steps -= 1
         self._changed.set()
         return freed
 
     def drop_unsent(self) -> list[Locations]:
         """The job failed: items not yet sent will never be; returns their locations."""
         dropped = [self._items.pop() for _ in range(len(self._items) - self._sent)]
+        self._num_steps -= sum(1 for item in dropped if item.is_step)
         self._changed.set()
         return [location for item in dropped for location in item.locations]
 
@@ -165,7 +175,8 @@ class RankQueue:
                 break
             self._items.popleft()
             freed.extend(head.locations)
-        self._sent = 0
+            self._num_steps -= head.is_step
+        self._sent = self._sent_steps = 0
         return freed
 
     def first_undelivered(self) -> tuple[int, int] | None:

@@ -82,7 +82,7 @@ class StepConnection(FramedConnection):
                 events = [event]
                 while (more := service.take_event(attachment)) is not None:
                     events.append(more)
-                self.write(events)
+                self.write_payloads(events)
                 await self._writable.wait()  # the socket buffer is full: the trainer is behind
         except asyncio.CancelledError:
             raise

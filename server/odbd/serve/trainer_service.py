@@ -106,23 +106,23 @@ class TrainerService:
             self._on_free(attachment.queue.deliver(delivered.epoch, delivered.step))
             self._on_delivered(attachment.rank, delivered)
 
-    def take_event(self, attachment: Attachment) -> trainer_pb2.TrainerEvent | None:
-        """The next event if one may be sent now, else None (no task, no wait)."""
+    def take_event(self, attachment: Attachment) -> bytes | None:
+        """The next serialized TrainerEvent if one may be sent now, else None (no task, no
+        wait)."""
         item = attachment.queue.take_ready(attachment.prefetch)
         return None if item is None else _event_from(item, attachment)
 
-    async def next_event(self, attachment: Attachment) -> trainer_pb2.TrainerEvent | None:
-        """The next event, once one may be sent; None once the stream is finished (a failed
-        job's end went out: the daemon ends the stream itself)."""
+    async def next_event(self, attachment: Attachment) -> bytes | None:
+        """The next serialized TrainerEvent, once one may be sent; None once the stream is
+        finished (a failed job's end went out: the daemon ends the stream itself)."""
         item = await attachment.queue.next_to_send(attachment.prefetch)
         return None if item is None else _event_from(item, attachment)
 
 
-def _event_from(item: QueuedItem, attachment: Attachment) -> trainer_pb2.TrainerEvent:
+def _event_from(item: QueuedItem, attachment: Attachment) -> bytes:
     if not item.is_step:
-        return item.event  # a marker: always alone
-    steps = _ready_steps(attachment.queue, attachment.prefetch, first=item)
-    return item.event if len(steps) == 1 else _steps_event(steps)
+        return bytes(item.event.SerializeToString())  # a marker: always alone
+    return _steps_event(_ready_steps(attachment.queue, attachment.prefetch, first=item))
 
 
 class LegacyTrainRefusal(trainer_pb2_grpc.TrainerServicer):
@@ -174,22 +174,49 @@ def world_refusal(hello: trainer_pb2.TrainerHello, world_size: int) -> str | Non
 
 def _ready_steps(queue: RankQueue, prefetch: int, *, first: QueuedItem) -> list[QueuedItem]:
     """`first` and the steps that may follow it now, within the per-message limits."""
-    steps, nbytes = [first], first.event.ByteSize()
+    steps, nbytes = [first], len(first.event)
     while len(steps) < MAX_STEPS_PER_EVENT and nbytes < MAX_EVENT_BYTES:
         item = queue.take_ready_step(prefetch)
         if item is None:
             break
         steps.append(item)
-        nbytes += item.event.ByteSize()
+        nbytes += len(item.event)
     return steps
 
 
-def _steps_event(items: list[QueuedItem]) -> trainer_pb2.TrainerEvent:
-    """One message for several steps: per message, both sides pay far more than the bytes
-    (a StepBatch is a few hundred bytes; the samples stay in shared memory)."""
-    return trainer_pb2.TrainerEvent(
-        steps=trainer_pb2.StepBatches(steps=[item.event.step for item in items])
-    )
+def _steps_event(items: list[QueuedItem]) -> bytes:
+    """The serialized TrainerEvent of these steps: `step` for one, else `steps` (one message
+    for several: per message, both sides pay far more than the bytes). Each step's StepBatch
+    was serialized once when planned (QueuedItem.event); the protobuf wire format of a
+    message field is its tag, its length as a varint and its bytes, so the event is those
+    bytes joined, with no StepBatch parsed, copied or serialized again per send."""
+    if len(items) == 1:
+        return _field(_EVENT_STEP, items[0].event)
+    inner = b"".join(_field(_STEPS_STEP, item.event) for item in items)
+    return _field(_EVENT_STEPS, inner)
+
+
+# Tags (field number << 3 | wire type 2, length-delimited) of trainer.proto's fields.
+_EVENT_STEP = bytes([2 << 3 | 2])  # TrainerEvent.step
+_EVENT_STEPS = bytes([5 << 3 | 2])  # TrainerEvent.steps
+_STEPS_STEP = bytes([1 << 3 | 2])  # StepBatches.steps
+
+
+def _field(tag: bytes, payload: bytes) -> bytes:
+    return tag + _varint(len(payload)) + payload
+
+
+def _varint(value: int) -> bytes:
+    if value < 0x80:  # a StepBatch of a few samples
+        return bytes((value,))
+    if value < 0x4000:  # most steps and StepBatches
+        return bytes((value & 0x7F | 0x80, value >> 7))
+    out = bytearray()
+    while value > 0x7F:
+        out.append(value & 0x7F | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
 
 
 def _reattach_warning(rank: int, first: tuple[int, int] | None) -> str:
