@@ -100,6 +100,16 @@ def test_uniform_steps_match_the_per_sample_path(
     assert all(torch.equal(fast.tensors[k], v) for k, v in kept.items())
 
 
+@pytest.mark.parametrize("gaps", [[0] * 3, [0, 2, 0]], ids=["strided", "rows"])
+def test_empty_keys_collate_like_the_per_sample_path(gaps: list[int]) -> None:
+    fast, slow, _ = both([sample(i, length=0) for i in range(3)], gaps, BatchForm())
+    assert fast is not None
+    for key, value in slow.tensors.items():
+        got = fast.tensors[key]
+        assert isinstance(got, torch.Tensor) and isinstance(value, torch.Tensor)
+        assert got.shape == value.shape and got.dtype == value.dtype and torch.equal(got, value)
+
+
 @pytest.mark.parametrize(
     "gaps", [[0, 0, 0], [0, 0, 3], [-1, -1, -1]], ids=["strided", "rows", "two-segments"]
 )
