@@ -4,11 +4,12 @@ copies per key, straight out of the arena: no per-sample decode or numpy view.
 Why: every numpy call costs ~1 us of Python in the trainer process, whatever its size, and at
 16 x 8 KiB per step the trainer's CPU per sample is mostly such fixed costs (issue 15). So the
 step's references are plain lists, checked with list and bytes operations, and the rows are
-copied in one of two ways:
+copied in one of three ways:
 - strided: every sample in one segment, evenly spaced (a producer lays samples out one after
   another): one strided numpy view per key, copied into one preallocated array per key;
-- rows: any other placement: one memoryview slice assignment (a memcpy) per sample and key,
-  ~0.3 us each, cheaper than cutting the step into evenly spaced runs of a few rows.
+- gathered: any other placement in one segment: one numpy fancy index per key over a view
+  whose row r starts at byte r of the segment, indexed by the samples' offsets (no cutting
+  into runs); across segments: one memoryview slice assignment (a memcpy) per sample and key.
 The output arrays are fresh memory, never views of shared memory (DESIGN.md section 6: the
 daemon recycles the step's allocations once it is delivered).
 
@@ -56,8 +57,8 @@ class _Plan(NamedTuple):
 
 
 class _Layout(NamedTuple):
-    """Where a step's rows lie: `stride` > 0, every row in segment `segment` at
-    offsets[0] + i * stride (strided); else each row at its own (segment, offset) (rows)."""
+    """Where a step's rows lie: all in segment `segment` (-1: in several segments), and if
+    `stride` > 0 at offsets[0] + i * stride (strided); else each at its own offset."""
 
     segment: int
     stride: int
@@ -87,12 +88,8 @@ def collate_uniform(
     plan = _plan(table.buffers[segments[0]], offsets[0], nbytes[0])
     if plan is None or min(nbytes) < plan.meta.total_bytes:
         return None
-    if layout.stride:
-        buffer = table.buffers[layout.segment]
-        rows = _strided(buffer, offsets[0], layout.stride, count, 0, len(plan.header) * _WORD)
-        headers = rows.view(np.uint64)
-    else:
-        headers = _gathered(table.buffers, segments, offsets, 0, len(plan.header) * _WORD)
+    width = len(plan.header) * _WORD
+    headers = _rows_of(layout, table.buffers, segments, offsets, 0, width).view(np.uint64)
     differ = headers != plan.header if plan.mask is None else (headers ^ plan.header) & plan.mask
     if differ.any():
         return None
@@ -125,7 +122,7 @@ def _layout(
     for segment, offset, size in zip(segments, offsets, nbytes, strict=True):
         if segment >= num_segments or offset < starts[segment] or offset + size > limits[segment]:
             return None
-    return _Layout(first, 0)
+    return _Layout(-1, 0)
 
 
 def _plan(buffer: memoryview, offset: int, nbytes: int) -> _Plan | None:
@@ -172,14 +169,11 @@ def _strided(
                       strides=(stride, 1))  # fmt: skip
 
 
-def _gathered(
-    buffers: Sequence[memoryview], segments: list[int], offsets: list[int], at: int, width: int
-) -> np.ndarray:
-    """A copy of `width` bytes at `at` into each sample, as (count, width / 8) uint64."""
-    joined = b"".join(
-        [buffers[s][o + at : o + at + width] for s, o in zip(segments, offsets, strict=True)]
-    )
-    return np.frombuffer(joined, np.uint64).reshape(len(offsets), width // _WORD)
+def _sliding(buffer: memoryview, at: int, width: int) -> np.ndarray:
+    """Row r = the `width` bytes at r + at of the mapping: indexed by sample offsets, one
+    numpy call gathers any rows of one segment (a view, only ever read; bounds checked)."""
+    return np.ndarray((len(buffer) - at - width + 1, width), np.uint8, buffer=buffer,
+                      offset=at, strides=(1, 1))  # fmt: skip
 
 
 def _collate(
@@ -240,14 +234,19 @@ def _rows_of(
     width: int,
 ) -> np.ndarray:
     """A fresh (count, width) uint8 array of the bytes at `at` of each sample: one strided
-    copy, or one memcpy per row (a memoryview slice assignment). Always numpy's allocation:
-    it asks for huge pages from 4 MiB on (a 1 MiB-sample step faults 2 MiB pages, not 4 KiB)."""
+    copy, one gather in one segment, or one memcpy per row (a memoryview slice assignment)
+    across segments. Always numpy's allocation: it asks for huge pages from 4 MiB on (a
+    1 MiB-sample step then faults 2 MiB pages, not 4 KiB; a joined bytearray did not)."""
     count = len(offsets)
+    if layout.segment >= 0:
+        buffer = buffers[layout.segment]
+        if layout.stride:
+            array = np.empty((count, width), np.uint8)
+            array[:] = _strided(buffer, offsets[0], layout.stride, count, at, width)
+            return array
+        return _sliding(buffer, at, width)[offsets]
     array = np.empty((count, width), np.uint8)
-    if layout.stride:
-        array[:] = _strided(buffers[layout.segment], offsets[0], layout.stride, count, at, width)
-        return array
-    out, pos = memoryview(array.reshape(-1)), 0
+    out, pos = array.reshape(-1).data, 0
     for segment, offset in zip(segments, offsets, strict=True):
         out[pos : pos + width] = buffers[segment][offset + at : offset + at + width]
         pos += width

@@ -1,6 +1,6 @@
 """Trainer-side collate of one step: odbclient.step_collate (a few numpy calls per key) against
 the per-sample path (decode every sample, then odbclient.collate), on samples in one fake
-arena segment, evenly spaced (one strided copy per key) or not (one memcpy per row; issue 15).
+arena segment, evenly spaced (one strided copy per key) or not (one gather per key; issue 15).
 
     .venv/bin/python tests/bench/step_collate_cost.py
 
@@ -61,7 +61,9 @@ def main() -> None:
             slow.append(min(timeit.repeat(per_sample, number=number, repeat=3)) / number * 1e6)
             fast.append(min(timeit.repeat(vectorised, number=number, repeat=3)) / number * 1e6)
         layout = (
-            "strided" if _layout(table, [0] * count, offsets_list, [size] * count)[1] else "rows"
+            "strided"
+            if _layout(table, [0] * count, offsets_list, [size] * count)[1]
+            else "gathered"
         )
         print(
             f"{count} x {nbytes} B, {layout}: per-sample path "

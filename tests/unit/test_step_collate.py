@@ -129,7 +129,7 @@ def test_a_reference_out_of_bounds_goes_the_per_sample_way() -> None:
         assert out is None
 
 
-def test_evenly_spaced_rows_in_one_segment_are_one_strided_copy_and_others_row_by_row() -> None:
+def test_layout_is_strided_when_evenly_spaced_in_one_segment_and_names_several_segments() -> None:
     segments = table([np.zeros(1 << 16, np.uint8), np.zeros(1 << 16, np.uint8)])
     base = HEADER_BYTES
     even = [base, base + 128, base + 256]
@@ -137,7 +137,7 @@ def test_evenly_spaced_rows_in_one_segment_are_one_strided_copy_and_others_row_b
     assert _layout(segments, [1], [base], [100]) == (1, 1)
     assert _layout(segments, [0, 0, 0], [base, base + 128, base + 320], [100] * 3) == (0, 0)
     assert _layout(segments, [0, 0, 0], even[::-1], [100] * 3) == (0, 0)  # descending
-    assert _layout(segments, [0, 1, 0], even, [100] * 3) == (0, 0)  # two segments
+    assert _layout(segments, [0, 1, 0], even, [100] * 3) == (-1, 0)  # two segments
     # Any reference outside its segment's allocatable region: None (the per-sample path).
     assert _layout(segments, [0, 0], [base - 64, base], [100, 100]) is None
     assert _layout(segments, [0, 0], [base, (1 << 16) - 64], [100, 100]) is None
