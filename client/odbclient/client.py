@@ -181,16 +181,13 @@ class ODBClient:
                 )
 
     def _next_event(self, stream: TrainerStream) -> object:
-        try:
-            return stream.inbox.get_nowait()
-        except queue.Empty:
-            pass
         # Flush only once the wait is not brief. The daemon cannot be out of room for us while
         # our inbox is empty: fewer than report_every (<= prefetch / 2) steps are unreported
         # (_deliver flushes at that many), so more than prefetch / 2 pushed steps are still
         # on their way. Flushing at once cost a Delivered and a FreeBatch per step with no
         # compute (issue 15: -20 % samples/s, +7 us daemon CPU per 8 KiB sample); the wait
         # bounds how long frees for full producer lanes or an epoch's end can be held back.
+        # (A ready item returns at once: SimpleQueue.get is C.)
         try:
             return stream.inbox.get(timeout=_FLUSH_AFTER_WAIT_S)
         except queue.Empty:

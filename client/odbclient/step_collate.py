@@ -1,12 +1,17 @@
 """A step whose samples share one header (same keys, dtypes and shapes) collated with a few
-vectorised copies per key, straight out of the arena: no per-sample decode, view or loop.
+copies per key, straight out of the arena: no per-sample decode or numpy view.
 
-Why: the per-sample path (decode every sample, then collate) costs a few microseconds of
-Python per sample in the trainer process (issue 15). Here the step's rows are cut into runs
-of evenly spaced offsets in one segment (a producer lays samples out one after another, so a
-step is usually one or a few runs); each run is one strided numpy view per key, copied into
-one preallocated array per key. The output arrays are fresh memory, never views of shared
-memory (DESIGN.md section 6: the daemon recycles the step's allocations once it is delivered).
+Why: every numpy call costs ~1 us of Python in the trainer process, whatever its size, and at
+16 x 8 KiB per step the trainer's CPU per sample is mostly such fixed costs (issue 15). So the
+step's references are plain lists, checked with list and bytes operations, and the rows are
+copied in one of three ways:
+- strided: every sample in one segment, evenly spaced (a producer lays samples out one after
+  another): one strided numpy view per key, copied into one preallocated array per key;
+- gathered: any other placement in one segment: one numpy fancy index per key over a view
+  whose row r starts at byte r of the segment, indexed by the samples' offsets (no cutting
+  into runs); across segments: one memoryview slice assignment (a memcpy) per sample and key.
+The output arrays are fresh memory, never views of shared memory (DESIGN.md section 6: the
+daemon recycles the step's allocations once it is delivered).
 
 Anything else (headers that differ, e.g. variable lengths; a reference out of bounds) returns
 None and the caller takes the per-sample path, which also names what is wrong.
@@ -15,9 +20,9 @@ Pure: arrays in, tensors out; imports no odbd.
 
 from __future__ import annotations
 
+import operator
 import struct
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import NamedTuple
 
 import numpy as np
@@ -30,63 +35,33 @@ from odbclient.shm import SampleMeta, read_meta
 
 _HEADER_BYTES_AT = 8  # u32 header_bytes in the encoded sample header (shm.SampleMeta)
 _U32 = struct.Struct("<I")
-
-
-@dataclass(frozen=True, slots=True)
-class Run:
-    """Rows [first, end) of a step lie at start + i * stride of one segment."""
-
-    first: int
-    end: int
-    start: int
-    stride: int
-
-
-def runs(segments: np.ndarray, offsets: np.ndarray) -> list[Run]:
-    """The step's rows as maximal runs of one segment and one stride (a lone row is a run)."""
-    count = len(offsets)
-    if count == 1:
-        return [Run(0, 1, int(offsets[0]), 0)]
-    diffs = np.diff(offsets.view(np.int64))
-    # Row j + 1 starts a new run where the segment changes or the stride into it differs from
-    # the stride into row j (then row j ends its run; a run of one row has any stride).
-    breaks = np.empty(count - 1, np.bool_)
-    breaks[0] = False
-    np.not_equal(diffs[1:], diffs[:-1], out=breaks[1:])
-    breaks |= segments[1:] != segments[:-1]
-    bounds = [0, *(np.flatnonzero(breaks) + 1).tolist(), count]
-    starts, strides = offsets.tolist(), diffs.tolist()
-    found: list[Run] = []
-    for first, end in zip(bounds[:-1], bounds[1:], strict=True):
-        stride = strides[first] if end - first > 1 else 0
-        last = found[-1] if found else None
-        # A lone row before a run it is evenly spaced with joins it: one off-stride sample
-        # (a gap in the lane) then costs one extra run, not two.
-        if last is not None and last.end - last.first == 1:
-            joins = end - first == 1 or strides[last.first] == stride
-            if joins and segments[last.first] == segments[first]:
-                found[-1] = Run(last.first, end, last.start, strides[last.first])
-                continue
-        found.append(Run(first, end, starts[first], stride))
-    return found
+_WORD = 8  # headers are compared as u64 words: a header is a multiple of 8 bytes long
 
 
 class SegmentTable(NamedTuple):
     """The arena as step_collate reads it, built once per connection (by segment index)."""
 
-    buffers: Sequence[memoryview]  # whole mappings
-    starts: np.ndarray  # uint64: where each allocatable region starts (header_bytes)
-    limits: np.ndarray  # uint64: each mapping's length
+    buffers: Sequence[memoryview]  # whole mappings, format "B"
+    starts: Sequence[int]  # where each allocatable region starts (header_bytes)
+    limits: Sequence[int]  # each mapping's length
 
 
 class _Plan(NamedTuple):
     """What every sample with one header shares (validated once, by read_meta)."""
 
     meta: SampleMeta
-    header: np.ndarray  # uint8: the header bytes every sample of the step must repeat
-    # Which header bytes carry meaning, None for all: the padding after each key name is not
+    header: np.ndarray  # uint64: the header words every sample of the step must repeat
+    # Which header bits carry meaning, None for all: the padding after each key name is not
     # written by encode_into, so two samples of one layout may differ there (reused memory).
-    columns: np.ndarray | None
+    mask: np.ndarray | None  # uint64, like header
+
+
+class _Layout(NamedTuple):
+    """Where a step's rows lie: all in segment `segment` (-1: in several segments), and if
+    `stride` > 0 at offsets[0] + i * stride (strided); else each at its own offset."""
+
+    segment: int
+    stride: int
 
 
 _PLAN_OF_HEADER: dict[bytes, _Plan] = {}
@@ -95,61 +70,59 @@ _MAX_PLANS = 4096  # like shm's caches: shapes that vary per sample would grow i
 
 def collate_uniform(
     table: SegmentTable,
-    segments: np.ndarray,  # uint32 per sample
-    offsets: np.ndarray,  # uint64 per sample
-    nbytes: np.ndarray,  # uint64 per sample
+    segments: Sequence[int],  # per sample: index into table
+    offsets: Sequence[int],  # per sample: byte offset in that segment
+    nbytes: Sequence[int],  # per sample: allocation size
     *,
     form: BatchForm,
 ) -> Collated | None:
     """The step's batch if every sample has sample 0's header, else None (see the module).
-    A handful of numpy calls per step and per key, whatever the number of samples."""
+    Lists or arrays in; a fixed handful of numpy calls per step and per key."""
+    segments, offsets, nbytes = _as_list(segments), _as_list(offsets), _as_list(nbytes)
     count = len(offsets)
-    first_segment = int(segments[0]) if count else len(table.buffers)
-    if first_segment >= len(table.buffers):
+    if not count or not len(segments) == len(nbytes) == count:
         return None
-    one_segment = count == 1 or not (segments != first_segment).any()
-    step_runs = _runs_fast(segments, offsets, one_segment)
-    if len(step_runs) == 1:  # its first and last rows bound it: no pass over the offsets
-        run = step_runs[0]
-        low, high = sorted((run.start, run.start + run.stride * (count - 1)))
-        in_bounds = low >= int(table.starts[first_segment]) and high + int(nbytes.max()) <= int(
-            table.limits[first_segment]
-        )
-    elif one_segment:
-        in_bounds = int(offsets.min()) >= int(table.starts[first_segment]) and int(
-            (offsets + nbytes).max()
-        ) <= int(table.limits[first_segment])
-    else:
-        in_bounds = int(segments.max()) < len(table.buffers) and bool(
-            (offsets >= table.starts[segments]).all()
-            and (offsets + nbytes <= table.limits[segments]).all()
-        )
-    if not in_bounds:
+    layout = _layout(table, segments, offsets, nbytes)
+    if layout is None:
         return None  # the per-sample path raises naming the bad reference
-    plan = _plan(table.buffers[first_segment], int(offsets[0]), int(nbytes[0]))
-    if plan is None or int(nbytes.min()) < plan.meta.total_bytes:
+    plan = _plan(table.buffers[segments[0]], offsets[0], nbytes[0])
+    if plan is None or min(nbytes) < plan.meta.total_bytes:
         return None
-    header, columns = plan.header, plan.columns
-    for run in step_runs:
-        rows = _rows(table.buffers[int(segments[run.first])], run, 0, len(header))
-        same = rows == header if columns is None else rows[:, columns] == header[columns]
-        if not same.all():
+    width = len(plan.header) * _WORD
+    headers = _rows_of(layout, table.buffers, segments, offsets, 0, width).view(np.uint64)
+    differ = headers != plan.header if plan.mask is None else (headers ^ plan.header) & plan.mask
+    if differ.any():
+        return None
+    return _collate(plan.meta, layout, table.buffers, segments, offsets, form=form)
+
+
+def _as_list(values: Sequence[int]) -> list[int]:
+    return values.tolist() if isinstance(values, np.ndarray) else list(values)
+
+
+def _layout(
+    table: SegmentTable, segments: list[int], offsets: list[int], nbytes: list[int]
+) -> _Layout | None:
+    """How the rows lie, or None if a reference leaves its segment's allocatable region."""
+    count, first = len(offsets), segments[0]
+    if segments.count(first) == count:  # one segment: its bounds once
+        if first >= len(table.buffers):
             return None
-    return _collate(plan.meta, count, step_runs, table.buffers, segments, form=form)
-
-
-def _runs_fast(segments: np.ndarray, offsets: np.ndarray, one_segment: bool) -> list[Run]:
-    """runs(), with the common case (one segment, one stride) in three numpy calls."""
-    count = len(offsets)
-    if count == 1:
-        return [Run(0, 1, int(offsets[0]), 0)]
-    if one_segment:
-        signed = offsets.view(np.int64)
-        diffs = signed[1:] - signed[:-1]
-        stride = int(diffs[0])
-        if not (diffs != stride).any():
-            return [Run(0, count, int(offsets[0]), stride)]
-    return runs(segments, offsets)
+        ends = nbytes[0] + max(offsets) if nbytes.count(nbytes[0]) == count else None
+        if ends is None:
+            ends = max(map(operator.add, offsets, nbytes))
+        if min(offsets) < table.starts[first] or ends > table.limits[first]:
+            return None
+        stride = offsets[1] - offsets[0] if count > 1 else 1
+        # Evenly spaced, ascending: the same list as a range (compared in C).
+        if stride > 0 and offsets == list(range(offsets[0], offsets[0] + stride * count, stride)):
+            return _Layout(first, stride)
+        return _Layout(first, 0)
+    num_segments, starts, limits = len(table.buffers), table.starts, table.limits
+    for segment, offset, size in zip(segments, offsets, nbytes, strict=True):
+        if segment >= num_segments or offset < starts[segment] or offset + size > limits[segment]:
+            return None
+    return _Layout(-1, 0)
 
 
 def _plan(buffer: memoryview, offset: int, nbytes: int) -> _Plan | None:
@@ -157,7 +130,7 @@ def _plan(buffer: memoryview, offset: int, nbytes: int) -> _Plan | None:
     if nbytes < _HEADER_BYTES_AT + 4:
         return None
     (header_len,) = _U32.unpack_from(buffer, offset + _HEADER_BYTES_AT)
-    if header_len > nbytes:
+    if header_len > nbytes or header_len % _WORD:
         return None
     header = bytes(buffer[offset : offset + header_len])
     plan = _PLAN_OF_HEADER.get(header)
@@ -168,55 +141,59 @@ def _plan(buffer: memoryview, offset: int, nbytes: int) -> _Plan | None:
             return None
         if len(_PLAN_OF_HEADER) >= _MAX_PLANS:
             _PLAN_OF_HEADER.clear()
-        plan = _Plan(meta, np.frombuffer(header, np.uint8), _meaningful(meta, header_len))
+        plan = _Plan(meta, np.frombuffer(header, np.uint64), _meaningful(meta, header_len))
         _PLAN_OF_HEADER[header] = plan
     return plan
 
 
 def _meaningful(meta: SampleMeta, header_len: int) -> np.ndarray | None:
-    """Positions of the header bytes that are not name padding (shm.SampleMeta's layout:
+    """A uint64 mask of the header bits that are not name padding (shm.SampleMeta's layout:
     a 24-byte header, then per key a 24-byte entry, 8 bytes per dimension and the name padded
     to 8 bytes)."""
-    keep = np.ones(header_len, np.bool_)
+    keep = np.full(header_len, 0xFF, np.uint8)
     pos = 24
     for field in meta.fields:
         name_at = pos + 24 + 8 * len(field.shape)
         name_len = len(field.name.encode())
         pos = name_at + ((name_len + 7) & -8)
-        keep[name_at + name_len : pos] = False
-    return None if keep.all() else np.flatnonzero(keep)
+        keep[name_at + name_len : pos] = 0
+    return None if keep.all() else keep.view(np.uint64)
 
 
-def _rows(buffer: memoryview, run: Run, at: int, width: int) -> np.ndarray:
-    """(rows of the run, width) bytes starting `at` into each row's sample: a view, only ever
-    read (numpy checks that it stays inside the mapping)."""
-    return np.ndarray(
-        (run.end - run.first, width), np.uint8, buffer=buffer, offset=run.start + at,
-        strides=(run.stride, 1),
-    )  # fmt: skip
+def _strided(
+    buffer: memoryview, start: int, stride: int, count: int, at: int, width: int
+) -> np.ndarray:
+    """(count, width) bytes starting `at` into each of `count` samples `stride` apart from
+    `start`: a view, only ever read (numpy checks that it stays inside the mapping)."""
+    return np.ndarray((count, width), np.uint8, buffer=buffer, offset=start + at,
+                      strides=(stride, 1))  # fmt: skip
+
+
+def _sliding(buffer: memoryview, at: int, width: int) -> np.ndarray:
+    """Row r = the `width` bytes at r + at of the mapping: indexed by sample offsets, one
+    numpy call gathers any rows of one segment (a view, only ever read; bounds checked)."""
+    return np.ndarray((len(buffer) - at - width + 1, width), np.uint8, buffer=buffer,
+                      offset=at, strides=(1, 1))  # fmt: skip
 
 
 def _collate(
     meta: SampleMeta,
-    count: int,
-    step_runs: list[Run],
+    layout: _Layout,
     buffers: Sequence[memoryview],
-    segments: np.ndarray,
+    segments: list[int],
+    offsets: list[int],
     *,
     form: BatchForm,
 ) -> Collated:
-    keys = meta.keys
+    count, keys = len(offsets), meta.keys
     if form.packed or form.concat_keys:
         check_reserved_keys(keys, form.concat_keys)
     tensors: dict[str, torch.Tensor | int] = {}
     schema = []
     for field in meta.fields:
         dtype = np.dtype("uint16" if field.dtype == "bfloat16" else field.dtype)
-        array = np.empty((count, *field.shape), dtype)
-        out = array.view(np.uint8).reshape(count, field.nbytes)
-        for run in step_runs:
-            buffer = buffers[int(segments[run.first])]
-            out[run.first : run.end] = _rows(buffer, run, field.offset, field.nbytes)
+        array = _rows_of(layout, buffers, segments, offsets, field.offset, field.nbytes)
+        array = array.view(dtype).reshape((count, *field.shape))
         key, shape = field.name, field.shape
         if key in form.concat_keys:
             if not shape:
@@ -246,3 +223,31 @@ def _collate(
     if form.packed:
         tensors.update(sequence_fields([meta.field(form.length_key).shape[0]] * count))
     return Collated(tensors, tuple(schema))
+
+
+def _rows_of(
+    layout: _Layout,
+    buffers: Sequence[memoryview],
+    segments: list[int],
+    offsets: list[int],
+    at: int,
+    width: int,
+) -> np.ndarray:
+    """A fresh (count, width) uint8 array of the bytes at `at` of each sample: one strided
+    copy, one gather in one segment, or one memcpy per row (a memoryview slice assignment)
+    across segments. Always numpy's allocation: it asks for huge pages from 4 MiB on (a
+    1 MiB-sample step then faults 2 MiB pages, not 4 KiB; a joined bytearray did not)."""
+    count = len(offsets)
+    if layout.segment >= 0:
+        buffer = buffers[layout.segment]
+        if layout.stride:
+            array = np.empty((count, width), np.uint8)
+            array[:] = _strided(buffer, offsets[0], layout.stride, count, at, width)
+            return array
+        return _sliding(buffer, at, width)[offsets]
+    array = np.empty((count, width), np.uint8)
+    out, pos = array.reshape(-1).data, 0
+    for segment, offset in zip(segments, offsets, strict=True):
+        out[pos : pos + width] = buffers[segment][offset + at : offset + at + width]
+        pos += width
+    return array

@@ -170,7 +170,10 @@ class TrainerStream:
         self, *, rank: int, socket: str, connection: socketlib.socket, prefetch: int
     ) -> None:
         self.rank, self.socket = rank, socket
-        self.inbox: queue.Queue[object] = queue.Queue(maxsize=prefetch + 4)
+        # A SimpleQueue: put and get are C, ~10x cheaper than queue.Queue's Python condition
+        # variables, paid per step on both threads (issue 15). _put bounds it.
+        self.inbox: queue.SimpleQueue[object] = queue.SimpleQueue()
+        self._inbox_bound = prefetch + 4  # the daemon pushes <= prefetch steps, plus markers
         self.welcome: Welcome | None = None
         self._connection = connection
         self._send_lock = threading.Lock()  # the trainer thread and close() both write
@@ -180,7 +183,7 @@ class TrainerStream:
         self._closing = threading.Event()
         self._arena: ArenaView | None = None
         self._segment_names: list[str] = []
-        self._segment_table = SegmentTable((), np.zeros(0, np.uint64), np.zeros(0, np.uint64))
+        self._segment_table = SegmentTable((), (), ())
         self._pads: dict[str, float] = {}
         self._form = BatchForm()  # from the welcome
         self._last_schema: tuple[KeySchema, ...] = ()  # of the last real batch: idle fillers
@@ -272,13 +275,10 @@ class TrainerStream:
                 "new ODBClient to go on (the daemon re-sends the steps this one did not deliver)"
             )
         )
-        while True:
-            with contextlib.suppress(queue.Empty):
-                while True:
-                    self.inbox.get_nowait()
-            with contextlib.suppress(queue.Full):  # a reader past its join timeout put one
-                self.inbox.put_nowait(closed)
-                return
+        with contextlib.suppress(queue.Empty):
+            while True:
+                self.inbox.get_nowait()
+        self.inbox.put(closed)
 
     def _await_welcome(self, timeout_s: float) -> None:
         try:
@@ -357,14 +357,14 @@ class TrainerStream:
         )
 
     def _put(self, item: object) -> None:
-        """Blocks while the inbox is full (the daemon pushed more than prefetch), until close;
-        due reports still leave meanwhile."""
-        while not self._closing.is_set():
-            try:
-                self.inbox.put(item, timeout=DEFAULT_POLL_S)
+        """Queues `item`; waits while the inbox is full (the daemon pushed more than prefetch),
+        until next() takes one or close() (then drops it); due reports still leave meanwhile."""
+        while self.inbox.qsize() >= self._inbox_bound:
+            if self._closing.wait(DEFAULT_POLL_S):
                 return
-            except queue.Full:
-                self.reports.flush_due()
+            self.reports.flush_due()
+        if not self._closing.is_set():
+            self.inbox.put(item)
 
     def _handle(self, event: trainer_pb2.TrainerEvent) -> Iterator[object]:
         """The inbox items of one event, each as soon as it is ready (a StepBatches yields its
@@ -397,8 +397,8 @@ class TrainerStream:
         mappings = [self._arena.mapping(name) for name in welcome.segments]
         self._segment_table = SegmentTable(
             mappings,
-            np.array([self._arena.header(n).header_bytes for n in welcome.segments], np.uint64),
-            np.array([len(m) for m in mappings], np.uint64),
+            [self._arena.header(n).header_bytes for n in welcome.segments],
+            [len(m) for m in mappings],
         )
         self._pads = {pad.key: pad.value for pad in welcome.pads}
         self._form = BatchForm(
@@ -439,19 +439,21 @@ class TrainerStream:
         )
 
     def _collate(self, step: trainer_pb2.StepBatch) -> Collated:
-        """A step whose samples share one header takes a few vectorised copies per key
+        """A step whose samples share one header takes a few copies per key
         (odbclient.step_collate); any other step is decoded and collated sample by sample."""
-        segments = np.frombuffer(step.segments, "<u4")
-        offsets = np.frombuffer(step.offsets, "<u8")
-        nbytes = np.frombuffer(step.nbytes, "<u8")
+        segments = np.frombuffer(step.segments, "<u4").tolist()
+        offsets = np.frombuffer(step.offsets, "<u8").tolist()
+        nbytes = np.frombuffer(step.nbytes, "<u8").tolist()
         count = len(step.sample_ids) // 8
-        if count and len(segments) == len(offsets) == len(nbytes) == count:
-            collated = collate_uniform(
-                self._segment_table, segments, offsets, nbytes, form=self._form
+        if not count or not len(segments) == len(offsets) == len(nbytes) == count:
+            raise ProtocolError(
+                f"odbd sent step {step.step} of epoch {step.epoch} with {count} sample ids, "
+                f"{len(segments)} segments, {len(offsets)} offsets and {len(nbytes)} sizes"
             )
-            if collated is not None:
-                return collated
-        samples, bfloat16_keys = self._samples(step)
+        collated = collate_uniform(self._segment_table, segments, offsets, nbytes, form=self._form)
+        if collated is not None:
+            return collated
+        samples, bfloat16_keys = self._samples(step, segments, offsets, nbytes)
         return collate(samples, pads=self._pads, bfloat16_keys=bfloat16_keys, form=self._form)
 
     def _filler_schema(self, step: trainer_pb2.StepBatch) -> tuple[KeySchema, ...]:
@@ -468,18 +470,13 @@ class TrainerStream:
         )
 
     def _samples(
-        self, step: trainer_pb2.StepBatch
+        self,
+        step: trainer_pb2.StepBatch,
+        segments: list[int],
+        offsets: list[int],
+        nbytes: list[int],
     ) -> tuple[list[dict[str, np.ndarray]], frozenset[str]]:
         """Zero-copy views of the step's samples, and which keys hold bfloat16 bits."""
-        segments = np.frombuffer(step.segments, "<u4").tolist()
-        offsets = np.frombuffer(step.offsets, "<u8").tolist()
-        nbytes = np.frombuffer(step.nbytes, "<u8").tolist()
-        count = len(step.sample_ids) // 8
-        if not count or not len(segments) == len(offsets) == len(nbytes) == count:
-            raise ProtocolError(
-                f"odbd sent step {step.step} of epoch {step.epoch} with {count} sample ids, "
-                f"{len(segments)} segments, {len(offsets)} offsets and {len(nbytes)} sizes"
-            )
         if max(segments) >= len(self._segment_names) or self._arena is None:
             raise ProtocolError(f"step {step.step} names shm segment {max(segments)}, unknown")
         buffers = [

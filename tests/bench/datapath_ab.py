@@ -42,12 +42,13 @@ def _case(nbytes: int) -> dict[str, object]:
                 steps_ahead=16, shm_bytes=256 << 20)  # fmt: skip
 
 
-def run_tree(tree: Path, case: dict[str, object]) -> dict[str, object]:
-    """One odbd run with `tree`'s code; raises with the child's stderr if it fails."""
+def run_tree(tree: Path, case: dict[str, object], *, child: str = _CHILD) -> dict[str, object]:
+    """One odbd run with `tree`'s code (`child` gets `case` as JSON in argv[1] and prints its
+    result as the last line of JSON); raises with the child's stderr if it fails."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(tree / "server"), str(tree / "client"), str(HERE)])
     done = subprocess.run(
-        [sys.executable, "-c", _CHILD, json.dumps(case)],
+        [sys.executable, "-c", child, json.dumps(case)],
         cwd=HERE,  # the bench scripts (dataset, trainer) are this tree's
         env=env,
         capture_output=True,

@@ -1,6 +1,6 @@
 """Trainer-side collate of one step: odbclient.step_collate (a few numpy calls per key) against
 the per-sample path (decode every sample, then odbclient.collate), on samples in one fake
-arena segment, in one or more evenly spaced runs (issue 15).
+arena segment, evenly spaced (one strided copy per key) or not (one gather per key; issue 15).
 
     .venv/bin/python tests/bench/step_collate_cost.py
 
@@ -17,7 +17,7 @@ import numpy as np
 
 from odbclient.collate import BatchForm, collate
 from odbclient.shm import align_up, decode, encode_into, encoded_size, read_meta
-from odbclient.step_collate import SegmentTable, collate_uniform, runs
+from odbclient.step_collate import SegmentTable, _layout, collate_uniform
 
 HEADER_BYTES = 4096
 CASES = (  # samples per step, payload bytes per sample, samples after which a 64-byte gap falls
@@ -39,9 +39,7 @@ def per_sample_path(buffer: memoryview, offsets: list[int], size: int) -> object
 def main() -> None:
     segment = np.zeros(64 << 20, np.uint8)
     buffer = memoryview(segment)
-    table = SegmentTable(
-        [buffer], np.array([HEADER_BYTES], np.uint64), np.array([len(segment)], np.uint64)
-    )
+    table = SegmentTable([buffer], [HEADER_BYTES], [len(segment)])
     for count, nbytes, gaps in CASES:
         offsets_list, pos, size = [], HEADER_BYTES, 0
         for i in range(count):
@@ -62,8 +60,13 @@ def main() -> None:
         for _ in range(15):
             slow.append(min(timeit.repeat(per_sample, number=number, repeat=3)) / number * 1e6)
             fast.append(min(timeit.repeat(vectorised, number=number, repeat=3)) / number * 1e6)
+        layout = (
+            "strided"
+            if _layout(table, [0] * count, offsets_list, [size] * count)[1]
+            else "gathered"
+        )
         print(
-            f"{count} x {nbytes} B in {len(runs(segments, offsets))} run(s): per-sample path "
+            f"{count} x {nbytes} B, {layout}: per-sample path "
             f"{min(slow):.1f} us/step, step_collate {min(fast):.1f} us/step "
             f"({min(fast) / min(slow):.2f}x)"
         )

@@ -594,6 +594,33 @@ def test_close_drops_queued_batches_instead_of_handing_them_out(daemon: FakeDaem
         next(batches)
 
 
+@pytest.mark.timeout(60)
+def test_a_daemon_pushing_past_prefetch_fills_the_inbox_to_its_bound_and_loses_nothing(
+    daemon: FakeDaemon,
+) -> None:
+    def script(hello: Any, context: Any) -> Iterator[Event]:
+        yield daemon.welcome()
+        for step in range(12):  # more than the inbox holds (prefetch 2 + 4)
+            yield daemon.step(0, step, [2], ids_from=100 + step)
+        wait_until_cancelled(context)
+
+    daemon.script = script
+    with client_for(daemon, prefetch=2) as client:
+        batches = iter(client)  # connects: the reader starts filling the inbox
+        stream = client._stream
+        assert stream is not None
+        deadline_s = time.monotonic() + 30.0
+        seen = 0
+        while seen < 6 and time.monotonic() < deadline_s:  # the reader fills it to the bound
+            seen = stream.inbox.qsize()
+            assert seen <= 6, f"the inbox holds {seen} items, more than prefetch 2 + 4"
+        assert seen == 6
+        for step in range(12):  # each next() lets the reader queue one more, in order
+            batch = next(batches)
+            assert (batch.step, batch.sample_ids) == (step, (100 + step,))
+            assert stream.inbox.qsize() <= 6
+
+
 def _next_into(batches: Iterator[Any], raised: list[BaseException]) -> None:
     try:
         next(batches)

@@ -1,6 +1,7 @@
-"""collate_uniform (one header per step, vectorised copies per key) gives exactly what the
+"""collate_uniform (one header per step, a few copies per key) gives exactly what the
 per-sample path (decode, then collate) gives, for every batch form and any placement of the
-samples: evenly spaced runs, irregular offsets, two segments; and refuses what it cannot do."""
+samples: evenly spaced, in runs, irregular offsets, two segments; and refuses what it cannot
+do."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import torch
 
 from odbclient.collate import BatchForm, collate
 from odbclient.shm import align_up, decode, encode_into, encoded_size, read_meta
-from odbclient.step_collate import Run, SegmentTable, collate_uniform, runs
+from odbclient.step_collate import SegmentTable, _layout, collate_uniform
 
 HEADER_BYTES = 4096
 FORMS = {
@@ -33,8 +34,8 @@ def sample(i: int, length: int = 5) -> dict[str, object]:
 def table(segments: list[np.ndarray]) -> SegmentTable:
     return SegmentTable(
         [memoryview(s) for s in segments],
-        np.full(len(segments), HEADER_BYTES, np.uint64),
-        np.array([len(s) for s in segments], np.uint64),
+        [HEADER_BYTES] * len(segments),
+        [len(s) for s in segments],
     )
 
 
@@ -99,10 +100,23 @@ def test_uniform_steps_match_the_per_sample_path(
     assert all(torch.equal(fast.tensors[k], v) for k, v in kept.items())
 
 
-def test_steps_of_different_headers_go_the_per_sample_way() -> None:
-    samples = [sample(0, length=5), sample(1, length=7)]
-    fast, slow, _ = both(samples, [0, 0], BatchForm())
-    assert fast is None and slow.tensors["input_ids"].shape == (2, 7)
+@pytest.mark.parametrize("gaps", [[0] * 3, [0, 2, 0]], ids=["strided", "rows"])
+def test_empty_keys_collate_like_the_per_sample_path(gaps: list[int]) -> None:
+    fast, slow, _ = both([sample(i, length=0) for i in range(3)], gaps, BatchForm())
+    assert fast is not None
+    for key, value in slow.tensors.items():
+        got = fast.tensors[key]
+        assert isinstance(got, torch.Tensor) and isinstance(value, torch.Tensor)
+        assert got.shape == value.shape and got.dtype == value.dtype and torch.equal(got, value)
+
+
+@pytest.mark.parametrize(
+    "gaps", [[0, 0, 0], [0, 0, 3], [-1, -1, -1]], ids=["strided", "rows", "two-segments"]
+)
+def test_steps_of_different_headers_go_the_per_sample_way(gaps: list[int]) -> None:
+    samples = [sample(0, length=5), sample(1, length=5), sample(2, length=7)]
+    fast, slow, _ = both(samples, gaps, BatchForm())
+    assert fast is None and slow.tensors["input_ids"].shape == (3, 7)
 
 
 def test_a_reference_out_of_bounds_goes_the_per_sample_way() -> None:
@@ -115,29 +129,39 @@ def test_a_reference_out_of_bounds_goes_the_per_sample_way() -> None:
         assert out is None
 
 
-def test_runs_split_where_stride_or_segment_changes() -> None:
-    offsets = np.array([0, 10, 20, 25, 30, 100], np.uint64)
-    segments = np.array([0, 0, 0, 0, 0, 1], np.uint32)
-    assert runs(segments, offsets) == [Run(0, 3, 0, 10), Run(3, 5, 25, 5), Run(5, 6, 100, 0)]
-    # An off-stride row pairs with a neighbour instead of standing alone with it.
-    shifted = np.array([0, 100, 200, 364, 400, 500, 600], np.uint64)
-    assert runs(np.zeros(7, np.uint32), shifted) == [
-        Run(0, 3, 0, 100),
-        Run(3, 5, 364, 36),
-        Run(5, 7, 500, 100),
-    ]
-    assert runs(np.zeros(4, np.uint32), np.array([0, 100, 164, 264], np.uint64)) == [
-        Run(0, 2, 0, 100),
-        Run(2, 4, 164, 100),
-    ]
-    assert runs(np.zeros(1, np.uint32), np.array([64], np.uint64)) == [Run(0, 1, 64, 0)]
+def test_layout_is_strided_when_evenly_spaced_in_one_segment_and_names_several_segments() -> None:
+    segments = table([np.zeros(1 << 16, np.uint8), np.zeros(1 << 16, np.uint8)])
+    base = HEADER_BYTES
+    even = [base, base + 128, base + 256]
+    assert _layout(segments, [0, 0, 0], even, [100] * 3) == (0, 128)
+    assert _layout(segments, [1], [base], [100]) == (1, 1)
+    assert _layout(segments, [0, 0, 0], [base, base + 128, base + 320], [100] * 3) == (0, 0)
+    assert _layout(segments, [0, 0, 0], even[::-1], [100] * 3) == (0, 0)  # descending
+    assert _layout(segments, [0, 1, 0], even, [100] * 3) == (-1, 0)  # two segments
+    # Any reference outside its segment's allocatable region: None (the per-sample path).
+    assert _layout(segments, [0, 0], [base - 64, base], [100, 100]) is None
+    assert _layout(segments, [0, 0], [base, (1 << 16) - 64], [100, 100]) is None
+    assert _layout(segments, [0, 0], [base, base + 128], [100, (1 << 16) - base]) is None
+    assert _layout(segments, [0, 2], [base, base], [100, 100]) is None  # no segment 2
+    assert _layout(segments, [1, 0], [base, (1 << 16) - 64], [100, 100]) is None
 
 
-def test_stale_bytes_in_name_padding_do_not_split_a_layout() -> None:
+def test_steps_given_as_numpy_arrays_or_lists_collate_alike() -> None:
+    segments, refs = place([sample(i) for i in range(3)], [0, 2, 0])
+    lists = ([r[0] for r in refs], [r[1] for r in refs], [r[2] for r in refs])
+    arrays = (np.array(lists[0], np.uint32), np.array(lists[1], np.uint64), np.array(lists[2]))
+    from_lists = collate_uniform(table(segments), *lists, form=BatchForm())
+    from_arrays = collate_uniform(table(segments), *arrays, form=BatchForm())
+    assert from_lists is not None and from_arrays is not None
+    assert torch.equal(from_lists.tensors["pixels"], from_arrays.tensors["pixels"])
+
+
+@pytest.mark.parametrize("gaps", [[0] * 4, [0, 2, 0, 0]], ids=["strided", "rows"])
+def test_stale_bytes_in_name_padding_do_not_split_a_layout(gaps: list[int]) -> None:
     """encode_into leaves the padding after each key name as it was; in recycled shared memory
     two samples of one layout then differ there, and must still collate together."""
     samples = [sample(i) for i in range(4)]
-    segments, refs = place(samples, [0] * 4)
+    segments, refs = place(samples, gaps)
     for index, (seg, offset, _) in enumerate(refs):
         name_end = offset + 24 + 24 + 8 + len(b"input_ids")  # first key: 1-D "input_ids"
         segments[seg][name_end : name_end + 7] = index + 1  # garbage, different per sample
