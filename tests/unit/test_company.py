@@ -10,9 +10,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from odbd.planner import company
+from odbd.planner.config import Collate, CostModel
 from odbd.planner.round import plan_round
 from odbd.planner.types import SampleTable, UnitOffer
-from tests.unit.planner_factories import make_config, make_offers
+from tests.unit.planner_factories import make_config, make_offers, make_table
 
 
 def _walk(cost: np.ndarray, cap: np.ndarray) -> int:
@@ -169,3 +170,22 @@ def test_a_capped_round_splits_nothing_and_recirculates_what_it_holds(
     for offer, unit in zip(offers, plan.units, strict=True):
         seen = np.concatenate([unit.emitted.views, unit.leftover.views])
         assert sorted(seen.tolist()) == sorted(offer.samples.views.tolist())
+
+
+def test_a_round_in_which_every_group_would_wait_holds_nothing() -> None:
+    """Found by hypothesis (test_non_join_reaches_the_sample_quota): packed groups whose patch
+    work (p = 10) puts every one over the cap with a giant in the round; holding them all gave
+    T = 0 round after round, and a round without steps ages nothing, so nothing ever ran."""
+    config = replace(
+        make_config(world=6, per_node=3, budget=1135, buffer=2, collate=Collate.PACKED),
+        cost=CostModel(a=0.01, b=0.0, c=0.0, p=10.0),
+    )
+    first = make_table([1, 630, 1], 0)
+    second = make_table([1831, 55, 94], 3)  # the giant (> 1135)
+    offers = [
+        UnitOffer(0, replace(first, patches=np.array([1, 1, 3])), False),
+        UnitOffer(1, replace(second, patches=np.array([0, 0, 3])), False),
+    ]
+    plan = plan_round(offers, config, 0)
+    assert plan.num_steps >= 1
+    assert sum(len(u.leftover) for u in plan.units) < 6  # something ran

@@ -51,6 +51,11 @@ def _cap_and_holds(
         return None, None
     held = np.zeros(len(summaries), dtype=np.int64)
     held[sample] = company.held_counts(matrix, lengths, cap)
+    if all(s.num_groups <= h for s, h in zip(summaries, held, strict=True)):
+        # Every group would wait: the round would plan no step, and a round without steps
+        # ages nothing, so the same groups would wait again forever (a livelock hypothesis
+        # found: packed groups whose patch work puts them all over the cap). Nothing waits.
+        return None, None
     return cap, held
 
 
