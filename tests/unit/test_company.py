@@ -169,3 +169,33 @@ def test_a_capped_round_splits_nothing_and_recirculates_what_it_holds(
     for offer, unit in zip(offers, plan.units, strict=True):
         seen = np.concatenate([unit.emitted.views, unit.leftover.views])
         assert sorted(seen.tolist()) == sorted(offer.samples.views.tolist())
+
+
+def _ordinary_nodes(num_units: int):
+    # One-rank units, budget 1000, exact sort, no sample over the budget. Unit 0 cuts two
+    # singles of 1000 (work 1012 each, by b * l^2) and four groups of 4 x 250 (1003); every
+    # other unit the four 4 x 250 groups and two singles of 900 (910).
+    config = replace(
+        make_config(world=num_units, per_node=1, budget=1000, buffer=64), fresh_groups=False
+    )
+    heavy = [1000] * 2 + [250] * 16
+    light = [250] * 16 + [900] * 2
+    return config, make_offers(config, [heavy] + [light] * (num_units - 1))
+
+
+def test_with_enough_units_every_filling_round_is_capped_not_only_giant_ones() -> None:
+    config, offers = _ordinary_nodes(company.CAP_EVERY_ROUND_UNITS)
+    assert company.caps_every_round(config)
+    plan = plan_round(offers, config, 0)
+    # The cap is the other units' profile (4 x 1003, then 910): unit 0's two 1000s wait, T = 4
+    # without them, and every step runs four ranks of 1003; the others keep their 900s.
+    assert plan.num_steps == 4
+    assert plan.units[0].leftover.lengths.tolist() == [1000, 1000]
+    assert plan.units[0].leftover.ages.tolist() == [1, 1]
+    assert all(u.leftover.lengths.tolist() == [900, 900] for u in plan.units[1:])
+    assert np.ptp(plan.stats.work) == 0.0
+    # Fewer units keep the giant-only rule: no cap, every group runs in T = 6.
+    few_config, few_offers = _ordinary_nodes(company.CAP_EVERY_ROUND_UNITS - 1)
+    assert not company.caps_every_round(few_config)
+    few = plan_round(few_offers, few_config, 0)
+    assert few.num_steps == 6 and all(len(u.leftover) == 0 for u in few.units)

@@ -206,12 +206,15 @@ def test_summary_payload_does_not_grow_with_the_buffer():
     lengths = np.random.default_rng(0).integers(16, 12288, 8192)
     ordinary = UnitOffer(0, SampleTable.of(np.arange(8192), lengths), False)
     assert len(summarize(group_unit(ordinary, config, 0)).profile) == 0  # no giant, no profile
+    # ... unless enough units cap every round (company.caps_every_round): 4 nodes of 8
+    every_round = make_config(world=32, per_node=8, budget=12288, buffer=1024)
+    assert len(summarize(group_unit(ordinary, every_round, 0)).profile) == company.PROFILE_DEPTH
     lengths[0] = 20_000  # one sample over the budget: the cost profile rides along
     offer = UnitOffer(0, SampleTable.of(np.arange(8192), lengths), False)
     summary = summarize(group_unit(offer, config, 0))
     assert len(summary.profile) == company.PROFILE_DEPTH
     payload = summary_codec.encode_summary(summary_codec.NodeSummary(0, 0, (summary,)))
-    # company.PROFILE_DEPTH float64s (2 KiB) and a header, whatever the buffer size, vs 24
+    # company.PROFILE_DEPTH float64s (8 KiB) and a header, whatever the buffer size, vs 24
     # bytes per sample (192 KiB here) in the offer payload
     assert len(payload) < 8 * company.PROFILE_DEPTH + 128
     decoded = summary_codec.decode_summary(payload).units[0]

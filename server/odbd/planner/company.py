@@ -25,9 +25,19 @@ So each round every unit runs its costly groups only as deep as a shared cap all
 Bounds: a group whose samples were recirculated MAX_HOLD_ROUNDS times runs whatever the cap
 says (the unit then runs more than the others counted, which only adds surplus), so a sample
 waits at most that many rounds and DESIGN.md section 3.3's O(N/W + D) rounds keeps its form;
-nothing waits once a unit is dry (the epoch's last rounds drain); and only rounds with a sample
-over the budget (a giant) cap anything: capping every round moved sharegpt4o's odbd/node-local
-at W=128 by 0.0007.
+nothing waits once a unit is dry (the epoch's last rounds drain).
+
+Which rounds are capped: with CAP_EVERY_ROUND_UNITS units or more, every round while all units
+fill; with fewer, only rounds with a sample over the budget (a giant). Without giants the same
+rule paces ordinary groups: a unit whose buffer holds more long-sample groups (costlier, by
+b * l^2) than the quantile unit's runs them in later rounds, so no unit is the slowest of every
+step of a round while its ranks idle in another; that loss grows with the units (W=1024,
+sharegpt4o: the sum over rounds of the slowest node's work exceeded the slowest node's epoch
+work by 0.93 % of the epoch's time). With two units the quantile is the smaller and capping
+every round cost sharegpt4o 0.2 % and all-short 0.9 % at W=16, so few units keep the giant
+rule. Measured odbd/node-local with the cap in every round (before: giants only, depth 256):
+sharegpt4o 0.986 -> 0.992 and trimodal 0.989 -> 0.994 at W=1024; 0.989 -> 0.992 and
+0.993 -> 0.995 at W=128.
 
 The numbers below are odbd/node-local oracle on bench-planner's workloads at W=128 (reproduce
 one by setting the constant and running the oracle table with ODBD_BENCH_ORACLE_WORLDS=128);
@@ -47,7 +57,12 @@ from odbd.planner.types import FloatArray, IntArray
 # Profile positions compared, i.e. the costliest groups a summary carries (8 bytes each):
 # depth 32 / 64 / 128 / 256 gave 0.959 / 0.973 / 0.974 / 0.975 on the heavy tail, and
 # 64 / 128 / 256 gave 0.976 / 0.979 / 0.984 over the budget (~245 giants per unit and round).
-PROFILE_DEPTH = 256
+# Capping every round needs most of a unit's groups (~1,140 a round on sharegpt4o at buffer
+# 1024): depth 256 / 512 / 1024 / 2048 gave 0.958 / 0.961 / 0.964 / 0.964 efficiency on
+# sharegpt4o at W=1024 (over the budget: 0.962 at 256, 0.966 / 0.967 at 512 / 1024).
+PROFILE_DEPTH = 1024
+# Units from which every filling round is capped, not only rounds with a giant (see above).
+CAP_EVERY_ROUND_UNITS = 4
 # Which quantile of the units' profiles caps a position (0 = the unit with the fewest costly
 # groups): 0.1 / 0.25 / 0.5 gave 0.971 / 0.973 / 0.970 on the heavy tail (depth 64).
 CAP_QUANTILE = 0.25
@@ -73,15 +88,20 @@ def outsized_work(config: PlannerConfig) -> float:
     return float(config.cost.work(budget, budget * budget, float(config.max_patches)))
 
 
-def cost_profile(cost: FloatArray, threshold: float) -> FloatArray:
-    """(<= PROFILE_DEPTH,) the unit's costliest groups' costs, descending, if any is outsized;
-    empty otherwise (no payload for buffers without a giant).
+def caps_every_round(config: PlannerConfig) -> bool:
+    """Whether every filling round is capped (enough units), not only rounds with a giant."""
+    return config.num_units >= CAP_EVERY_ROUND_UNITS
+
+
+def cost_profile(cost: FloatArray, threshold: float, always: bool = False) -> FloatArray:
+    """(<= PROFILE_DEPTH,) the unit's costliest groups' costs, descending, if any is outsized
+    or `always` (caps_every_round); empty otherwise (no payload for buffers without a giant).
 
     Its ordinary groups count too: where the quantile unit runs ordinary groups, the cap holds
     back another unit's giants (outsized only: 0.971 on the heavy tail at W=128 vs 0.975).
     """
     cost = np.asarray(cost, dtype=np.float64)
-    if not bool((cost > threshold).any()):
+    if not always and not bool((cost > threshold).any()):
         return np.zeros(0)
     return -np.sort(-cost)[:PROFILE_DEPTH]
 
