@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from odbd.planner import company
-from odbd.planner.round import plan_round
+from odbd.planner.round import RoundTrace, plan_round
 from odbd.planner.types import SampleTable, UnitOffer
 from tests.unit.planner_factories import make_config, make_offers
 
@@ -118,18 +118,23 @@ def test_a_giant_that_waited_max_hold_rounds_runs_and_dry_rounds_hold_nothing():
 def test_past_cap_sample_units_every_kth_unit_sets_the_cap_and_the_others_never_split():
     assert company.sampled_units(company.CAP_SAMPLE_UNITS) == slice(None, None, 1)
     assert company.sampled_units(company.CAP_SAMPLE_UNITS + 1) == slice(None, None, 2)
-    # 300 one-rank units (every 2nd sampled): the odd ones have three giants and only three
-    # ordinary groups, so T (from the sampled units, which hold their extra giants) leaves
-    # them too little room to hold theirs: they run the cheapest held giant, split nothing.
-    num_units = 300
+    # 2 x CAP_SAMPLE_UNITS one-rank units (every 2nd sampled): the odd ones have three giants
+    # and only three ordinary groups, so T (from the sampled units, which hold their extra
+    # giants) leaves them too little room to hold theirs: they run the cheapest held giant,
+    # split nothing.
+    num_units = 2 * company.CAP_SAMPLE_UNITS
+    assert [company.is_sampled(u, num_units) for u in range(4)] == [True, False, True, False]
     config = replace(
         make_config(world=num_units, per_node=1, budget=1000, buffer=64), fresh_groups=False
     )
     sampled = [5000] + [250] * 16 + [900] * 2  # giant, 4 x (4 x 250), 2 x 900: 7 groups
     odd = [5200, 5100, 5000] + [250] * 12  # 3 giants + 3 x (4 x 250): 6 groups
-    plan = plan_round(
-        make_offers(config, [odd if u % 2 else sampled for u in range(num_units)]), config, 0
-    )
+    offers = make_offers(config, [odd if u % 2 else sampled for u in range(num_units)])
+    plan = plan_round(offers, config, 0)
+    # Only the sampled units' summaries carry their profile (the payload phase 1 reads).
+    trace = RoundTrace()
+    plan_round(offers, config, 0, trace)
+    assert [len(s.profile) > 0 for s in trace.summaries[0][:4]] == [True, False, True, False]
     assert plan.num_steps == 6  # min(7 sampled, 6 odd): every unit fills it
     assert all(u.num_splits == 0 for u in plan.units)
     # A sampled unit recirculates its surplus (a 900 single, the least full group) as always.

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from odbd.planner import company
 from odbd.planner.company import caps_every_round, cost_profile, outsized_work
 from odbd.planner.config import Collate, CostModel, Grouping, PlannerConfig
 from odbd.planner.grouping import group_buffer
@@ -103,16 +104,18 @@ def group_unit(offer: UnitOffer, config: PlannerConfig, round_index: int) -> Gro
     return GroupedUnit(offer, groups, buffer, work, ages, profile)
 
 
-def summarize(unit: GroupedUnit) -> UnitSummary:
-    """The unit's summary for the round payload."""
+def summarize(unit: GroupedUnit, num_units: int) -> UnitSummary:
+    """The unit's summary for the round payload: its profile only if phase 1 reads it
+    (company.sampled_units of `num_units`); the unit keeps it for its own holds either way."""
     samples = unit.offer.samples
+    shown = company.is_sampled(unit.offer.unit, num_units)
     return UnitSummary(
         unit=unit.offer.unit,
         dry=unit.offer.dry,
         num_samples=len(samples),
         num_groups=len(unit.groups),
         max_length=int(samples.lengths.max()) if len(samples) else 0,
-        profile=unit.profile,
+        profile=unit.profile if shown else np.zeros(0),
     )
 
 
