@@ -165,12 +165,13 @@ def held_counts(matrix: FloatArray, lengths: IntArray, cap: FloatArray) -> IntAr
     if units == 0 or depth == 0:
         return np.zeros(units, dtype=np.int64)
     seen = np.minimum(lengths, depth)
-    # first[u, i] = #{j: cap[j] >= c_ui}: group i exceeds the cap from position first[u, i] on
-    first = np.searchsorted(-cap, -matrix[:, :depth], side="right")
-    first[np.arange(depth)[None, :] >= seen[:, None]] = depth  # past a unit's groups
-    rows = np.repeat(np.arange(units) * (depth + 1), depth)
-    hist = np.bincount(rows + first.ravel(), minlength=units * (depth + 1))
-    exceeding = np.cumsum(hist.reshape(units, depth + 1), axis=1)[:, :depth]
+    # exceeding[u, j] = s_j of unit u. The cap takes one value per run of G positions, so each
+    # unit's (descending) row is searched for those few values, not for every position.
+    levels, level_of = np.unique(cap, return_inverse=True)
+    above = np.empty((units, len(levels)), dtype=np.int64)
+    for u in range(units):  # #{i < seen_u: c_ui > v} for every level v
+        above[u] = np.searchsorted(-matrix[u, : seen[u]], -levels, side="left")
+    exceeding = above[:, level_of]
     position = np.arange(depth)
     runs_at = position + np.maximum.accumulate(exceeding - position, axis=1)
     return seen - (runs_at < seen[:, None]).sum(axis=1)
