@@ -36,8 +36,8 @@ sharegpt4o: the sum over rounds of the slowest node's work exceeded the slowest 
 work by 0.93 % of the epoch's time). With two units the quantile is the smaller and capping
 every round cost sharegpt4o 0.2 % and all-short 0.9 % at W=16, so few units keep the giant
 rule. Measured odbd/node-local with the cap in every round (before: giants only, depth 256):
-sharegpt4o 0.986 -> 0.992 and trimodal 0.989 -> 0.994 at W=1024; 0.989 -> 0.992 and
-0.993 -> 0.995 at W=128.
+sharegpt4o 0.986 -> 0.991 and trimodal 0.989 -> 0.994 at W=1024; 0.989 -> 0.992 and
+0.993 -> 0.995 at W=128 (docs/bench/planner.md, second pass).
 
 The numbers below are odbd/node-local oracle on bench-planner's workloads at W=128 (reproduce
 one by setting the constant and running the oracle table with ODBD_BENCH_ORACLE_WORLDS=128);
@@ -59,7 +59,8 @@ from odbd.planner.types import FloatArray, IntArray
 # 64 / 128 / 256 gave 0.976 / 0.979 / 0.984 over the budget (~245 giants per unit and round).
 # Capping every round needs most of a unit's groups (~1,140 a round on sharegpt4o at buffer
 # 1024): depth 256 / 512 / 1024 / 2048 gave 0.958 / 0.961 / 0.964 / 0.964 efficiency on
-# sharegpt4o at W=1024 (over the budget: 0.962 at 256, 0.966 / 0.967 at 512 / 1024).
+# sharegpt4o at W=1024, every unit sampled (over the budget: 0.962 at 256, 0.966 / 0.967 at
+# 512 / 1024).
 PROFILE_DEPTH = 1024
 # Units from which every filling round is capped, not only rounds with a giant (see above).
 CAP_EVERY_ROUND_UNITS = 4
