@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from odbd.planner import company
 from odbd.planner.config import Collate, CostModel
-from odbd.planner.round import plan_round
+from odbd.planner.round import RoundTrace, plan_round
 from odbd.planner.types import SampleTable, UnitOffer
 from tests.unit.planner_factories import make_config, make_offers, make_table
 
@@ -119,18 +119,23 @@ def test_a_giant_that_waited_max_hold_rounds_runs_and_dry_rounds_hold_nothing():
 def test_past_cap_sample_units_every_kth_unit_sets_the_cap_and_the_others_never_split():
     assert company.sampled_units(company.CAP_SAMPLE_UNITS) == slice(None, None, 1)
     assert company.sampled_units(company.CAP_SAMPLE_UNITS + 1) == slice(None, None, 2)
-    # 300 one-rank units (every 2nd sampled): the odd ones have three giants and only three
-    # ordinary groups, so T (from the sampled units, which hold their extra giants) leaves
-    # them too little room to hold theirs: they run the cheapest held giant, split nothing.
-    num_units = 300
+    # 2 x CAP_SAMPLE_UNITS one-rank units (every 2nd sampled): the odd ones have three giants
+    # and only three ordinary groups, so T (from the sampled units, which hold their extra
+    # giants) leaves them too little room to hold theirs: they run the cheapest held giant,
+    # split nothing.
+    num_units = 2 * company.CAP_SAMPLE_UNITS
+    assert [company.is_sampled(u, num_units) for u in range(4)] == [True, False, True, False]
     config = replace(
         make_config(world=num_units, per_node=1, budget=1000, buffer=64), fresh_groups=False
     )
     sampled = [5000] + [250] * 16 + [900] * 2  # giant, 4 x (4 x 250), 2 x 900: 7 groups
     odd = [5200, 5100, 5000] + [250] * 12  # 3 giants + 3 x (4 x 250): 6 groups
-    plan = plan_round(
-        make_offers(config, [odd if u % 2 else sampled for u in range(num_units)]), config, 0
-    )
+    offers = make_offers(config, [odd if u % 2 else sampled for u in range(num_units)])
+    plan = plan_round(offers, config, 0)
+    # Only the sampled units' summaries carry their profile (the payload phase 1 reads).
+    trace = RoundTrace()
+    plan_round(offers, config, 0, trace)
+    assert [len(s.profile) > 0 for s in trace.summaries[0][:4]] == [True, False, True, False]
     assert plan.num_steps == 6  # min(7 sampled, 6 odd): every unit fills it
     assert all(u.num_splits == 0 for u in plan.units)
     # A sampled unit recirculates its surplus (a 900 single, the least full group) as always.
@@ -189,3 +194,33 @@ def test_a_round_in_which_every_group_would_wait_holds_nothing() -> None:
     plan = plan_round(offers, config, 0)
     assert plan.num_steps >= 1
     assert sum(len(u.leftover) for u in plan.units) < 6  # something ran
+
+
+def _ordinary_nodes(num_units: int):
+    # One-rank units, budget 1000, exact sort, no sample over the budget. Unit 0 cuts two
+    # singles of 1000 (work 1012 each, by b * l^2) and four groups of 4 x 250 (1003); every
+    # other unit the four 4 x 250 groups and two singles of 900 (910).
+    config = replace(
+        make_config(world=num_units, per_node=1, budget=1000, buffer=64), fresh_groups=False
+    )
+    heavy = [1000] * 2 + [250] * 16
+    light = [250] * 16 + [900] * 2
+    return config, make_offers(config, [heavy] + [light] * (num_units - 1))
+
+
+def test_with_enough_units_every_filling_round_is_capped_not_only_giant_ones() -> None:
+    config, offers = _ordinary_nodes(company.CAP_EVERY_ROUND_UNITS)
+    assert company.caps_every_round(config)
+    plan = plan_round(offers, config, 0)
+    # The cap is the other units' profile (4 x 1003, then 910): unit 0's two 1000s wait, T = 4
+    # without them, and every step runs four ranks of 1003; the others keep their 900s.
+    assert plan.num_steps == 4
+    assert plan.units[0].leftover.lengths.tolist() == [1000, 1000]
+    assert plan.units[0].leftover.ages.tolist() == [1, 1]
+    assert all(u.leftover.lengths.tolist() == [900, 900] for u in plan.units[1:])
+    assert np.ptp(plan.stats.work) == 0.0
+    # Fewer units keep the giant-only rule: no cap, every group runs in T = 6.
+    few_config, few_offers = _ordinary_nodes(company.CAP_EVERY_ROUND_UNITS - 1)
+    assert not company.caps_every_round(few_config)
+    few = plan_round(few_offers, few_config, 0)
+    assert few.num_steps == 6 and all(len(u.leftover) == 0 for u in few.units)

@@ -14,7 +14,12 @@ from odbd.planner.grouping import group_buffer
 from odbd.planner.sampler import sampler_identities
 from odbd.planner.types import StepStats
 from odbd.simulate.distributions import sample_lengths
-from odbd.simulate.oracle import node_local_bound, node_oracle_stats, oracle_stats
+from odbd.simulate.oracle import (
+    data_local_lower_bound,
+    node_local_bound,
+    node_oracle_stats,
+    oracle_stats,
+)
 from odbd.simulate.report import summarize
 from odbd.world import World
 from tests.unit.planner_factories import make_table
@@ -163,3 +168,22 @@ def test_no_data_local_plan_of_the_same_groups_beats_the_bound(
     )
     if num_nodes == 1 and per_node == 1:  # one rank: every plan is its bound
         assert oracle_time == pytest.approx(bound.simulated_time)
+    # Whatever the groups: neither data-local plan beats the bound from the lengths alone, and
+    # it is no tighter than either plan's bound of its own groups.
+    loose = data_local_lower_bound(arr, world_size=world, ranks_per_node=per_node, budget=budget,
+                                   cost=cost)  # fmt: skip
+    for own in (bound, ours_bound):
+        assert loose.num_steps <= own.num_steps
+        assert loose.busiest_node_work <= own.busiest_node_work * (1 + 1e-12)
+
+
+def test_data_local_lower_bound_counts_each_nodes_least_groups_and_work() -> None:
+    # W = 2, one rank per node, no shuffle: node 0 gets views 0, 2, 4 (lengths 30, 5, 5), node 1
+    # views 1, 3, 5 (25, 8, 0; the 0-length sample is rejected). Budget 20: node 0 needs the
+    # 30 alone plus ceil(10 / 20) = 1 group, node 1 the 25 alone plus ceil(8 / 20) = 1.
+    lengths = np.array([30, 25, 5, 8, 5, 0])
+    bound = data_local_lower_bound(
+        lengths, world_size=2, ranks_per_node=1, budget=20, cost=LINEAR, shuffle=False
+    )
+    assert (bound.num_steps, bound.busiest_node_work) == (2, 40.0)  # max(30+5+5, 25+8)
+    assert bound.simulated_time == 2 * LINEAR.c + 40.0

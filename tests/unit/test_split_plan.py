@@ -86,7 +86,9 @@ def node_round(
 ):
     """What one daemon computes, seeing only its own offers and the exchanged bytes."""
     grouped = [group_unit(o, config, round_index) for o in own]
-    mine = summary_codec.NodeSummary(node, 0, tuple(summarize(u) for u in grouped))
+    mine = summary_codec.NodeSummary(
+        node, 0, tuple(summarize(u, config.num_units) for u in grouped)
+    )
     if summary_payloads is None:
         return summary_codec.encode_summary(mine), None, None
     summaries = [u for p in summary_payloads for u in summary_codec.decode_summary(p).units]
@@ -205,13 +207,16 @@ def test_summary_payload_does_not_grow_with_the_buffer():
     config = make_config(world=8, per_node=8, budget=12288, buffer=1024)
     lengths = np.random.default_rng(0).integers(16, 12288, 8192)
     ordinary = UnitOffer(0, SampleTable.of(np.arange(8192), lengths), False)
-    assert len(summarize(group_unit(ordinary, config, 0)).profile) == 0  # no giant, no profile
+    assert len(summarize(group_unit(ordinary, config, 0), 1).profile) == 0  # no giant, no profile
+    # ... unless enough units cap every round (company.caps_every_round): 4 nodes of 8
+    every_round = make_config(world=32, per_node=8, budget=12288, buffer=1024)
+    assert len(summarize(group_unit(ordinary, every_round, 0), 4).profile) == company.PROFILE_DEPTH
     lengths[0] = 20_000  # one sample over the budget: the cost profile rides along
     offer = UnitOffer(0, SampleTable.of(np.arange(8192), lengths), False)
-    summary = summarize(group_unit(offer, config, 0))
+    summary = summarize(group_unit(offer, config, 0), 1)
     assert len(summary.profile) == company.PROFILE_DEPTH
     payload = summary_codec.encode_summary(summary_codec.NodeSummary(0, 0, (summary,)))
-    # company.PROFILE_DEPTH float64s (2 KiB) and a header, whatever the buffer size, vs 24
+    # company.PROFILE_DEPTH float64s (8 KiB) and a header, whatever the buffer size, vs 24
     # bytes per sample (192 KiB here) in the offer payload
     assert len(payload) < 8 * company.PROFILE_DEPTH + 128
     decoded = summary_codec.decode_summary(payload).units[0]
@@ -224,7 +229,9 @@ def test_totals_payload_round_trips_bit_for_bit():
     offers = [UnitOffer(u, SampleTable.of(np.arange(8) + 8 * u, [100 + u] * 8), False)
               for u in range(2)]  # fmt: skip
     grouped = [group_unit(offers[0], config, 0)]
-    decision = decide_round([summarize(group_unit(o, config, 0)) for o in offers], config, 0)
+    decision = decide_round(
+        [summarize(group_unit(o, config, 0), config.num_units) for o in offers], config, 0
+    )
     totals = plan_node(0, grouped, decision, config).totals
     back = summary_codec.decode_totals(summary_codec.encode_totals(totals))
     assert back.node == 0 and back.drained == totals.drained

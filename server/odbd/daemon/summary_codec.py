@@ -15,7 +15,8 @@ Totals payload, version 1:
     then num_steps loss tokens, num_steps samples (int32 when every count fits, else int64),
     [num_steps float64 approx weights]
 
-Sizes do not grow with the buffer: ~0.6 KiB per unit plus 8 bytes per step, against offer
+Sizes do not grow with the buffer: at most ~8 KiB per unit (company.py's profile of PROFILE_DEPTH
+float64s) plus 8 bytes per step, against offer
 codec's 24 bytes per buffered sample (192 KiB per 8-rank node at --buffer 1024). Floats travel
 as their IEEE bytes, so every daemon decides from bit-identical summaries.
 """

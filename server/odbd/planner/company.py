@@ -25,9 +25,19 @@ So each round every unit runs its costly groups only as deep as a shared cap all
 Bounds: a group whose samples were recirculated MAX_HOLD_ROUNDS times runs whatever the cap
 says (the unit then runs more than the others counted, which only adds surplus), so a sample
 waits at most that many rounds and DESIGN.md section 3.3's O(N/W + D) rounds keeps its form;
-nothing waits once a unit is dry (the epoch's last rounds drain); and only rounds with a sample
-over the budget (a giant) cap anything: capping every round moved sharegpt4o's odbd/node-local
-at W=128 by 0.0007.
+nothing waits once a unit is dry (the epoch's last rounds drain).
+
+Which rounds are capped: with CAP_EVERY_ROUND_UNITS units or more, every round while all units
+fill; with fewer, only rounds with a sample over the budget (a giant). Without giants the same
+rule paces ordinary groups: a unit whose buffer holds more long-sample groups (costlier, by
+b * l^2) than the quantile unit's runs them in later rounds, so no unit is the slowest of every
+step of a round while its ranks idle in another; that loss grows with the units (W=1024,
+sharegpt4o: the sum over rounds of the slowest node's work exceeded the slowest node's epoch
+work by 0.93 % of the epoch's time). With two units the quantile is the smaller and capping
+every round cost sharegpt4o 0.2 % and all-short 0.9 % at W=16, so few units keep the giant
+rule. Measured odbd/node-local with the cap in every round (before: giants only, depth 256):
+sharegpt4o 0.986 -> 0.991 and trimodal 0.989 -> 0.994 at W=1024; 0.989 -> 0.992 and
+0.993 -> 0.995 at W=128 (docs/bench/planner.md, second pass).
 
 The numbers below are odbd/node-local oracle on bench-planner's workloads at W=128 (reproduce
 one by setting the constant and running the oracle table with ODBD_BENCH_ORACLE_WORLDS=128);
@@ -47,23 +57,41 @@ from odbd.planner.types import FloatArray, IntArray
 # Profile positions compared, i.e. the costliest groups a summary carries (8 bytes each):
 # depth 32 / 64 / 128 / 256 gave 0.959 / 0.973 / 0.974 / 0.975 on the heavy tail, and
 # 64 / 128 / 256 gave 0.976 / 0.979 / 0.984 over the budget (~245 giants per unit and round).
-PROFILE_DEPTH = 256
+# Capping every round needs most of a unit's groups (~1,140 a round on sharegpt4o at buffer
+# 1024): depth 256 / 512 / 1024 / 2048 gave 0.958 / 0.961 / 0.964 / 0.964 efficiency on
+# sharegpt4o at W=1024, every unit sampled (over the budget: 0.962 at 256, 0.966 / 0.967 at
+# 512 / 1024).
+PROFILE_DEPTH = 1024
+# Units from which every filling round is capped, not only rounds with a giant (see above).
+CAP_EVERY_ROUND_UNITS = 4
 # Which quantile of the units' profiles caps a position (0 = the unit with the fewest costly
 # groups): 0.1 / 0.25 / 0.5 gave 0.971 / 0.973 / 0.970 on the heavy tail (depth 64).
 CAP_QUANTILE = 0.25
 # Rounds a group may wait: 6 / 12 gave 0.969 / 0.973 at depth 64, 8 / 12 gave 0.975 / 0.974 at
 # depth 256 (fewer rounds force giants out while the other units have none to match them).
 MAX_HOLD_ROUNDS = 8
-# Units whose profiles set the cap and T, every k-th from unit 0 past this many (W > 2048):
-# the quantile of 256 units is as good a cap as that of all, and phase 1 over all 1,024 units
-# of W=8192 took ~20 ms a round (np.partition and held_counts). A unit left out that lacks
-# room for T steps without its held groups runs the cheapest of them (node_plan.py).
-CAP_SAMPLE_UNITS = 256
+# Units whose profiles set the cap and T, every k-th from unit 0 past this many (W > 512);
+# only their summaries carry a profile. The quantile of 64 units is as good a cap as that of
+# all: at W=1024 (128 units) sampling 64 / all gave 0.963 / 0.964 efficiency on sharegpt4o and
+# 0.934 / 0.932 on the heavy tail, and it keeps phase 1 (np.partition and held_counts over
+# units x PROFILE_DEPTH) and the profiles every daemon receives (64 x 8 KiB a round) flat in W.
+# A unit left out still holds by the cap on its node; one that lacks room for T steps without
+# its held groups runs the cheapest of them (node_plan.py).
+CAP_SAMPLE_UNITS = 64
 
 
 def sampled_units(num_units: int) -> slice:
     """The units phase 1 reads profiles of: all, or every k-th from unit 0."""
-    return slice(None, None, max(-(-num_units // CAP_SAMPLE_UNITS), 1))
+    return slice(None, None, _sample_step(num_units))
+
+
+def is_sampled(unit: int, num_units: int) -> bool:
+    """Whether `unit` is one of sampled_units(num_units): its summary carries its profile."""
+    return unit % _sample_step(num_units) == 0
+
+
+def _sample_step(num_units: int) -> int:
+    return max(-(-num_units // CAP_SAMPLE_UNITS), 1)
 
 
 def outsized_work(config: PlannerConfig) -> float:
@@ -73,15 +101,20 @@ def outsized_work(config: PlannerConfig) -> float:
     return float(config.cost.work(budget, budget * budget, float(config.max_patches)))
 
 
-def cost_profile(cost: FloatArray, threshold: float) -> FloatArray:
-    """(<= PROFILE_DEPTH,) the unit's costliest groups' costs, descending, if any is outsized;
-    empty otherwise (no payload for buffers without a giant).
+def caps_every_round(config: PlannerConfig) -> bool:
+    """Whether every filling round is capped (enough units), not only rounds with a giant."""
+    return config.num_units >= CAP_EVERY_ROUND_UNITS
+
+
+def cost_profile(cost: FloatArray, threshold: float, always: bool = False) -> FloatArray:
+    """(<= PROFILE_DEPTH,) the unit's costliest groups' costs, descending, if any is outsized
+    or `always` (caps_every_round); empty otherwise (no payload for buffers without a giant).
 
     Its ordinary groups count too: where the quantile unit runs ordinary groups, the cap holds
     back another unit's giants (outsized only: 0.971 on the heavy tail at W=128 vs 0.975).
     """
     cost = np.asarray(cost, dtype=np.float64)
-    if not bool((cost > threshold).any()):
+    if not always and not bool((cost > threshold).any()):
         return np.zeros(0)
     return -np.sort(-cost)[:PROFILE_DEPTH]
 
@@ -133,12 +166,13 @@ def held_counts(matrix: FloatArray, lengths: IntArray, cap: FloatArray) -> IntAr
     if units == 0 or depth == 0:
         return np.zeros(units, dtype=np.int64)
     seen = np.minimum(lengths, depth)
-    # first[u, i] = #{j: cap[j] >= c_ui}: group i exceeds the cap from position first[u, i] on
-    first = np.searchsorted(-cap, -matrix[:, :depth], side="right")
-    first[np.arange(depth)[None, :] >= seen[:, None]] = depth  # past a unit's groups
-    rows = np.repeat(np.arange(units) * (depth + 1), depth)
-    hist = np.bincount(rows + first.ravel(), minlength=units * (depth + 1))
-    exceeding = np.cumsum(hist.reshape(units, depth + 1), axis=1)[:, :depth]
+    # exceeding[u, j] = s_j of unit u. The cap takes one value per run of G positions, so each
+    # unit's (descending) row is searched for those few values, not for every position.
+    levels, level_of = np.unique(cap, return_inverse=True)
+    above = np.empty((units, len(levels)), dtype=np.int64)
+    for u in range(units):  # #{i < seen_u: c_ui > v} for every level v
+        above[u] = np.searchsorted(-matrix[u, : seen[u]], -levels, side="left")
+    exceeding = above[:, level_of]
     position = np.arange(depth)
     runs_at = position + np.maximum.accumulate(exceeding - position, axis=1)
     return seen - (runs_at < seen[:, None]).sum(axis=1)

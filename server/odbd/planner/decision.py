@@ -1,6 +1,6 @@
 """Phase 1 of a round (summary.py lists the phases): what every daemon decides from summaries.
 
-Input: one UnitSummary per unit (~40 bytes, 2 KiB with company.py's profile); output: the
+Input: one UnitSummary per unit (~40 bytes, 8 KiB with company.py's profile); output: the
 round's step count T, the shared step order, and company.py's cap profile. Cost O(units +
 min(units, CAP_SAMPLE_UNITS) x PROFILE_DEPTH), no sample is looked at, and every daemon
 computes the same RoundDecision from the same summaries.
@@ -36,12 +36,14 @@ def _cap_and_holds(
     summaries: Sequence[UnitSummary], config: PlannerConfig
 ) -> tuple[FloatArray | None, IntArray | None]:
     """company.py's cap profile and every unit's held count (0 for units it does not sample),
-    in min-time rounds that hold a giant (a sample over the budget) while every unit still
-    fills; no group waits in the others."""
+    in min-time rounds while every unit still fills: every such round with enough units
+    (company.caps_every_round), else those that hold a giant (a sample over the budget); no
+    group waits in the others."""
+    no_giant = all(s.max_length <= config.token_budget for s in summaries)
     if (
         config.grouping is Grouping.PAPER
         or any(s.dry for s in summaries)
-        or all(s.max_length <= config.token_budget for s in summaries)
+        or (no_giant and not company.caps_every_round(config))
     ):
         return None, None
     sample = company.sampled_units(len(summaries))

@@ -83,7 +83,7 @@ def plan_round(
     for node in nodes:
         with clock.local(node):
             mine = [group_unit(offers[u], config, round_index) for u in units_of_node(config, node)]
-            summaries += [summarize(u) for u in mine]
+            summaries += [summarize(u, config.num_units) for u in mine]
         grouped.append(mine)
     with clock.shared():
         decision = decide_round(summaries, config, round_index)

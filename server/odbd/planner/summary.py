@@ -3,7 +3,7 @@
 A round is planned in phases so that no daemon touches another node's samples (issue 14, part 2):
 
 0. local  (this module): each node groups its own units' buffers and sends a `UnitSummary` per
-   unit, ~40 bytes (2 KiB with a sample over the budget) whatever the buffer size
+   unit, ~40 bytes (8 KiB with company.py's profile) whatever the buffer size
 1. global (decision.py): every daemon decides the round's step count and shared orders from
    the summaries of every unit (O(units), the same on every daemon)
 2. local  (node_plan.py): each node fits and assigns its own groups to (rank, step)
@@ -22,7 +22,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from odbd.planner.company import cost_profile, outsized_work
+from odbd.planner import company
+from odbd.planner.company import caps_every_round, cost_profile, outsized_work
 from odbd.planner.config import Collate, CostModel, Grouping, PlannerConfig
 from odbd.planner.grouping import group_buffer
 from odbd.planner.packing import group_with_budgets
@@ -85,7 +86,9 @@ class GroupedUnit:
     # (num_groups,) a * padded + b * sum l^2 + p * patches of each group (min-time only)
     work: FloatArray
     ages: IntArray  # (num_groups,) the most rounds any member was recirculated (min-time only)
-    profile: FloatArray  # company.py's cost profile (min-time, with an outsized group only)
+    # company.py's cost profile (min-time: with an outsized group, or in every round when
+    # company.caps_every_round)
+    profile: FloatArray
 
 
 def group_unit(offer: UnitOffer, config: PlannerConfig, round_index: int) -> GroupedUnit:
@@ -97,20 +100,22 @@ def group_unit(offer: UnitOffer, config: PlannerConfig, round_index: int) -> Gro
         return GroupedUnit(offer, groups, buffer, none.astype(np.float64), none, np.zeros(0))
     work = buffer.work(groups.starts, groups.ends, config.cost)
     ages = range_max(buffer.ages, groups)
-    profile = cost_profile(work, outsized_work(config))
+    profile = cost_profile(work, outsized_work(config), caps_every_round(config))
     return GroupedUnit(offer, groups, buffer, work, ages, profile)
 
 
-def summarize(unit: GroupedUnit) -> UnitSummary:
-    """The unit's summary for the round payload."""
+def summarize(unit: GroupedUnit, num_units: int) -> UnitSummary:
+    """The unit's summary for the round payload: its profile only if phase 1 reads it
+    (company.sampled_units of `num_units`); the unit keeps it for its own holds either way."""
     samples = unit.offer.samples
+    shown = company.is_sampled(unit.offer.unit, num_units)
     return UnitSummary(
         unit=unit.offer.unit,
         dry=unit.offer.dry,
         num_samples=len(samples),
         num_groups=len(unit.groups),
         max_length=int(samples.lengths.max()) if len(samples) else 0,
-        profile=unit.profile,
+        profile=unit.profile if shown else np.zeros(0),
     )
 
 

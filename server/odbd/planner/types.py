@@ -226,6 +226,7 @@ class UnitSummary:
     max_length: int  # its longest sample: a group over the budget turns company.py's cap on
     # (<= company.PROFILE_DEPTH,) its costliest groups' work, descending (company.py's
     # profile); empty in a buffer without an outsized group (one sample over the budget)
+    # unless company.caps_every_round, and in units phase 1 does not sample
     profile: FloatArray
 
 
