@@ -241,14 +241,11 @@ def oracle_row(workload: str, world_size: int) -> OracleRow:
     oracle = oracle_stats(
         lengths, world_size=world_size, budget=BUDGET, cost=config.cost, seed=SEED
     )
-    node_oracle = node_oracle_stats(
-        lengths,
-        world_size=world_size,
-        ranks_per_node=RANKS_PER_NODE,
-        budget=BUDGET,
-        cost=config.cost,
-        seed=SEED,
+    # The epoch's nodes as the daemons see them: every node-local figure takes the same layout.
+    nodes = dict(
+        world_size=world_size, ranks_per_node=RANKS_PER_NODE, budget=BUDGET, cost=config.cost
     )
+    node_oracle = node_oracle_stats(lengths, seed=SEED, **nodes)
     return OracleRow(
         workload,
         world_size,
@@ -258,14 +255,7 @@ def oracle_row(workload: str, world_size: int) -> OracleRow:
         summarize(node_oracle, config.cost, BUDGET, world_size),
         node_local_bound(node_oracle, ranks_per_node=RANKS_PER_NODE, cost=config.cost),
         node_local_bound(stats, ranks_per_node=RANKS_PER_NODE, cost=config.cost),
-        data_local_lower_bound(
-            lengths,
-            world_size=world_size,
-            ranks_per_node=RANKS_PER_NODE,
-            budget=BUDGET,
-            cost=config.cost,
-            seed=SEED,
-        ),
+        data_local_lower_bound(lengths, seed=SEED, **nodes),
         seconds,
     )
 
