@@ -82,6 +82,104 @@ def test_groups_recirculated_max_hold_rounds_times_run_whatever_the_cap() -> Non
     assert not company.unit_holds(cost, young, cap, 0).any()  # a unit showing no profile
 
 
+# The implementations before the scale8k speed-up (issue 14 part 2 follow-up), kept as the
+# reference the faster ones must equal value for value: plans stay bit-identical.
+def _cap_profile_whole_matrix(matrix: np.ndarray, ranks_per_unit: int, threshold: float):
+    units, depth = matrix.shape
+    if units == 0:
+        return np.zeros(0)
+    column = np.partition(matrix, int(company.CAP_QUANTILE * (units - 1)), axis=0)
+    g = max(ranks_per_unit, 1)
+    run_end = np.minimum(np.arange(depth) // g * g + g - 1, depth - 1)
+    cap = column[int(company.CAP_QUANTILE * (units - 1))][run_end]
+    positive = np.flatnonzero(cap > 0)
+    return np.where(cap > 0, cap, cap[positive[-1]] if positive.size else threshold)
+
+
+def _held_counts_per_position(matrix: np.ndarray, lengths: np.ndarray, cap: np.ndarray):
+    units, depth = len(lengths), len(cap)
+    if units == 0 or depth == 0:
+        return np.zeros(units, dtype=np.int64)
+    seen = np.minimum(lengths, depth)
+    levels, level_of = np.unique(cap, return_inverse=True)
+    above = np.empty((units, len(levels)), dtype=np.int64)
+    for u in range(units):
+        above[u] = np.searchsorted(-matrix[u, : seen[u]], -levels, side="left")
+    position = np.arange(depth)
+    runs_at = position + np.maximum.accumulate(above[:, level_of] - position, axis=1)
+    return seen - (runs_at < seen[:, None]).sum(axis=1)
+
+
+def _unit_holds_walk(cost: np.ndarray, ages: np.ndarray, cap: np.ndarray, depth: int):
+    hold = np.zeros(len(cost), dtype=bool)
+    position = 0
+    for group in np.argsort(-cost, kind="stable")[: min(len(cap), depth)].tolist():
+        if cost[group] > cap[position] and ages[group] < company.MAX_HOLD_ROUNDS:
+            hold[group] = True
+        else:
+            position += 1
+    return hold
+
+
+# Few distinct costs, so ties between groups and between the cap and a group are common.
+_costs = st.lists(st.integers(1, 12).map(float), min_size=0, max_size=60)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    costs=st.lists(_costs, min_size=1, max_size=80),
+    ranks_per_unit=st.integers(1, 9),
+    threshold=st.sampled_from([0.5, 6.0, 20.0]),
+)
+def test_cap_and_held_counts_equal_the_whole_matrix_versions(costs, ranks_per_unit, threshold):
+    profiles = [company.cost_profile(np.asarray(c), threshold, always=True) for c in costs]
+    matrix, lengths = company.profile_matrix(profiles)
+    cap = company.cap_profile(matrix, ranks_per_unit, threshold)
+    assert np.array_equal(cap, _cap_profile_whole_matrix(matrix, ranks_per_unit, threshold))
+    counts = company.held_counts(matrix, lengths, cap)
+    assert counts.dtype == np.int64
+    assert np.array_equal(counts, _held_counts_per_position(matrix, lengths, cap))
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    costs=st.lists(_costs, min_size=1, max_size=8),
+    cap=st.lists(st.integers(1, 12).map(float), min_size=0, max_size=70),
+    shorter=st.integers(0, 70),
+    sort_cap=st.booleans(),
+)
+def test_held_counts_equal_the_per_position_version_for_any_cap(costs, cap, shorter, sort_cap):
+    """Caps not from cap_profile: as long or longer than the profiles, long runs, any order."""
+    matrix, lengths = company.profile_matrix([-np.sort(-np.asarray(c)) for c in costs])
+    lengths = np.minimum(lengths, shorter)  # profiles that end early (zeros past their end)
+    for u, n in enumerate(lengths.tolist()):
+        matrix[u, n:] = 0.0
+    levels = -np.sort(-np.asarray(cap)) if sort_cap else np.asarray(cap)
+    counts = company.held_counts(matrix, lengths, levels)
+    assert np.array_equal(counts, _held_counts_per_position(matrix, lengths, levels))
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    data=st.data(),
+    cost=st.lists(st.integers(1, 12).map(float), min_size=0, max_size=80),
+    cap=st.lists(st.integers(1, 12).map(float), min_size=0, max_size=90),
+    depth=st.integers(0, 90),
+    old_share=st.sampled_from([0.0, 0.1, 0.5]),
+    sort_cap=st.booleans(),
+)
+def test_unit_holds_equals_the_group_by_group_walk(data, cost, cap, depth, old_share, sort_cap):
+    """Any costs (ties included), any cap (in any order), any depth, with and without groups
+    too old to wait."""
+    groups = np.asarray(cost)
+    draws = st.floats(0.0, 1.0, allow_nan=False)
+    old = [data.draw(draws) < old_share for _ in cost]
+    ages = np.where(old, company.MAX_HOLD_ROUNDS, 0).astype(np.int64)
+    levels = -np.sort(-np.asarray(cap)) if sort_cap else np.asarray(cap)
+    hold = company.unit_holds(groups, ages, levels, depth)
+    assert np.array_equal(hold, _unit_holds_walk(groups, ages, levels, depth))
+
+
 def _three_nodes():
     # Three nodes of one rank, budget 1000, exact sort. Node 0 has two 5000-token giants, the
     # others one: each cuts its giants, four groups of 4 x 250 and two singles of 900.
