@@ -125,7 +125,7 @@ def profile_matrix(profiles: Sequence[FloatArray]) -> tuple[FloatArray, IntArray
     lengths = np.asarray([min(len(p), PROFILE_DEPTH) for p in profiles], dtype=np.int64)
     width = int(lengths.max(initial=0))
     if len(profiles) and bool((lengths == width).all()):
-        return np.stack([p[:width] for p in profiles]).astype(np.float64), lengths
+        return np.stack([p[:width] for p in profiles], dtype=np.float64), lengths
     matrix = np.zeros((len(profiles), width))
     for u, profile in enumerate(profiles):
         matrix[u, : lengths[u]] = profile[: lengths[u]]

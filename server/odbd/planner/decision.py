@@ -66,7 +66,7 @@ def _target_steps(
 ) -> int:
     counts = [s.num_groups for s in summaries]
     if held is not None:  # T: what every sampled unit fills without its held groups
-        counts = [c - int(h) for c, h in zip(counts, held, strict=True)]
+        counts = [c - h for c, h in zip(counts, held.tolist(), strict=True)]
     if config.grouping is Grouping.PAPER:
         samples = [s.num_samples for s in summaries]
         return alignment.paper_target_steps(
