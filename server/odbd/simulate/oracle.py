@@ -146,18 +146,10 @@ def node_oracle_stats(
 ) -> StepStats:
     """One epoch, (steps, W): each node's views planned at once by `epoch_oracle_stats` with
     W = its G ranks; nodes with fewer steps idle at the end. Exact loss scales over all W."""
-    lengths = np.asarray(lengths, dtype=np.int64)
-    identities = sampler_identities(len(lengths), world_size, seed=seed, epoch=0, shuffle=shuffle)
-    per_node = []
-    for first in range(0, world_size, ranks_per_node):
-        views = views_of_ranks(len(lengths), world_size, range(first, first + ranks_per_node))
-        node_lengths = lengths[identities[views]]
-        node_lengths = node_lengths[node_lengths > 0]
-        per_node.append(
-            epoch_oracle_stats(
-                node_lengths, node_lengths, world_size=ranks_per_node, budget=budget, cost=cost
-            )
-        )
+    per_node = [
+        epoch_oracle_stats(node, node, world_size=ranks_per_node, budget=budget, cost=cost)
+        for node in _lengths_by_node(lengths, world_size, ranks_per_node, seed, shuffle)
+    ]
     num_steps = max(p.work.shape[0] for p in per_node)
 
     def stacked(name: str) -> np.ndarray:
@@ -201,8 +193,7 @@ def node_local_bound(stats: StepStats, *, ranks_per_node: int, cost: CostModel) 
     groups = (stats.num_samples > 0).reshape(by_node).sum(axis=(0, 2))
     work = stats.work.reshape(by_node).sum(axis=(0, 2)) / ranks_per_node
     num_steps = int(-(-groups.max(initial=0) // ranks_per_node))
-    busiest = float(work.max(initial=0.0))
-    return NodeLocalBound(num_steps, cost.c * num_steps, busiest, cost.c * num_steps + busiest)
+    return _bound(num_steps, float(work.max(initial=0.0)), cost)
 
 
 def data_local_lower_bound(
@@ -220,16 +211,30 @@ def data_local_lower_bound(
     each a group of one) + ceil(its other tokens / budget) groups (a group's padded area is at
     most the budget) and does at least w_u = sum of a * l + b * l^2 over its samples (padding
     only adds), so no plan is faster than c * max_u ceil(g_u / G) + max_u w_u / G."""
-    lengths = np.asarray(lengths, dtype=np.int64)
-    identities = sampler_identities(len(lengths), world_size, seed=seed, epoch=0, shuffle=shuffle)
     groups, work = [], []
-    for first in range(0, world_size, ranks_per_node):
-        views = views_of_ranks(len(lengths), world_size, range(first, first + ranks_per_node))
-        node = lengths[identities[views]]
-        node = node[node > 0].astype(np.float64)  # rejected at ingest
+    for node in _lengths_by_node(lengths, world_size, ranks_per_node, seed, shuffle):
+        node = node.astype(np.float64)
         over = node > budget
         groups.append(int(over.sum()) + int(np.ceil(node[~over].sum() / budget)))
         work.append(float(cost.work(node, node * node).sum()))
     num_steps = -(-max(groups, default=0) // ranks_per_node)
-    busiest = max(work, default=0.0) / ranks_per_node
+    return _bound(num_steps, max(work, default=0.0) / ranks_per_node, cost)
+
+
+def _lengths_by_node(
+    lengths: np.ndarray, world_size: int, ranks_per_node: int, seed: int, shuffle: bool
+) -> list[np.ndarray]:
+    """Per node, the lengths of its epoch-0 views (DistributedSampler order), zero lengths
+    (rejected at ingest) left out."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    identities = sampler_identities(len(lengths), world_size, seed=seed, epoch=0, shuffle=shuffle)
+    nodes = []
+    for first in range(0, world_size, ranks_per_node):
+        views = views_of_ranks(len(lengths), world_size, range(first, first + ranks_per_node))
+        node = lengths[identities[views]]
+        nodes.append(node[node > 0])
+    return nodes
+
+
+def _bound(num_steps: int, busiest: float, cost: CostModel) -> NodeLocalBound:
     return NodeLocalBound(num_steps, cost.c * num_steps, busiest, cost.c * num_steps + busiest)
