@@ -100,13 +100,9 @@ class LeaseTable:
     def expired(self, now: float) -> IntArray:
         """Keys whose lease deadline passed, ascending."""
         keys = self.keys()
-        if not keys.size:
-            return keys
-        its, views = np.divmod(keys, self._m)
         due = np.zeros(keys.shape, dtype=bool)
-        for it in np.unique(its).tolist():
-            rows = its == it
-            due[rows] = self._deadline[it][views[rows]] <= now
+        for it, rows, views in by_iteration(keys, self._m):
+            due[rows] = self._deadline[it][views] <= now
         return keys[due]
 
     def producers(self) -> set[int]:
