@@ -159,8 +159,14 @@ def describe(result: RunResult) -> str:
     return "\n".join(parts)
 
 
+class HttpStatusError(OSError):
+    """An HTTP error status, its response already closed. An OSError, as urllib's HTTPError is, so
+    retry loops that wait out a server's start-up (Prometheus answers 503 until it is ready) keep
+    retrying it."""
+
+
 def http_get(url: str, timeout_s: float = 5.0) -> str:
-    """GETs a loopback URL. An HTTP error status is closed here and raised as RuntimeError: an
+    """GETs a loopback URL. An HTTP error status is closed here and raised as HttpStatusError: an
     HTTPError holds the open response socket, and one kept alive by a retry loop's traceback cycle
     is only freed by a later garbage collection, as a ResourceWarning in some other test."""
     try:
@@ -169,4 +175,4 @@ def http_get(url: str, timeout_s: float = 5.0) -> str:
     except urllib.error.HTTPError as error:
         with error:
             body = error.read()[:200].decode(errors="replace")
-        raise RuntimeError(f"GET {url} answered HTTP {error.code}: {body}") from None
+        raise HttpStatusError(f"GET {url} answered HTTP {error.code}: {body}") from None
