@@ -16,6 +16,7 @@ the stream's reader thread writes them to the socket (why: no thread wake-up ins
 from __future__ import annotations
 
 import inspect
+import logging
 import os
 import queue
 import time
@@ -23,6 +24,15 @@ import weakref
 from collections.abc import Generator, Iterator, Mapping
 from typing import Any
 
+from odbclient.align import (
+    EPOCH_END_STEP,
+    JOB_END_EPOCH,
+    Position,
+    agreed_resume,
+    distributed_world,
+    gather_positions,
+    position_of,
+)
 from odbclient.batch import Batch
 from odbclient.connect import (
     DEFAULT_PREFETCH,
@@ -43,6 +53,7 @@ from odbclient.stream import EpochEnd, JobEnd, TrainerStream, TrainerWorld, daem
 __all__ = ["DEFAULT_SOCKET", "ODBClient"]
 
 STATE_VERSION = 1
+log = logging.getLogger(__name__)
 _FLUSH_AFTER_WAIT_S = 0.001  # next() blocked this long: send unsent Delivered reports
 
 
@@ -79,6 +90,12 @@ class ODBClient:
     `connect_timeout_s`: how long the first iteration waits for the daemon to start and welcome.
     `deadline_s`: the longest wait for any batch; past it DaemonTimeoutError names the socket
         and what the daemon's status reports (phase, last error, what the round waits for).
+    `align_ranks`: with torch.distributed initialised (world > 1) and no `load_state_dict`,
+        the first iteration gathers every rank's first step over the default process group and
+        every rank continues where the furthest one does (align.py: after a restart of every
+        rank, reports the dead processes never sent would otherwise start the ranks at
+        different steps). Every rank of the group must iterate an ODBClient; pass False if
+        some never do.
 
     The hello tells the daemon this process's world (`launcher_world()`, or `set_world()`),
     which refuses one that differs from its --world: every loss_scale assumes that world.
@@ -96,6 +113,7 @@ class ODBClient:
         prefetch: int = DEFAULT_PREFETCH,
         connect_timeout_s: float = 60.0,
         deadline_s: float = 600.0,
+        align_ranks: bool = True,
     ) -> None:
         if rank < 0 or prefetch < 1 or connect_timeout_s <= 0 or deadline_s <= 0:
             raise ValueError(
@@ -111,6 +129,8 @@ class ODBClient:
         self._connect_timeout_s = connect_timeout_s
         self._deadline_s = deadline_s
         self._stream: TrainerStream | None = None
+        self._align_ranks = align_ranks
+        self._first_event: object | None = None  # taken to align the ranks, not yet handed out
         self._resume: tuple[int, int] | None = None  # (epoch, step) from load_state_dict
         self._epoch, self._next_step = 0, 0  # the first step not yet delivered
         # Optimizer updates (Batch.update_*): the first update not finished, and the batch of
@@ -188,6 +208,9 @@ class ODBClient:
         # compute (issue 15: -20 % samples/s, +7 us daemon CPU per 8 KiB sample); the wait
         # bounds how long frees for full producer lanes or an epoch's end can be held back.
         # (A ready item returns at once: SimpleQueue.get is C.)
+        if self._first_event is not None:
+            event, self._first_event = self._first_event, None
+            return event
         try:
             return stream.inbox.get(timeout=_FLUSH_AFTER_WAIT_S)
         except queue.Empty:
@@ -243,17 +266,45 @@ class ODBClient:
 
     def _connected(self) -> TrainerStream:
         if self._stream is None:
-            self._stream = TrainerStream.open(
-                rank=self.rank,
-                socket=self.socket,
-                job_id=self._job_id,
-                prefetch=self._prefetch,
-                resume=self._resume,
-                resume_update=self._resume_update,
-                connect_timeout_s=self._connect_timeout_s,
-                world=self._world or launcher_world(),
-            )
+            self._stream = self._open(self._resume)
+            if self._resume is None and self._align_ranks and distributed_world() > 1:
+                self._continue_with_the_other_ranks(self._stream)
         return self._stream
+
+    def _open(self, resume: tuple[int, int] | None) -> TrainerStream:
+        return TrainerStream.open(
+            rank=self.rank,
+            socket=self.socket,
+            job_id=self._job_id,
+            prefetch=self._prefetch,
+            resume=resume,
+            resume_update=self._resume_update,
+            connect_timeout_s=self._connect_timeout_s,
+            world=self._world or launcher_world(),
+        )
+
+    def _continue_with_the_other_ranks(self, stream: TrainerStream) -> None:
+        """Every rank continues at the furthest rank's first event (align.py); a rank behind
+        reconnects with that resume point, and its daemon drops the steps before it."""
+        first = self._next_event(stream)
+        own = position_of(first)
+        resume = agreed_resume(own, gather_positions(own))
+        if resume is None:
+            self._first_event = first
+            return
+        log.warning(
+            "ODBClient rank %d: the daemon would continue it at %s, but another rank continues "
+            "at %s; it continues there too (the ranks restarted without load_state_dict, and "
+            "DDP kept them in step, so the steps between were trained)",
+            self.rank,
+            _where(own),
+            _where(resume),
+        )
+        stream.close()
+        self._stream = None
+        self._stream = self._open((resume.epoch, resume.step))
+        if resume.epoch != JOB_END_EPOCH and resume.step != EPOCH_END_STEP:
+            self._epoch, self._next_step = resume
 
     def set_world(self, world_size: int, rank: int, *, source: str) -> None:
         """Declares this process's world for the daemon's check, instead of torch.distributed
@@ -346,3 +397,11 @@ class ODBClient:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _where(position: Position) -> str:
+    if position.epoch == JOB_END_EPOCH:
+        return "the job's end"
+    if position.step == EPOCH_END_STEP:
+        return f"the end of epoch {position.epoch}"
+    return f"epoch {position.epoch} step {position.step}"

@@ -246,3 +246,20 @@ def test_a_steps_event_joined_from_serialized_steps_is_the_event_protobuf_builds
     )
     assert trainer_pb2.TrainerEvent.FromString(_steps_event(items)) == expected
     assert _steps_event(items) == expected.SerializeToString()
+
+
+def test_a_resume_past_every_step_skips_to_the_job_end_but_keeps_it() -> None:
+    """Ranks restarted without a state_dict may agree on the job's end (odbclient.align): the
+    steps and epoch ends before it are skipped, the end itself is still sent."""
+    queue = RankQueue(rank=0)
+    queue.push([step(0, 0), step(0, 1), marker(0), step(1, 0), marker(1), job_end(1)])
+    freed = queue.skip_before(2**32 - 1, 0)
+    assert freed == [Location(0, 0, 8), Location(0, 1, 8), Location(0, 0, 8)]
+    assert [i.job_end is not None for i in send_all(queue)] == [True]
+
+
+def test_a_resume_at_an_epochs_end_skips_its_steps_and_keeps_its_end() -> None:
+    queue = RankQueue(rank=0)
+    queue.push([step(0, 0), step(0, 1), marker(0), step(1, 0)])
+    queue.skip_before(0, 2**63 - 1)
+    assert keys(send_all(queue)) == [(0, -1), (1, 0)]

@@ -171,7 +171,7 @@ class RankQueue:
         while self._items:
             head = self._items[0]
             before = (head.epoch, head.step) < (epoch, step) if head.is_step else head.epoch < epoch
-            if not before:
+            if not before or head.job_end is not None:  # the job's end is never skipped
                 break
             self._items.popleft()
             freed.extend(head.locations)

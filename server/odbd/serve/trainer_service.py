@@ -223,12 +223,15 @@ def _reattach_warning(rank: int, first: tuple[int, int] | None) -> str:
     """Why a rank that comes back without a resume point may train out of step with the
     others: it continues at its first step this daemon has no Delivered for, and Delivered
     reports are batched (up to half the prefetch window), so after every rank of a DDP job
-    restarted (torchrun --max-restarts) their first undelivered steps can differ."""
+    restarted (torchrun --max-restarts) their first undelivered steps can differ. ODBClient
+    aligns them itself when torch.distributed is initialised (odbclient/align.py); a rank
+    it moves reconnects with a resume point and is not warned about."""
     where = "the job's end" if first is None else f"epoch {first[0]} step {first[1]}"
     return (
         f"trainer rank {rank} attached again without a resume point; it continues at its "
-        f"first undelivered step ({where}). If every rank restarted, the ranks may continue "
-        "at different steps and DDP would pair different batches: save client.state_dict() "
-        "with each checkpoint and call client.load_state_dict() before iterating, so every "
-        "rank resumes at the same step"
+        f"first undelivered step ({where}). If every rank restarted, ODBClient moves the ranks "
+        "behind to the furthest rank's step once torch.distributed is initialised before the "
+        "first iteration; without a process group (or with align_ranks=False) they may "
+        "continue at different steps: save client.state_dict() with each checkpoint and call "
+        "client.load_state_dict() before iterating, so every rank resumes at the same step"
     )
