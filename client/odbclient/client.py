@@ -90,8 +90,8 @@ class ODBClient:
     `connect_timeout_s`: how long the first iteration waits for the daemon to start and welcome.
     `deadline_s`: the longest wait for any batch; past it DaemonTimeoutError names the socket
         and what the daemon's status reports (phase, last error, what the round waits for).
-    `align_ranks`: with torch.distributed initialised (world > 1) and no `load_state_dict`,
-        the first iteration gathers every rank's first step over the default process group and
+    `align_ranks`: with torch.distributed initialised (world > 1), the first iteration gathers
+        every rank's first step over the default process group, and with no `load_state_dict`
         every rank continues where the furthest one does (align.py: after a restart of every
         rank, reports the dead processes never sent would otherwise start the ranks at
         different steps). Every rank of the group must iterate an ODBClient; pass False if
@@ -267,7 +267,7 @@ class ODBClient:
     def _connected(self) -> TrainerStream:
         if self._stream is None:
             self._stream = self._open(self._resume)
-            if self._resume is None and self._align_ranks and distributed_world() > 1:
+            if self._align_ranks and distributed_world() > 1:
                 self._continue_with_the_other_ranks(self._stream)
         return self._stream
 
@@ -285,11 +285,13 @@ class ODBClient:
 
     def _continue_with_the_other_ranks(self, stream: TrainerStream) -> None:
         """Every rank continues at the furthest rank's first event (align.py); a rank behind
-        reconnects with that resume point, and its daemon drops the steps before it."""
+        reconnects with that resume point, and its daemon drops the steps before it. A rank
+        that loaded a state_dict takes part (so no rank waits in the gather for it) but stays
+        at its resume point."""
         first = self._next_event(stream)
         own = position_of(first)
         resume = agreed_resume(own, gather_positions(own))
-        if resume is None:
+        if resume is None or self._resume is not None:
             self._first_event = first
             return
         log.warning(
