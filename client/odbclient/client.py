@@ -94,8 +94,8 @@ class ODBClient:
         every rank's first step over the default process group, and with no `load_state_dict`
         every rank continues where the furthest one does (align.py: after a restart of every
         rank, reports the dead processes never sent would otherwise start the ranks at
-        different steps). Every rank of the group must iterate an ODBClient; pass False if
-        some never do.
+        different steps). Only when that group's world is the daemon's --world (not under
+        tensor or pipeline parallelism); pass False if some of its ranks never iterate.
 
     The hello tells the daemon this process's world (`launcher_world()`, or `set_world()`),
     which refuses one that differs from its --world: every loss_scale assumes that world.
@@ -267,9 +267,19 @@ class ODBClient:
     def _connected(self) -> TrainerStream:
         if self._stream is None:
             self._stream = self._open(self._resume)
-            if self._align_ranks and distributed_world() > 1:
+            if self._aligns_over_the_default_group(self._stream):
                 self._continue_with_the_other_ranks(self._stream)
         return self._stream
+
+    def _aligns_over_the_default_group(self, stream: TrainerStream) -> bool:
+        """Whether every rank of torch.distributed's default group iterates an ODBClient of this
+        job: its world is the daemon's. Not so under tensor or pipeline parallelism, where only
+        one process per data-parallel rank iterates (set_world declared that world): a gather
+        over the default group would wait for processes that never join it."""
+        if not self._align_ranks or stream.welcome is None:
+            return False
+        world = distributed_world()
+        return world > 1 and world == stream.welcome.world_size
 
     def _open(self, resume: tuple[int, int] | None) -> TrainerStream:
         return TrainerStream.open(
