@@ -95,7 +95,9 @@ class ODBClient:
         every rank continues where the furthest one does (align.py: after a restart of every
         rank, reports the dead processes never sent would otherwise start the ranks at
         different steps). Only when that group's world is the daemon's --world (not under
-        tensor or pipeline parallelism); pass False if some of its ranks never iterate.
+        tensor or pipeline parallelism). The gather is a collective: start iterating from the
+        thread that runs the job's other collectives (not a prefetch thread), or pass False,
+        as also when some ranks of the group never iterate.
 
     The hello tells the daemon this process's world (`launcher_world()`, or `set_world()`),
     which refuses one that differs from its --world: every loss_scale assumes that world.
