@@ -44,11 +44,13 @@ Packets (SOCK_SEQPACKET, one pickled list of items each):
 
 from __future__ import annotations
 
+import functools
 import mmap
 import struct
 from typing import Any, NamedTuple
 
 import numpy as np
+import torch
 
 from odbclient.batch import Batch, Progress
 
@@ -147,15 +149,26 @@ FACTS = tuple(name for name in Batch.__dataclass_fields__ if name not in ("tenso
 PROGRESS = tuple(Progress.__dataclass_fields__)
 
 
+# Slot setters: a staged batch's Batch is filled field by field, not built by __init__, which
+# cost ~16 us per step in the trainer (a frozen dataclass sets each of its ~20 fields through
+# object.__setattr__, and keyword arguments are matched one by one) against ~1 us. Safe: the
+# values come from a Batch the reader process built with __init__, which has no checks besides.
+_BATCH_SETTERS = tuple(Batch.__dict__[name].__set__ for name in ("tensors", "progress", *FACTS))
+_PROGRESS_SETTERS = tuple(Progress.__dict__[name].__set__ for name in PROGRESS)
+
+
 def staged_batch(data: np.ndarray, facts: tuple[Any, ...]) -> Batch:
     """The Batch of a staged batch: `data` is the trainer's fresh copy of the slot's tensor
     bytes, `facts` its unpickled (layout, facts, progress)."""
-    layout, values, progress = facts
-    return Batch(
-        tensors=wrap_tensors(data, layout),
-        progress=Progress(**dict(zip(PROGRESS, progress, strict=True))),
-        **dict(zip(FACTS, values, strict=True)),
-    )
+    layout, values, progress_values = facts
+    progress = object.__new__(Progress)
+    for set_field, value in zip(_PROGRESS_SETTERS, progress_values, strict=True):
+        set_field(progress, value)
+    batch = object.__new__(Batch)
+    fields = (wrap_tensors(data, layout), progress, *values)
+    for set_field, value in zip(_BATCH_SETTERS, fields, strict=True):
+        set_field(batch, value)
+    return batch
 
 
 def align(nbytes: int) -> int:
@@ -165,17 +178,20 @@ def align(nbytes: int) -> int:
 def wrap_tensors(data: np.ndarray, layout: tuple[tuple[Any, ...], ...]) -> dict[str, Any]:
     """Tensors over `data` (the trainer's fresh copy of a slot): views of memory the batch
     owns, never of the slot. A (key, int) entry is a plain int (packed batches' max_length)."""
-    import torch
-
     tensors: dict[str, Any] = {}
     for entry in layout:
         if len(entry) == 2:
             tensors[entry[0]] = entry[1]
             continue
-        key, dtype, shape, at, nbytes = entry  # type: ignore[misc]
+        key, dtype, shape, at, nbytes = entry
         raw = data[at : at + nbytes]
         if dtype == "bfloat16":
             tensors[key] = torch.from_numpy(raw.view(np.uint16).reshape(shape)).view(torch.bfloat16)
         else:
-            tensors[key] = torch.from_numpy(raw.view(dtype).reshape(shape))
+            tensors[key] = torch.from_numpy(raw.view(_numpy_dtype(dtype)).reshape(shape))
     return tensors
+
+
+@functools.cache
+def _numpy_dtype(name: str) -> np.dtype[Any]:
+    return np.dtype(name)
