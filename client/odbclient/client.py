@@ -97,6 +97,11 @@ class ODBClient:
     `connect_timeout_s`: how long the first iteration waits for the daemon to start and welcome.
     `deadline_s`: the longest wait for any batch; past it DaemonTimeoutError names the socket
         and what the daemon's status reports (phase, last error, what the round waits for).
+    `reader`: where the daemon's step stream is read and each step collated: "thread" (a
+        reader thread in this process), or "process" (a reader process per rank, started and
+        ended with the stream: this process only copies each staged batch, ~0.6x its CPU per
+        8 KiB sample; it costs a process of ~1 s of start-up and ~100-200 MB). Default: the
+        $ODBCLIENT_READER environment variable, else "thread".
     `align_ranks`: with torch.distributed initialised (world > 1) and no `load_state_dict`,
         the first iteration gathers every rank's first step over the default process group and
         every rank continues where the furthest one does (align.py: after a restart of every

@@ -81,6 +81,7 @@ class StagingReader:
         self._unsent_since_s: float | None = None
         self._last_progress_s = time.monotonic()
         self._measured: list[tuple[int, int, float]] = []
+        self._parked = False
 
     # --- the loop ------------------------------------------------------------------------------
 
@@ -132,14 +133,21 @@ class StagingReader:
         """Until reports are due; poll_s while they flow; parked (1 s) once they stopped."""
         now_s = time.monotonic()
         if self._unsent_since_s is not None:
-            return max(0.0, self._unsent_since_s + DEFAULT_POLL_S - now_s)
+            return self._unpark(max(0.0, self._unsent_since_s + DEFAULT_POLL_S - now_s))
         if now_s - self._last_progress_s < DEFAULT_PARK_AFTER_S:
-            return DEFAULT_POLL_S
-        self.page.set_parked(True)
+            return self._unpark(DEFAULT_POLL_S)
+        if not self._parked:
+            self._parked = True
+            self.page.set_parked(True)
         if self.page.read_report().reported != self._sent.reported:
-            self.page.set_parked(False)  # a report came before it could see the flag
-            return 0.0
+            return self._unpark(0.0)  # a report came before it could see the flag
         return _PARKED_POLL_S
+
+    def _unpark(self, timeout_s: float) -> float:
+        if self._parked:  # polling again: the trainer need not wake us
+            self._parked = False
+            self.page.set_parked(False)
+        return timeout_s
 
     def _on_peer(self) -> None:
         """What the trainer sent: flush requests, step times, or its end (EOF)."""

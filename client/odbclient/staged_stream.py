@@ -32,7 +32,12 @@ import numpy as np
 import odbclient
 from odbclient.batch import Batch
 from odbclient.connect import Failure
-from odbclient.errors import ClientClosedError, DaemonTimeoutError, ODBClientError, ProtocolError
+from odbclient.errors import (
+    ClientClosedError,
+    DaemonTimeoutError,
+    ProtocolError,
+    ReaderProcessError,
+)
 from odbclient.staging import FLUSH, MEASURED, ControlPage, Report, staged_batch
 from odbclient.stream import TrainerWorld, Welcome, daemon_says
 
@@ -42,10 +47,6 @@ _RECV_BYTES = 1 << 18
 _WAKE = b"W"
 _MAX_FDS = 16  # memfds in one packet: at most one per staging slot it announces
 _ANCILLARY_BYTES = socketlib.CMSG_SPACE(_MAX_FDS * 4)
-
-
-class ReaderProcessError(ODBClientError, ConnectionError):
-    """The reader process of ODBClient(reader="process") exited while the trainer used it."""
 
 
 class StagedReports:
@@ -101,6 +102,8 @@ class StagedStream:
         self._ready: deque[tuple[object, ...]] = deque()
         self._slots: dict[int, tuple[mmap.mmap, np.ndarray]] = {}
         self._buffer = bytearray(_RECV_BYTES)
+        self._poller = select.poll()
+        self._poller.register(peer, select.POLLIN)
         self._consumed = 0
         self._closed = False
         self._gone: Exception | None = None
@@ -186,7 +189,7 @@ class StagedStream:
                 deadline_s = now_s + timeout_s
             if now_s >= deadline_s:
                 raise queue.Empty
-            select.select([self._peer], [], [], deadline_s - now_s)
+            self._poller.poll((deadline_s - now_s) * 1e3)
 
     def _receive(self) -> bool:
         """Takes one waiting packet (never blocks); False if there was none."""

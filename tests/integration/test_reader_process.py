@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from odbclient import ODBClient
-from odbclient.staged_stream import ReaderProcessError
+from odbclient.errors import ReaderProcessError
 from odbd.demo.cluster import ClusterSpec, LocalCluster
 from tests.integration.harness import poll_until, scaled, synthetic_args
 
