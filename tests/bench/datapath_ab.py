@@ -105,11 +105,17 @@ def main() -> None:
     parser.add_argument("--nbytes", type=int, default=8192)
     parser.add_argument("--no-dataloader", action="store_true")
     parser.add_argument("--ring", action="store_true", help="also the raw 16-slot shm ring")
+    parser.add_argument("--buffer", type=int, default=0, help="--buffer instead of the case's")
+    parser.add_argument("--steps-ahead", type=int, default=0, help="the same for --steps-ahead")
     for side in ("base", "this"):  # e.g. --this-env ODBCLIENT_READER=process
         parser.add_argument(f"--{side}-env", action="append", default=[], metavar="KEY=VALUE",
                             help=f"an environment variable of the {side} runs only")  # fmt: skip
     args = parser.parse_args()
     case = _case(args.nbytes)
+    if args.buffer:  # e.g. the daemon's defaults: --buffer 1024 --steps-ahead 64
+        case["buffer"] = args.buffer
+    if args.steps_ahead:
+        case["steps_ahead"] = args.steps_ahead
     trees = {"base": args.base.resolve(), "this": HERE}
     envs = {"base": _env(args.base_env), "this": _env(args.this_env)}
     rows: dict[str, list[dict[str, object]]] = {"base": [], "this": []}
