@@ -142,7 +142,7 @@ def main() -> None:
     for name, results in rows.items():
         rate = statistics.median(float(x["samples_per_s"]) for x in results)  # type: ignore[arg-type]
         cpu = {
-            k: statistics.median(float(x["cpu_us"].get(k, 0.0)) for x in results)  # type: ignore[union-attr]
+            k: statistics.median(float(x["cpu_us"].get(k, 0.0)) for x in results)  # type: ignore[attr-defined]
             for k in _CPU_KEYS
         }
         line = f"median {name} ({trees[name]}): {rate:,.0f} samples/s, CPU us/sample " + " / ".join(
