@@ -99,8 +99,10 @@ class ODBClient:
         and what the daemon's status reports (phase, last error, what the round waits for).
     `reader`: where the daemon's step stream is read and each step collated: "thread" (a
         reader thread in this process), or "process" (a reader process per rank, started and
-        ended with the stream: this process only copies each staged batch, ~0.6x its CPU per
-        8 KiB sample; it costs a process of ~1 s of start-up and ~100-200 MB). Default: the
+        ended with the stream: this process only copies each staged batch, about half its
+        CPU per 8 KiB sample, but inside next(): p50 ~0.2 against ~0.02 ms with data ready;
+        the reader process needs a spare core, imports torch (1-8 s, ~270 MB RSS) and
+        costs more CPU than the thread did; docs/bench/datapath.md). Default: the
         $ODBCLIENT_READER environment variable, else "thread".
     `align_ranks`: with torch.distributed initialised (world > 1) and no `load_state_dict`,
         the first iteration gathers every rank's first step over the default process group and
