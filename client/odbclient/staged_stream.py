@@ -286,12 +286,33 @@ class StagedStream:
         self._closed = True
         with contextlib.suppress(OSError):
             self._peer.shutdown(socketlib.SHUT_WR)  # its EOF: flush, detach, exit
+        deadline_s = time.monotonic() + _EXIT_GRACE_S
+        # Drain what it still sends until its end closes: a full receive queue (~200 KiB of
+        # packets, hundreds of unread batches) would block it in send before its last reports
+        # and the detach.
+        while self._poller.poll(max(0.0, deadline_s - time.monotonic()) * 1e3):
+            if not self._discard_packet():
+                break
         try:
-            self._process.wait(timeout=_EXIT_GRACE_S)
+            self._process.wait(timeout=max(0.0, deadline_s - time.monotonic()))
         except subprocess.TimeoutExpired:
             self._process.kill()
             self._process.wait()
         self._peer.close()
+
+    def _discard_packet(self) -> bool:
+        """Drops one waiting packet (closing the memfds it carries); False at its end."""
+        try:
+            size, ancillary, _, _ = self._peer.recvmsg_into(
+                [self._buffer], _ANCILLARY_BYTES, socketlib.MSG_DONTWAIT
+            )
+        except BlockingIOError:
+            return True
+        except OSError:
+            return False
+        for fd in _fds_of(ancillary):
+            os.close(fd)
+        return size > 0
 
 
 def _fds_of(ancillary: list[tuple[int, int, bytes]]) -> list[int]:

@@ -15,7 +15,7 @@ import pytest
 from odbclient import ODBClient
 from odbclient.errors import ReaderProcessError
 from odbd.demo.cluster import ClusterSpec, LocalCluster
-from tests.integration.harness import poll_until, scaled, synthetic_args
+from tests.integration.harness import admin_status, poll_until, scaled, synthetic_args
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -104,3 +104,19 @@ def test_the_reader_process_exits_with_its_killed_trainer(how: signal.Signals):
             finally:
                 if trainer.poll() is None:
                     trainer.kill()
+
+
+def test_close_lets_a_reader_process_with_unread_batches_exit_on_its_own():
+    # prefetch 32: the reader process has staged and announced many batches nobody takes;
+    # close() still gets its last reports and detach, and it exits 0 (not killed at the grace).
+    with _cluster(4000) as cluster:
+        cluster.wait_sockets(scaled(60))
+        sock = cluster.sockets[0]
+        client = ODBClient(rank=0, socket=sock, reader="process", prefetch=32)
+        next(iter(client))
+        poll_until(
+            lambda: admin_status(sock).ranks[0].queued_steps >= 20, "steps queued", scaled(60)
+        )
+        process = client._stream._process  # type: ignore[union-attr]
+        client.close()
+        assert process.returncode == 0, "it exited after the detach, not killed at the grace"
