@@ -104,12 +104,14 @@ class ODBClient:
         the reader process needs a spare core, imports torch (1-8 s, ~270 MB RSS) and
         costs more CPU than the thread did; docs/bench/datapath.md). Default: the
         $ODBCLIENT_READER environment variable, else "thread".
-    `align_ranks`: with torch.distributed initialised (world > 1) and no `load_state_dict`,
-        the first iteration gathers every rank's first step over the default process group and
+    `align_ranks`: with torch.distributed initialised (world > 1), the first iteration gathers
+        every rank's first step over the default process group, and with no `load_state_dict`
         every rank continues where the furthest one does (align.py: after a restart of every
         rank, reports the dead processes never sent would otherwise start the ranks at
-        different steps). Every rank of the group must iterate an ODBClient; pass False if
-        some never do.
+        different steps). Only when that group's world is the daemon's --world (not under
+        tensor or pipeline parallelism). The gather is a collective: start iterating from the
+        thread that runs the job's other collectives (not a prefetch thread), or pass False,
+        as also when some ranks of the group never iterate.
 
     The hello tells the daemon this process's world (`launcher_world()`, or `set_world()`),
     which refuses one that differs from its --world: every loss_scale assumes that world.
@@ -289,9 +291,19 @@ class ODBClient:
     def _connected(self) -> TrainerStream | StagedStream:
         if self._stream is None:
             self._stream = self._open(self._resume)
-            if self._resume is None and self._align_ranks and distributed_world() > 1:
+            if self._aligns_over_the_default_group(self._stream):
                 self._continue_with_the_other_ranks(self._stream)
         return self._stream
+
+    def _aligns_over_the_default_group(self, stream: TrainerStream | StagedStream) -> bool:
+        """Whether every rank of torch.distributed's default group iterates an ODBClient of this
+        job: its world is the daemon's. Not so under tensor or pipeline parallelism, where only
+        one process per data-parallel rank iterates (set_world declared that world): a gather
+        over the default group would wait for processes that never join it."""
+        if not self._align_ranks or stream.welcome is None:
+            return False
+        world = distributed_world()
+        return world > 1 and world == stream.welcome.world_size
 
     def _open(self, resume: tuple[int, int] | None) -> TrainerStream | StagedStream:
         world = self._world or launcher_world()
@@ -320,11 +332,13 @@ class ODBClient:
 
     def _continue_with_the_other_ranks(self, stream: TrainerStream | StagedStream) -> None:
         """Every rank continues at the furthest rank's first event (align.py); a rank behind
-        reconnects with that resume point, and its daemon drops the steps before it."""
+        reconnects with that resume point, and its daemon drops the steps before it. A rank
+        that loaded a state_dict takes part (so no rank waits in the gather for it) but stays
+        at its resume point."""
         first = self._next_event(stream)
         own = position_of(first)
         resume = agreed_resume(own, gather_positions(own))
-        if resume is None:
+        if resume is None or self._resume is not None:
             self._first_event = first
             return
         log.warning(

@@ -7,6 +7,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from odbclient import client as client_module
 from odbclient.align import (
     EPOCH_END_STEP,
     JOB_END_EPOCH,
@@ -16,8 +17,9 @@ from odbclient.align import (
     position_of,
 )
 from odbclient.batch import Batch
+from odbclient.client import ODBClient
 from odbclient.errors import ProtocolError
-from odbclient.stream import EpochEnd, JobEnd
+from odbclient.stream import EpochEnd, JobEnd, Welcome
 
 
 def batch(epoch: int, step: int) -> Batch:
@@ -64,3 +66,30 @@ positions = st.builds(Position, st.integers(0, 3), st.integers(0, 9))
 def test_after_agreeing_every_rank_continues_at_one_position(firsts: list[Position]) -> None:
     continued = [agreed_resume(own, firsts) or own for own in firsts]
     assert set(continued) == {max(firsts)}
+
+
+class _Stream:
+    def __init__(self, world_size: int) -> None:
+        self.welcome = Welcome(job_id="j", world_size=world_size, length_key="x", loss_scaling="")
+
+
+@pytest.mark.parametrize(
+    ("group_world", "daemon_world", "align_ranks", "aligns"),
+    [
+        (4, 4, True, True),
+        (8, 4, True, False),  # tensor parallel x 2: half the group never iterates a client
+        (1, 1, True, False),  # one process: nobody to agree with
+        (4, 4, False, False),
+    ],
+)
+def test_ranks_align_over_the_default_group_only_when_it_is_the_daemons_world(
+    monkeypatch: pytest.MonkeyPatch,
+    group_world: int,
+    daemon_world: int,
+    align_ranks: bool,
+    aligns: bool,
+) -> None:
+    monkeypatch.setattr(client_module, "distributed_world", lambda: group_world)
+    client = ODBClient(rank=0, socket="/nonexistent", align_ranks=align_ranks)
+    stream = _Stream(daemon_world)
+    assert client._aligns_over_the_default_group(stream) is aligns  # type: ignore[arg-type]
