@@ -25,6 +25,7 @@ from odbclient.errors import (
     ProtocolError,
     RankInUseError,
     RankRefusedError,
+    ReaderProcessError,
     StateDictError,
 )
 
@@ -59,6 +60,7 @@ __all__ = [
     "ProtocolError",
     "RankInUseError",
     "RankRefusedError",
+    "ReaderProcessError",
     "RejectReason",
     "StateDictError",
 ]

@@ -48,12 +48,19 @@ from odbclient.errors import (
     JobFailedError,
     StateDictError,
 )
+from odbclient.staged_stream import StagedStream
 from odbclient.stream import EpochEnd, JobEnd, TrainerStream, TrainerWorld, daemon_says
 
 __all__ = ["DEFAULT_SOCKET", "ODBClient"]
 
 STATE_VERSION = 1
 log = logging.getLogger(__name__)
+# Where the step stream is read and collated: "thread", a reader thread in this process;
+# "process", a reader process per rank (odbclient.reader_process), so this process only copies
+# a staged batch (issue 15: the trainer process's CPU per step).
+READERS = ("thread", "process")
+READER_ENV = "ODBCLIENT_READER"
+DEFAULT_READER = "thread"
 _FLUSH_AFTER_WAIT_S = 0.001  # next() blocked this long: send unsent Delivered reports
 
 
@@ -90,6 +97,13 @@ class ODBClient:
     `connect_timeout_s`: how long the first iteration waits for the daemon to start and welcome.
     `deadline_s`: the longest wait for any batch; past it DaemonTimeoutError names the socket
         and what the daemon's status reports (phase, last error, what the round waits for).
+    `reader`: where the daemon's step stream is read and each step collated: "thread" (a
+        reader thread in this process), or "process" (a reader process per rank, started and
+        ended with the stream: this process only copies each staged batch, about half its
+        CPU per 8 KiB sample, but inside next(): p50 ~0.2 against ~0.02 ms with data ready;
+        the reader process needs a spare core, imports torch (1-8 s, ~270 MB RSS) and
+        costs more CPU than the thread did; docs/bench/datapath.md). Default: the
+        $ODBCLIENT_READER environment variable, else "thread".
     `align_ranks`: with torch.distributed initialised (world > 1), the first iteration gathers
         every rank's first step over the default process group, and with no `load_state_dict`
         every rank continues where the furthest one does (align.py: after a restart of every
@@ -116,7 +130,14 @@ class ODBClient:
         connect_timeout_s: float = 60.0,
         deadline_s: float = 600.0,
         align_ranks: bool = True,
+        reader: str | None = None,
     ) -> None:
+        reader = reader or os.environ.get(READER_ENV) or DEFAULT_READER
+        if reader not in READERS:
+            raise ValueError(
+                f"ODBClient(reader={reader!r}) (or ${READER_ENV}): must be one of "
+                f"{', '.join(READERS)}"
+            )
         if rank < 0 or prefetch < 1 or connect_timeout_s <= 0 or deadline_s <= 0:
             raise ValueError(
                 f"ODBClient(rank={rank}, prefetch={prefetch}, connect_timeout_s="
@@ -124,13 +145,14 @@ class ODBClient:
                 ">= 1 and timeouts > 0"
             )
         self.rank = rank
+        self.reader = reader
         self.socket = resolve_socket(socket)
         self._job_id = job_id
         self._prefetch = prefetch
         self._report_every = max(1, prefetch // 2)  # unsent reports: flush (odbclient.reports)
         self._connect_timeout_s = connect_timeout_s
         self._deadline_s = deadline_s
-        self._stream: TrainerStream | None = None
+        self._stream: TrainerStream | StagedStream | None = None
         self._align_ranks = align_ranks
         self._first_event: object | None = None  # taken to align the ranks, not yet handed out
         self._resume: tuple[int, int] | None = None  # (epoch, step) from load_state_dict
@@ -174,7 +196,7 @@ class ODBClient:
                 "drop it) before iterating again, one loop per epoch"
             )
 
-    def _epoch_batches(self, stream: TrainerStream) -> Generator[Batch, None, None]:
+    def _epoch_batches(self, stream: TrainerStream | StagedStream) -> Generator[Batch, None, None]:
         while True:
             called_s = time.perf_counter()
             event = self._next_event(stream)
@@ -202,7 +224,7 @@ class ODBClient:
                     )
                 )
 
-    def _next_event(self, stream: TrainerStream) -> object:
+    def _next_event(self, stream: TrainerStream | StagedStream) -> object:
         # Flush only once the wait is not brief. The daemon cannot be out of room for us while
         # our inbox is empty: fewer than report_every (<= prefetch / 2) steps are unreported
         # (_deliver flushes at that many), so more than prefetch / 2 pushed steps are still
@@ -214,11 +236,11 @@ class ODBClient:
             event, self._first_event = self._first_event, None
             return event
         try:
-            return stream.inbox.get(timeout=_FLUSH_AFTER_WAIT_S)
+            return stream.take(_FLUSH_AFTER_WAIT_S)
         except queue.Empty:
             stream.reports.flush()  # a real wait: the daemon may be waiting for our reports
         try:
-            return stream.inbox.get(timeout=self._deadline_s)
+            return stream.take(self._deadline_s)
         except queue.Empty:
             raise DaemonTimeoutError(
                 f"no batch from odbd on unix:{self.socket} for rank {self.rank} in "
@@ -228,7 +250,7 @@ class ODBClient:
                 + daemon_says(self.socket)
             ) from None
 
-    def _deliver(self, stream: TrainerStream, batch: Batch, called_s: float) -> None:
+    def _deliver(self, stream: TrainerStream | StagedStream, batch: Batch, called_s: float) -> None:
         now_s = time.perf_counter()
         compute_s = 0.0 if self._last_return_s is None else called_s - self._last_return_s
         wait_s = now_s - called_s + self._unreported_wait_s
@@ -266,14 +288,14 @@ class ODBClient:
         self._failure = error
         raise error
 
-    def _connected(self) -> TrainerStream:
+    def _connected(self) -> TrainerStream | StagedStream:
         if self._stream is None:
             self._stream = self._open(self._resume)
             if self._aligns_over_the_default_group(self._stream):
                 self._continue_with_the_other_ranks(self._stream)
         return self._stream
 
-    def _aligns_over_the_default_group(self, stream: TrainerStream) -> bool:
+    def _aligns_over_the_default_group(self, stream: TrainerStream | StagedStream) -> bool:
         """Whether every rank of torch.distributed's default group iterates an ODBClient of this
         job: its world is the daemon's. Not so under tensor or pipeline parallelism, where only
         one process per data-parallel rank iterates (set_world declared that world): a gather
@@ -283,7 +305,20 @@ class ODBClient:
         world = distributed_world()
         return world > 1 and world == stream.welcome.world_size
 
-    def _open(self, resume: tuple[int, int] | None) -> TrainerStream:
+    def _open(self, resume: tuple[int, int] | None) -> TrainerStream | StagedStream:
+        world = self._world or launcher_world()
+        if self.reader == "process":
+            return StagedStream.open(
+                rank=self.rank,
+                socket=self.socket,
+                job_id=self._job_id,
+                prefetch=self._prefetch,
+                resume=resume,
+                resume_update=self._resume_update,
+                connect_timeout_s=self._connect_timeout_s,
+                world=world,
+                report_every=self._report_every,
+            )
         return TrainerStream.open(
             rank=self.rank,
             socket=self.socket,
@@ -292,10 +327,10 @@ class ODBClient:
             resume=resume,
             resume_update=self._resume_update,
             connect_timeout_s=self._connect_timeout_s,
-            world=self._world or launcher_world(),
+            world=world,
         )
 
-    def _continue_with_the_other_ranks(self, stream: TrainerStream) -> None:
+    def _continue_with_the_other_ranks(self, stream: TrainerStream | StagedStream) -> None:
         """Every rank continues at the furthest rank's first event (align.py); a rank behind
         reconnects with that resume point, and its daemon drops the steps before it. A rank
         that loaded a state_dict takes part (so no rank waits in the gather for it) but stays

@@ -27,6 +27,10 @@ class DaemonConnectionError(ODBClientError, ConnectionError):
     """The stream to the daemon broke after it was established."""
 
 
+class ReaderProcessError(ODBClientError, ConnectionError):
+    """The reader process of ODBClient(reader="process") exited while the trainer used it."""
+
+
 class DaemonTimeoutError(ODBClientError, TimeoutError):
     """No event arrived from the daemon within the deadline."""
 

@@ -163,6 +163,30 @@ def _progress(p: trainer_pb2.Progress) -> Progress:
     )
 
 
+def hello_message(
+    *,
+    rank: int,
+    job_id: str,
+    prefetch: int,
+    resume: tuple[int, int] | None,
+    resume_update: int,
+    world: TrainerWorld,
+) -> trainer_pb2.TrainerMessage:
+    """The first message of a step stream: who this rank is and where it resumes."""
+    hello = trainer_pb2.TrainerHello(
+        protocol_version=PROTOCOL_VERSION, job_id=job_id, rank=rank, prefetch=prefetch
+    )
+    if resume is not None:
+        hello.resume, (hello.resume_epoch, hello.resume_step) = True, resume
+        hello.resume_update = resume_update
+    if world.world_size is not None:
+        hello.world_size = world.world_size
+    if world.rank is not None:
+        hello.launcher_rank = world.rank
+    hello.world_source = world.source
+    return trainer_pb2.TrainerMessage(hello=hello)
+
+
 class TrainerStream:
     """One rank's connection; `inbox` yields Batch, EpochEnd, JobEnd, Failure or StreamEnd."""
 
@@ -209,25 +233,26 @@ class TrainerStream:
             connection=connect_steps(socket, timeout_s=connect_timeout_s),
             prefetch=prefetch,
         )
-        hello = trainer_pb2.TrainerHello(
-            protocol_version=PROTOCOL_VERSION, job_id=job_id, rank=rank, prefetch=prefetch
+        hello = hello_message(
+            rank=rank,
+            job_id=job_id,
+            prefetch=prefetch,
+            resume=resume,
+            resume_update=resume_update,
+            world=world,
         )
-        if resume is not None:
-            hello.resume, (hello.resume_epoch, hello.resume_step) = True, resume
-            hello.resume_update = resume_update
-        if world.world_size is not None:
-            hello.world_size = world.world_size
-        if world.rank is not None:
-            hello.launcher_rank = world.rank
-        hello.world_source = world.source
         try:
-            stream._send(trainer_pb2.TrainerMessage(hello=hello))
+            stream._send(hello)
             stream._reader = start_reader(stream._read, name=f"odbclient-rank{rank}")
             stream._await_welcome(connect_timeout_s)
         except BaseException:
             stream.close()
             raise
         return stream
+
+    def take(self, timeout_s: float) -> object:
+        """The next inbox item; raises queue.Empty after `timeout_s`."""
+        return self.inbox.get(timeout=timeout_s)
 
     def close(self) -> None:
         """Ends the stream and the reader thread (idempotent); arena mappings stay (shm.py)."""

@@ -1,7 +1,7 @@
 """A/B of the node data path between two source trees, alternated, with DataLoader(2 workers).
 
     .venv/bin/python tests/bench/datapath_ab.py --base /work/main --rounds 4 [--nbytes 8192]
-        [--ring]
+        [--ring] [--base-env KEY=VALUE] [--this-env KEY=VALUE]
 
 Each round runs, in turn: torch's DataLoader with 2 workers (with --ring, also the raw 16-slot
 shared-memory ring of tests/bench/shm_ring.py: 20,000 samples at 8 KiB, 2,000 at 1 MiB), odbd
@@ -34,6 +34,14 @@ print(json.dumps({"samples_per_s": run.samples_per_s, "cpu_us": us}))
 """
 
 
+# The trainer's reader process (ODBClient(reader="process")) is the trainer's CPU too.
+_CPU_KEYS = ("daemon", "producer", "trainer", "reader", "trainer+reader")
+
+
+def _env(pairs: list[str]) -> dict[str, str]:
+    return dict(pair.split("=", 1) for pair in pairs)
+
+
 def _case(nbytes: int) -> dict[str, object]:
     if nbytes >= 1 << 20:
         return dict(nbytes=nbytes, num_samples=5_000, batch_samples=8, buffer=64,
@@ -42,10 +50,16 @@ def _case(nbytes: int) -> dict[str, object]:
                 steps_ahead=16, shm_bytes=256 << 20)  # fmt: skip
 
 
-def run_tree(tree: Path, case: dict[str, object], *, child: str = _CHILD) -> dict[str, object]:
+def run_tree(
+    tree: Path,
+    case: dict[str, object],
+    *,
+    child: str = _CHILD,
+    env_extra: dict[str, str] | None = None,
+) -> dict[str, object]:
     """One odbd run with `tree`'s code (`child` gets `case` as JSON in argv[1] and prints its
     result as the last line of JSON); raises with the child's stderr if it fails."""
-    env = dict(os.environ)
+    env = {**os.environ, **(env_extra or {})}
     env["PYTHONPATH"] = os.pathsep.join([str(tree / "server"), str(tree / "client"), str(HERE)])
     done = subprocess.run(
         [sys.executable, "-c", child, json.dumps(case)],
@@ -91,9 +105,19 @@ def main() -> None:
     parser.add_argument("--nbytes", type=int, default=8192)
     parser.add_argument("--no-dataloader", action="store_true")
     parser.add_argument("--ring", action="store_true", help="also the raw 16-slot shm ring")
+    parser.add_argument("--buffer", type=int, default=0, help="--buffer instead of the case's")
+    parser.add_argument("--steps-ahead", type=int, default=0, help="the same for --steps-ahead")
+    for side in ("base", "this"):  # e.g. --this-env ODBCLIENT_READER=process
+        parser.add_argument(f"--{side}-env", action="append", default=[], metavar="KEY=VALUE",
+                            help=f"an environment variable of the {side} runs only")  # fmt: skip
     args = parser.parse_args()
     case = _case(args.nbytes)
+    if args.buffer:  # e.g. the daemon's defaults: --buffer 1024 --steps-ahead 64
+        case["buffer"] = args.buffer
+    if args.steps_ahead:
+        case["steps_ahead"] = args.steps_ahead
     trees = {"base": args.base.resolve(), "this": HERE}
+    envs = {"base": _env(args.base_env), "this": _env(args.this_env)}
     rows: dict[str, list[dict[str, object]]] = {"base": [], "this": []}
     loader: list[float] = []
     ring: list[float] = []
@@ -105,20 +129,21 @@ def main() -> None:
             ring.append(run_ring_16(case))
             print(f"round {r} raw 16-slot ring: {ring[-1]:,.0f} samples/s", flush=True)
         for name in ("base", "this") if r % 2 == 0 else ("this", "base"):
-            result = run_tree(trees[name], case)
-            rows[name].append(result)
+            result = run_tree(trees[name], case, env_extra=envs[name])
             cpu = result["cpu_us"]
             assert isinstance(cpu, dict)
+            cpu["trainer+reader"] = cpu.get("trainer", 0.0) + cpu.get("reader", 0.0)
+            rows[name].append(result)
             print(
                 f"round {r} {name}: {result['samples_per_s']:,.0f} samples/s, CPU us/sample "
-                + " / ".join(f"{k} {cpu.get(k, 0):.1f}" for k in ("daemon", "producer", "trainer")),
+                + " / ".join(f"{k} {cpu.get(k, 0):.1f}" for k in _CPU_KEYS),
                 flush=True,
             )
     for name, results in rows.items():
         rate = statistics.median(float(x["samples_per_s"]) for x in results)  # type: ignore[arg-type]
         cpu = {
-            k: statistics.median(float(x["cpu_us"].get(k, 0.0)) for x in results)  # type: ignore[union-attr]
-            for k in ("daemon", "producer", "trainer")
+            k: statistics.median(float(x["cpu_us"].get(k, 0.0)) for x in results)  # type: ignore[attr-defined]
+            for k in _CPU_KEYS
         }
         line = f"median {name} ({trees[name]}): {rate:,.0f} samples/s, CPU us/sample " + " / ".join(
             f"{k} {v:.1f}" for k, v in cpu.items()

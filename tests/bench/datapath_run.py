@@ -181,11 +181,13 @@ class CpuSampler:
             self._samples.append((time.perf_counter(), self._read_all()))
 
     def _find_producer(self) -> None:
-        if "producer" in self._pids:
-            return
-        children = _children(self._pids["daemon"])
-        if children:
-            self._pids["producer"] = children[0]
+        # The daemon's child is its producer; the trainer's child, if any, is its reader
+        # process (ODBClient(reader="process")), whose CPU is the trainer's too.
+        for parent, child in (("daemon", "producer"), ("trainer", "reader")):
+            if child not in self._pids and parent in self._pids:
+                children = _children(self._pids[parent])
+                if children:
+                    self._pids[child] = children[0]
 
     def _read_all(self) -> dict[str, float]:
         found = {}
