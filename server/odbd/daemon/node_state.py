@@ -145,18 +145,33 @@ class _Unit:
     retry: deque[int] = field(default_factory=deque)  # released leases, re-leased first
     leased_in: Counter[int] = field(default_factory=Counter)  # iteration -> its keys leased
     buffers: dict[int, list[SampleTable]] = field(default_factory=dict)  # slot -> chunks
+    # slot -> samples in its chunks, kept as chunks come and go: readiness is checked on every
+    # commit, and a buffer holds one chunk per commit (tens of them), too many to sum each time.
+    num_buffered: Counter[int] = field(default_factory=Counter)
+    num_buffered_total: int = 0  # over every slot
 
     def buffered(self, slot: int) -> int:
-        return sum(len(t) for t in self.buffers.get(slot, ()))
+        return self.num_buffered[slot]
+
+    def add_buffer(self, slot: int, table: SampleTable, *, first: bool = False) -> None:
+        """Buffers a chunk of samples in `slot`; `first` puts it before the chunks there."""
+        chunks = self.buffers.setdefault(slot, [])
+        if first:
+            chunks.insert(0, table)
+        else:
+            chunks.append(table)
+        self.num_buffered[slot] += len(table)
+        self.num_buffered_total += len(table)
 
     def take_buffer(self, slot: int, limit: int) -> SampleTable:
         """The first `limit` buffered samples in view order; the rest wait for the next round."""
         chunks = self.buffers.pop(slot, [])
+        self.num_buffered_total -= self.num_buffered.pop(slot, 0)
         table = SampleTable.concat_all(chunks)
         # Sorted by view, so the plan does not depend on the order producers committed in.
         order = np.argsort(table.views, kind="stable")
         if len(order) > limit:
-            self.buffers[slot] = [table.take(order[limit:])]
+            self.add_buffer(slot, table.take(order[limit:]))
         return table.take(order[:limit])
 
 
@@ -254,7 +269,7 @@ class NodeState:
         return self.config.epochs - 1
 
     def _outstanding(self, unit: _Unit) -> int:
-        return sum(unit.leased_in.values()) + sum(unit.buffered(s) for s in unit.buffers)
+        return sum(unit.leased_in.values()) + unit.num_buffered_total
 
     def lease(self, producer: int, count: int, deadline: float) -> IntArray:
         """Up to `count` view keys for a producer, keeping each unit within its buffer."""
@@ -435,7 +450,7 @@ class NodeState:
                 table = SampleTable.of(
                     keys[pick], lengths[pick], loss_tokens[pick], patches=patches[pick]
                 )
-                unit.buffers.setdefault(slot, []).append(table)
+                unit.add_buffer(slot, table)
 
     def _slot_array(self, keys: IntArray) -> IntArray:
         if not self.config.join:
@@ -530,7 +545,7 @@ class NodeState:
         """Recirculated (or not-run) samples go back into the unit's buffer."""
         if len(table):
             local = self._units[unit - self._units[0].unit]
-            local.buffers.setdefault(self._plan_slot(), []).insert(0, table)
+            local.add_buffer(self._plan_slot(), table, first=True)
 
     def mark_emitted(self, keys: IntArray) -> None:
         """Emitted views' locations are gathered by the caller first (round_loop), so an
