@@ -554,8 +554,8 @@ class RoundLoop:
         end = int(unit.slot_offsets[kept * g])
         emitted = _EmittedColumns.gather(self.state, self.lanes, unit.emitted.views[:end])
         self.state.mark_emitted(unit.emitted.views[:end])  # after the gather: it may drop them
-        self._count_oversized(unit.emitted.take(np.arange(end)))
-        tail = unit.emitted.take(np.arange(end, len(unit.emitted)))  # past the quota: not run
+        self._count_oversized(unit.emitted.take(slice(0, end)))  # views of the columns
+        tail = unit.emitted.take(slice(end, None))  # past the quota: not run
         self.state.return_samples(unit.unit, unit.leftover.concat(tail))
         progress_messages = [_progress_message(p) for p in progress]  # one per step, every rank
         facts = _StepColumns.of(plan, unit, kept * g)
