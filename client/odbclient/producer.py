@@ -122,9 +122,8 @@ class ProducerCore:
         self._work.extend(granted)
         self.credits.granted(len(granted))
 
-    def on_free(self, offsets: Iterable[int]) -> None:
-        for offset in offsets:
-            self.lane.free(offset)
+    def on_free(self, offsets: list[int]) -> None:
+        self.lane.free_many(offsets)
         self._lane_full_sent = False  # the daemon forgets it on every FreeBatch: tell again
 
     def can_work(self) -> bool:
