@@ -360,6 +360,12 @@ class NodeState:
         producer) is stale: dropped and its bytes freed, the sample will be (or was) made again.
         """
         held = self._held_by(producer, keys)
+        if patches is None:
+            patches = np.zeros_like(lengths)
+        if self._accepts_every_row(held, lengths, schema_hashes):
+            # The usual commit: no row to select, so the columns are booked as they came.
+            self._book(producer, keys, locations, lengths, loss_tokens, patches)
+            return CommitOutcome(held, [], ~held)
         bad_length = held & (lengths <= 0)
         candidates = np.flatnonzero(held & ~bad_length)
         if self.schema_hash is None and candidates.size:  # the job's first sample sets it
@@ -376,14 +382,46 @@ class NodeState:
         accepted = held & ~bad_length & ~mismatch
         rows = np.flatnonzero(accepted)
         if rows.size:
-            good = keys[rows]
-            self.leases.end(good)
-            for it, mask, views in by_iteration(good, self.views_per_iteration):
-                self.iteration(it).store(views, locations.take(rows[mask]))
-            if patches is None:
-                patches = np.zeros_like(lengths)
-            self._buffer_rows(rows, keys, lengths, loss_tokens, patches)
+            self._book(
+                producer,
+                keys[rows],
+                locations.take(rows),
+                lengths[rows],
+                loss_tokens[rows],
+                patches[rows],
+            )
         return CommitOutcome(accepted, rejections, ~held)
+
+    def _accepts_every_row(
+        self, held: np.ndarray, lengths: IntArray, schema_hashes: IntArray
+    ) -> bool:
+        """Every row is held, non-empty and of the job's schema (known by now): four
+        reductions instead of the per-row masks of the general path."""
+        return (
+            self.schema_hash is not None
+            and len(lengths) > 0
+            and bool(held.all())
+            and int(lengths.min()) > 0
+            and bool((schema_hashes == self.schema_hash).all())
+        )
+
+    def _book(
+        self,
+        producer: int,
+        keys: IntArray,
+        locations: Locations,
+        lengths: IntArray,
+        loss_tokens: IntArray,
+        patches: IntArray,
+    ) -> None:
+        """Buffers accepted rows (every key held by `producer`): their leases end, where they
+        lie is stored, and they join their unit's buffer."""
+        self.leases.end(keys, held_by=producer)
+        for it, mask, views in by_iteration(keys, self.views_per_iteration):
+            self.iteration(it).store(
+                views, locations if isinstance(mask, slice) else locations.take(mask)
+            )
+        self._buffer_rows(keys, lengths, loss_tokens, patches)
 
     def _held_by(self, producer: int, keys: IntArray) -> np.ndarray:
         """(n,) bool: the key's lease is this producer's, and it is the key's first row (a
@@ -429,26 +467,27 @@ class NodeState:
         return out
 
     def _buffer_rows(
-        self,
-        rows: IntArray,
-        keys: IntArray,
-        lengths: IntArray,
-        loss_tokens: IntArray,
-        patches: IntArray,
+        self, keys: IntArray, lengths: IntArray, loss_tokens: IntArray, patches: IntArray
     ) -> None:
-        accepted = keys[rows]
-        self._transition(accepted, "buffer")
-        rank = (accepted % self.views_per_iteration) % self.config.world.world_size
+        """Accepted rows join their unit's buffer, one chunk per (unit, slot). The rows are
+        usually one chunk, whose columns are then the commit's own arrays (slices select)."""
+        self._transition(keys, "buffer")
+        rank = (keys % self.views_per_iteration) % self.config.world.world_size
         unit_ids = rank // self.planner.ranks_per_unit
-        slots = self._slot_array(accepted)
+        slots = self._slot_array(keys)
         for unit_id, mine in _groups_of(unit_ids):
             unit = self._units[unit_id - self._units[0].unit]
-            for it, _, views in by_iteration(accepted[mine], self.views_per_iteration):
+            unit_keys = keys[mine]
+            for it, _, views in by_iteration(unit_keys, self.views_per_iteration):
                 unit.leased_in[it] -= len(views)
             for slot, picked in _groups_of(slots[mine]):
-                pick = rows[mine][picked]
-                table = SampleTable.of(
-                    keys[pick], lengths[pick], loss_tokens[pick], patches=patches[pick]
+                chosen = unit_keys[picked]
+                table = SampleTable(
+                    chosen.astype(np.int64, copy=False),
+                    lengths[mine][picked].astype(np.int64, copy=False),
+                    loss_tokens[mine][picked].astype(np.int64, copy=False),
+                    np.zeros(len(chosen), dtype=np.int64),  # ages: not recirculated yet
+                    patches[mine][picked].astype(np.int64, copy=False),
                 )
                 unit.add_buffer(slot, table)
 
