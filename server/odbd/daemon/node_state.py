@@ -175,6 +175,17 @@ class _Unit:
         return table.take(order[:limit])
 
 
+def _concat_keys(parts: list[IntArray]) -> IntArray:
+    """The parts joined as one int64 array (no copy for one part)."""
+    if len(parts) == 1:
+        return parts[0].astype(np.int64, copy=False)
+    return np.concatenate(parts).astype(np.int64, copy=False) if parts else _NO_KEYS
+
+
+_NO_KEYS = np.zeros(0, dtype=np.int64)
+_NO_KEYS.flags.writeable = False  # shared by every empty answer
+
+
 def _groups_of(values: IntArray) -> list[tuple[int, IntArray | slice]]:
     """(value, rows holding it) for each distinct value; `slice(None)` when all are equal (a
     commit's rows usually share one unit and one buffer slot: no sort, no mask)."""
@@ -275,33 +286,39 @@ class NodeState:
         """Up to `count` view keys for a producer, keeping each unit within its buffer."""
         if self.paused:
             return np.zeros(0, dtype=np.int64)
-        keys: list[int] = []
+        parts: list[IntArray] = []
+        num_keys = 0
         for unit in sorted(self._units, key=self._outstanding):
-            room = min(self.lease_capacity - self._outstanding(unit), count - len(keys))
+            room = min(self.lease_capacity - self._outstanding(unit), count - num_keys)
             if room <= 0:  # the usual answer to a free: every unit's buffer is spoken for
                 continue
-            taken = np.asarray(self._take_keys(unit, room), dtype=np.int64)
+            taken = self._take_keys(unit, room)
             for it, _, views in by_iteration(taken, self.views_per_iteration):
                 unit.leased_in[it] += len(views)
-            keys += taken.tolist()
-        granted = np.asarray(keys, dtype=np.int64)
-        if keys:
+            parts.append(taken)
+            num_keys += len(taken)
+        granted = _concat_keys(parts)
+        if num_keys:
             self._transition(granted, "lease")
             self.leases.grant(granted, producer, deadline)
         return granted
 
-    def _take_keys(self, unit: _Unit, room: int) -> list[int]:
-        """The unit's next `room` keys: released leases first, then the sampler, in bulk."""
-        out: list[int] = []
-        while room > len(out) and unit.retry:
-            out.append(unit.retry.popleft())
-        while room > len(out):
+    def _take_keys(self, unit: _Unit, room: int) -> IntArray:
+        """The unit's next `room` keys: released leases first, then the sampler, in bulk
+        (slices of the unit's views: no Python int per key)."""
+        retried: list[int] = []
+        while room > len(retried) and unit.retry:
+            retried.append(unit.retry.popleft())
+        parts = [np.asarray(retried, dtype=np.int64)] if retried else []
+        left = room - len(retried)
+        while left > 0:
             if unit.cursor == len(unit.views) and not self._advance_iteration(unit):
                 break
-            chunk = unit.views[unit.cursor : unit.cursor + room - len(out)]
+            chunk = unit.views[unit.cursor : unit.cursor + left]
             unit.cursor += len(chunk)
-            out += (chunk + unit.iteration * self.views_per_iteration).tolist()
-        return out
+            left -= len(chunk)
+            parts.append(chunk + unit.iteration * self.views_per_iteration)
+        return _concat_keys(parts)
 
     def _advance_iteration(self, unit: _Unit) -> bool:
         """Moves a unit whose iteration is fully leased to the next one, if allowed yet."""

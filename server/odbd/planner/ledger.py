@@ -114,8 +114,8 @@ class ViewLedger:
         if raw.dtype.kind not in "iu":
             raise InvariantError(f"cannot {verb}: view ids must be integers, got {raw.dtype}")
         ids = raw.astype(np.int64, copy=False).reshape(-1)
-        if int(ids.min()) < 0 or int(ids.max()) >= self.num_views:  # two reductions, no mask
-            outside = (ids < 0) | (ids >= self.num_views)
+        outside = (ids < 0) | (ids >= self.num_views)
+        if outside.any():
             named = ", ".join(map(str, ids[outside][:_MAX_NAMED].tolist()))
             raise InvariantError(
                 f"cannot {verb}: {int(outside.sum())} view ids are outside [0, {self.num_views}) "
