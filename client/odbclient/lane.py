@@ -53,7 +53,7 @@ class LaneAllocator:
 
     def fits_ever(self, nbytes: int) -> bool:
         """False for a sample larger than the whole lane: waiting for frees would never help."""
-        return align_up(max(nbytes, 1)) <= self.capacity_bytes
+        return max(nbytes, 1) <= self.capacity_bytes  # the capacity is aligned: no align_up
 
     def fits_now(self, nbytes: int) -> bool:
         return align_up(max(nbytes, 1)) <= self._free.largest()
