@@ -82,7 +82,7 @@ def decode_commit(batch: ingest_pb2.CommitBatch, lane_bytes: int, live: set[int]
 
 def _column(batch: ingest_pb2.CommitBatch, name: str, dtype: str) -> np.ndarray:
     data = getattr(batch, name)
-    itemsize = int(dtype[2:])  # "<u8" -> 8
+    itemsize = np.dtype(dtype).itemsize
     if len(data) % itemsize:
         raise MalformedMessage(
             f"CommitBatch.{name} has {len(data)} bytes, not a multiple of {itemsize} "
