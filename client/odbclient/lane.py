@@ -53,7 +53,7 @@ class LaneAllocator:
 
     def fits_ever(self, nbytes: int) -> bool:
         """False for a sample larger than the whole lane: waiting for frees would never help."""
-        return align_up(max(nbytes, 1)) <= self.capacity_bytes
+        return max(nbytes, 1) <= self.capacity_bytes  # the capacity is aligned: no align_up
 
     def fits_now(self, nbytes: int) -> bool:
         return align_up(max(nbytes, 1)) <= self._free.largest()
@@ -68,15 +68,30 @@ class LaneAllocator:
         return offset
 
     def free(self, offset: int) -> None:
-        size = self._live.pop(offset, None)
-        if size is None:
-            raise ProtocolError(
-                f"odbd freed lane offset {offset}, which this producer did not allocate or "
-                "already got back; the daemon and odbclient versions differ or the daemon has "
-                "a bug; restart the producer"
-            )
-        self._free.give(offset, size)
-        self.used_bytes -= size
+        self.free_many([offset])
+
+    def free_many(self, offsets: list[int]) -> None:
+        """Frees a FreeBatch's offsets. Adjacent samples are joined into one extent first, so
+        the free list is searched once per run, not once per sample: the daemon frees samples
+        in about the order they were made, so a batch is mostly one or a few runs."""
+        runs: list[list[int]] = []  # [start, size], address order, adjacent ones joined
+        try:
+            for offset in sorted(offsets):
+                size = self._live.pop(offset, None)
+                if size is None:
+                    raise ProtocolError(
+                        f"odbd freed lane offset {offset}, which this producer did not allocate "
+                        "or already got back; the daemon and odbclient versions differ or the "
+                        "daemon has a bug; restart the producer"
+                    )
+                if runs and runs[-1][0] + runs[-1][1] == offset:
+                    runs[-1][1] += size
+                else:
+                    runs.append([offset, size])
+        finally:  # on a bad offset, the ones before it are freed (as one at a time would)
+            for start, size in runs:
+                self._free.give(start, size)
+                self.used_bytes -= size
 
     @property
     def num_live(self) -> int:

@@ -122,9 +122,8 @@ class ProducerCore:
         self._work.extend(granted)
         self.credits.granted(len(granted))
 
-    def on_free(self, offsets: Iterable[int]) -> None:
-        for offset in offsets:
-            self.lane.free(offset)
+    def on_free(self, offsets: list[int]) -> None:
+        self.lane.free_many(offsets)
         self._lane_full_sent = False  # the daemon forgets it on every FreeBatch: tell again
 
     def can_work(self) -> bool:
@@ -136,7 +135,7 @@ class ProducerCore:
         """Makes one sample: the stalled one if it fits now, else the next granted id."""
         if self._stalled is not None:
             made, self._stalled = self._stalled, None
-            self._place(made, now_s)
+            self._place(made.view_key, made.sample, made.facts, made.plan, now_s)
             return
         view_key, identity = self._work.popleft()
         # If dataset[identity] kills this process (sys.exit, abort, a segfault in a C
@@ -158,7 +157,7 @@ class ProducerCore:
         except SampleRejected as rejected:
             self._reject(view_key, rejected, now_s)
             return
-        self._place(_Made(view_key, sample, facts, plan), now_s)
+        self._place(view_key, sample, facts, plan, now_s)
 
     def messages(self, now_s: float) -> list[ingest_pb2.ProducerMessage]:
         """What to send now: due commits (all of them when no work can proceed), LaneFull once
@@ -175,15 +174,22 @@ class ProducerCore:
             out.append(ingest_pb2.ProducerMessage(lease=ingest_pb2.LeaseRequest(count=count)))
         return out
 
-    def _place(self, made: _Made, now_s: float) -> None:
-        view_key, facts = made.view_key, made.facts
+    def _place(
+        self,
+        view_key: int,
+        sample: Any,
+        facts: SampleFacts,
+        plan: SamplePlan | None,
+        now_s: float,
+    ) -> None:
+        # The parts as arguments, not a _Made: that is built only for a sample that must wait.
         offset = self.lane.allocate(facts.nbytes)
         if offset is None:
-            self._stalled = made  # backpressure: wait for a FreeBatch
+            self._stalled = _Made(view_key, sample, facts, plan)  # backpressure: wait for a free
             return
         try:
             where = self._lane_buffer[offset : offset + facts.nbytes]
-            self._planner.encode(where, made.sample, made.plan)
+            self._planner.encode(where, sample, plan)
         except Exception as exc:  # e.g. a tensor whose copy fails; inspect_sample passed it
             self.lane.free(offset)
             rejected = SampleRejected(RejectReason.PREPROCESS_ERROR, f"encoding raised {exc!r}")

@@ -88,7 +88,8 @@ def fetch_sample(dataset: Any, identity: int) -> Any:
             RejectReason.PREPROCESS_ERROR,
             f"dataset[{identity}] raised {type(exc).__name__}: {exc}",
         ) from exc
-    return as_arrays(sample) if isinstance(sample, Mapping) else sample
+    # type() first: isinstance against the Mapping ABC is 3x the cost, per sample
+    return as_arrays(sample) if type(sample) is dict or isinstance(sample, Mapping) else sample
 
 
 def as_arrays(sample: Mapping[str, Any]) -> Mapping[str, Any]:

@@ -156,6 +156,28 @@ def test_a_commit_outside_its_lane_or_over_a_live_sample_is_malformed(
     assert LANE_HEADER_BYTES == 64  # the header the cases above step into
 
 
+@pytest.mark.parametrize("seed", range(30))
+def test_a_commit_is_refused_exactly_when_a_row_lies_outside_its_lane(seed: int) -> None:
+    """decode_commit checks bounds with reductions; the row-by-row rule decides the same."""
+    rng = np.random.default_rng(seed)
+    lane_bytes = 4096
+    edges = [0, 1, 63, 4000, 4095, 4096, 4097, 2**63, 2**64 - 8]
+    inside = list(range(64, 3000, 96))  # most rows: inside, so some commits are too
+    offsets = rng.choice(np.array(edges + inside, np.uint64), size=2, replace=False)
+    sizes = [0, 1, 4032, 4096, 2**64 - 64] + [8, 96] * 10
+    nbytes = rng.choice(np.array(sizes, np.uint64), size=2)
+    outside = [
+        n == 0 or o < LANE_HEADER_BYTES or o > lane_bytes or n > lane_bytes - o
+        for o, n in zip(offsets.tolist(), nbytes.tolist(), strict=True)
+    ]
+    batch = commit_batch(offsets.tolist(), nbytes.tolist())
+    if any(outside):
+        with pytest.raises(MalformedMessage, match="does not lie inside"):
+            decode_commit(batch, lane_bytes, set())
+    else:
+        assert decode_commit(batch, lane_bytes, set()).offsets.tolist() == offsets.tolist()
+
+
 def test_a_commit_inside_its_lane_decodes() -> None:
     rows = decode_commit(commit_batch([64, 4088], [8, 8]), 4096, {192})
     assert rows.offsets.tolist() == [64, 4088] and rows.patches.tolist() == [0, 0]

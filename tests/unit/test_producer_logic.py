@@ -151,6 +151,31 @@ def test_lane_refuses_to_free_what_it_did_not_allocate() -> None:
         lane.free(offset)
 
 
+@pytest.mark.parametrize("seed", range(20))
+def test_lane_frees_a_batch_as_one_at_a_time_would(seed: int) -> None:
+    """free_many joins adjacent samples into runs first; the free list ends up the same."""
+    rng = np.random.default_rng(seed)
+    batched, single = (LaneAllocator(lane_offset=0, lane_size=256 * 40) for _ in range(2))
+    sizes = rng.integers(1, 200, size=30).tolist()
+    offsets = [batched.allocate(n) for n in sizes]
+    assert offsets == [single.allocate(n) for n in sizes] and None not in offsets
+    freed = rng.permutation([o for o in offsets if o is not None])[: rng.integers(1, 30)]
+    batched.free_many(freed.tolist())
+    for offset in freed.tolist():
+        single.free(offset)
+    assert batched.used_bytes == single.used_bytes and batched.num_live == single.num_live
+    assert [batched.allocate(n) for n in sizes] == [single.allocate(n) for n in sizes]
+
+
+def test_lane_batch_with_a_bad_offset_frees_those_before_it_and_refuses() -> None:
+    lane = LaneAllocator(lane_offset=0, lane_size=256)
+    offsets = [lane.allocate(64) for _ in range(4)]
+    assert offsets == [0, 64, 128, 192]
+    with pytest.raises(ProtocolError, match="lane offset 100"):
+        lane.free_many([0, 64, 100])
+    assert lane.num_live == 2 and lane.used_bytes == 128 and lane.allocate(128) == 0
+
+
 def test_commits_flush_by_count_and_by_age() -> None:
     facts = SampleFacts(nbytes=100, length=7, loss_tokens=5, schema_hash=2**64 - 1)
     commits = CommitBuffer(max_rows=3, interval_s=0.01)

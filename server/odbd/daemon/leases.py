@@ -70,19 +70,27 @@ class LeaseTable:
         holder = self._holder.get(it)
         return NO_HOLDER if holder is None else int(holder[view])
 
-    def end(self, keys: IntArray) -> None:
-        """Ends held leases (committed, released, rejected); every key must be held, once."""
+    def end(self, keys: IntArray, *, held_by: int | None = None) -> None:
+        """Ends held leases (committed, released, rejected); every key must be held, once.
+        `held_by`: the caller checked that this producer holds every key (a commit), so the
+        holders are not read back and counted."""
         for it, _, views in by_iteration(keys, self._m):
             holder = self._holder[it]
-            counts = np.bincount(holder[views])  # held: every entry is a producer >= 0
-            for producer in np.flatnonzero(counts).tolist():
-                left = self._per_producer[producer] - int(counts[producer])
-                if left:
-                    self._per_producer[producer] = left
-                else:
-                    del self._per_producer[producer]
+            if held_by is not None:
+                self._forget(held_by, len(views))
+            else:
+                counts = np.bincount(holder[views])  # held: every entry is a producer >= 0
+                for producer in np.flatnonzero(counts).tolist():
+                    self._forget(producer, int(counts[producer]))
             holder[views] = NO_HOLDER
             self._count[it] -= len(views)
+
+    def _forget(self, producer: int, num_leases: int) -> None:
+        left = self._per_producer[producer] - num_leases
+        if left:
+            self._per_producer[producer] = left
+        else:
+            del self._per_producer[producer]
 
     def _held(self, it: int) -> np.ndarray:
         return np.flatnonzero(self._holder[it] != NO_HOLDER)

@@ -145,19 +145,45 @@ class _Unit:
     retry: deque[int] = field(default_factory=deque)  # released leases, re-leased first
     leased_in: Counter[int] = field(default_factory=Counter)  # iteration -> its keys leased
     buffers: dict[int, list[SampleTable]] = field(default_factory=dict)  # slot -> chunks
+    # slot -> samples in its chunks, kept as chunks come and go: readiness is checked on every
+    # commit, and a buffer holds one chunk per commit (tens of them), too many to sum each time.
+    num_buffered: Counter[int] = field(default_factory=Counter)
+    num_buffered_total: int = 0  # over every slot
 
     def buffered(self, slot: int) -> int:
-        return sum(len(t) for t in self.buffers.get(slot, ()))
+        return self.num_buffered[slot]
+
+    def add_buffer(self, slot: int, table: SampleTable, *, first: bool = False) -> None:
+        """Buffers a chunk of samples in `slot`; `first` puts it before the chunks there."""
+        chunks = self.buffers.setdefault(slot, [])
+        if first:
+            chunks.insert(0, table)
+        else:
+            chunks.append(table)
+        self.num_buffered[slot] += len(table)
+        self.num_buffered_total += len(table)
 
     def take_buffer(self, slot: int, limit: int) -> SampleTable:
         """The first `limit` buffered samples in view order; the rest wait for the next round."""
         chunks = self.buffers.pop(slot, [])
+        self.num_buffered_total -= self.num_buffered.pop(slot, 0)
         table = SampleTable.concat_all(chunks)
         # Sorted by view, so the plan does not depend on the order producers committed in.
         order = np.argsort(table.views, kind="stable")
         if len(order) > limit:
-            self.buffers[slot] = [table.take(order[limit:])]
+            self.add_buffer(slot, table.take(order[limit:]))
         return table.take(order[:limit])
+
+
+def _concat_keys(parts: list[IntArray]) -> IntArray:
+    """The parts joined as one int64 array (no copy for one part)."""
+    if len(parts) == 1:
+        return parts[0].astype(np.int64, copy=False)
+    return np.concatenate(parts).astype(np.int64, copy=False) if parts else _NO_KEYS
+
+
+_NO_KEYS = np.zeros(0, dtype=np.int64)
+_NO_KEYS.flags.writeable = False  # shared by every empty answer
 
 
 def _groups_of(values: IntArray) -> list[tuple[int, IntArray | slice]]:
@@ -254,39 +280,45 @@ class NodeState:
         return self.config.epochs - 1
 
     def _outstanding(self, unit: _Unit) -> int:
-        return sum(unit.leased_in.values()) + sum(unit.buffered(s) for s in unit.buffers)
+        return sum(unit.leased_in.values()) + unit.num_buffered_total
 
     def lease(self, producer: int, count: int, deadline: float) -> IntArray:
         """Up to `count` view keys for a producer, keeping each unit within its buffer."""
         if self.paused:
             return np.zeros(0, dtype=np.int64)
-        keys: list[int] = []
+        parts: list[IntArray] = []
+        num_keys = 0
         for unit in sorted(self._units, key=self._outstanding):
-            room = min(self.lease_capacity - self._outstanding(unit), count - len(keys))
+            room = min(self.lease_capacity - self._outstanding(unit), count - num_keys)
             if room <= 0:  # the usual answer to a free: every unit's buffer is spoken for
                 continue
-            taken = np.asarray(self._take_keys(unit, room), dtype=np.int64)
+            taken = self._take_keys(unit, room)
             for it, _, views in by_iteration(taken, self.views_per_iteration):
                 unit.leased_in[it] += len(views)
-            keys += taken.tolist()
-        granted = np.asarray(keys, dtype=np.int64)
-        if keys:
+            parts.append(taken)
+            num_keys += len(taken)
+        granted = _concat_keys(parts)
+        if num_keys:
             self._transition(granted, "lease")
             self.leases.grant(granted, producer, deadline)
         return granted
 
-    def _take_keys(self, unit: _Unit, room: int) -> list[int]:
-        """The unit's next `room` keys: released leases first, then the sampler, in bulk."""
-        out: list[int] = []
-        while room > len(out) and unit.retry:
-            out.append(unit.retry.popleft())
-        while room > len(out):
+    def _take_keys(self, unit: _Unit, room: int) -> IntArray:
+        """The unit's next `room` keys: released leases first, then the sampler, in bulk
+        (slices of the unit's views: no Python int per key)."""
+        retried: list[int] = []
+        while room > len(retried) and unit.retry:
+            retried.append(unit.retry.popleft())
+        parts = [np.asarray(retried, dtype=np.int64)] if retried else []
+        left = room - len(retried)
+        while left > 0:
             if unit.cursor == len(unit.views) and not self._advance_iteration(unit):
                 break
-            chunk = unit.views[unit.cursor : unit.cursor + room - len(out)]
+            chunk = unit.views[unit.cursor : unit.cursor + left]
             unit.cursor += len(chunk)
-            out += (chunk + unit.iteration * self.views_per_iteration).tolist()
-        return out
+            left -= len(chunk)
+            parts.append(chunk + unit.iteration * self.views_per_iteration)
+        return _concat_keys(parts)
 
     def _advance_iteration(self, unit: _Unit) -> bool:
         """Moves a unit whose iteration is fully leased to the next one, if allowed yet."""
@@ -345,6 +377,12 @@ class NodeState:
         producer) is stale: dropped and its bytes freed, the sample will be (or was) made again.
         """
         held = self._held_by(producer, keys)
+        if patches is None:
+            patches = np.zeros_like(lengths)
+        if self._accepts_every_row(held, lengths, schema_hashes):
+            # The usual commit: no row to select, so the columns are booked as they came.
+            self._book(producer, keys, locations, lengths, loss_tokens, patches)
+            return CommitOutcome(held, [], ~held)
         bad_length = held & (lengths <= 0)
         candidates = np.flatnonzero(held & ~bad_length)
         if self.schema_hash is None and candidates.size:  # the job's first sample sets it
@@ -361,14 +399,46 @@ class NodeState:
         accepted = held & ~bad_length & ~mismatch
         rows = np.flatnonzero(accepted)
         if rows.size:
-            good = keys[rows]
-            self.leases.end(good)
-            for it, mask, views in by_iteration(good, self.views_per_iteration):
-                self.iteration(it).store(views, locations.take(rows[mask]))
-            if patches is None:
-                patches = np.zeros_like(lengths)
-            self._buffer_rows(rows, keys, lengths, loss_tokens, patches)
+            self._book(
+                producer,
+                keys[rows],
+                locations.take(rows),
+                lengths[rows],
+                loss_tokens[rows],
+                patches[rows],
+            )
         return CommitOutcome(accepted, rejections, ~held)
+
+    def _accepts_every_row(
+        self, held: np.ndarray, lengths: IntArray, schema_hashes: IntArray
+    ) -> bool:
+        """Every row is held, non-empty and of the job's schema (known by now): four
+        reductions instead of the per-row masks of the general path."""
+        return (
+            self.schema_hash is not None
+            and len(lengths) > 0
+            and bool(held.all())
+            and int(lengths.min()) > 0
+            and bool((schema_hashes == self.schema_hash).all())
+        )
+
+    def _book(
+        self,
+        producer: int,
+        keys: IntArray,
+        locations: Locations,
+        lengths: IntArray,
+        loss_tokens: IntArray,
+        patches: IntArray,
+    ) -> None:
+        """Buffers accepted rows (every key held by `producer`): their leases end, where they
+        lie is stored, and they join their unit's buffer."""
+        self.leases.end(keys, held_by=producer)
+        for it, mask, views in by_iteration(keys, self.views_per_iteration):
+            self.iteration(it).store(
+                views, locations if isinstance(mask, slice) else locations.take(mask)
+            )
+        self._buffer_rows(keys, lengths, loss_tokens, patches)
 
     def _held_by(self, producer: int, keys: IntArray) -> np.ndarray:
         """(n,) bool: the key's lease is this producer's, and it is the key's first row (a
@@ -414,28 +484,29 @@ class NodeState:
         return out
 
     def _buffer_rows(
-        self,
-        rows: IntArray,
-        keys: IntArray,
-        lengths: IntArray,
-        loss_tokens: IntArray,
-        patches: IntArray,
+        self, keys: IntArray, lengths: IntArray, loss_tokens: IntArray, patches: IntArray
     ) -> None:
-        accepted = keys[rows]
-        self._transition(accepted, "buffer")
-        rank = (accepted % self.views_per_iteration) % self.config.world.world_size
+        """Accepted rows join their unit's buffer, one chunk per (unit, slot). The rows are
+        usually one chunk, whose columns are then the commit's own arrays (slices select)."""
+        self._transition(keys, "buffer")
+        rank = (keys % self.views_per_iteration) % self.config.world.world_size
         unit_ids = rank // self.planner.ranks_per_unit
-        slots = self._slot_array(accepted)
+        slots = self._slot_array(keys)
         for unit_id, mine in _groups_of(unit_ids):
             unit = self._units[unit_id - self._units[0].unit]
-            for it, _, views in by_iteration(accepted[mine], self.views_per_iteration):
+            unit_keys = keys[mine]
+            for it, _, views in by_iteration(unit_keys, self.views_per_iteration):
                 unit.leased_in[it] -= len(views)
             for slot, picked in _groups_of(slots[mine]):
-                pick = rows[mine][picked]
-                table = SampleTable.of(
-                    keys[pick], lengths[pick], loss_tokens[pick], patches=patches[pick]
+                chosen = unit_keys[picked]
+                table = SampleTable(
+                    chosen.astype(np.int64, copy=False),
+                    lengths[mine][picked].astype(np.int64, copy=False),
+                    loss_tokens[mine][picked].astype(np.int64, copy=False),
+                    np.zeros(len(chosen), dtype=np.int64),  # ages: not recirculated yet
+                    patches[mine][picked].astype(np.int64, copy=False),
                 )
-                unit.buffers.setdefault(slot, []).append(table)
+                unit.add_buffer(slot, table)
 
     def _slot_array(self, keys: IntArray) -> IntArray:
         if not self.config.join:
@@ -530,7 +601,7 @@ class NodeState:
         """Recirculated (or not-run) samples go back into the unit's buffer."""
         if len(table):
             local = self._units[unit - self._units[0].unit]
-            local.buffers.setdefault(self._plan_slot(), []).insert(0, table)
+            local.add_buffer(self._plan_slot(), table, first=True)
 
     def mark_emitted(self, keys: IntArray) -> None:
         """Emitted views' locations are gathered by the caller first (round_loop), so an

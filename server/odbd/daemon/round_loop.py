@@ -508,7 +508,10 @@ class RoundLoop:
         # Python ints, once per round: the properties sum a (T, world) array on every access.
         global_samples = plan.stats.global_num_samples.tolist()
         global_tokens = plan.stats.global_num_tokens.tolist()
+        steps_before: dict[int, int] = {}  # epoch -> steps of the epochs before it
         for i, (epoch, number) in enumerate(zip(step_epochs, step_numbers, strict=True)):
+            if epoch not in steps_before:
+                steps_before[epoch] = sum(c for e, c in self.steps_in_epoch.items() if e < epoch)
             samples = global_samples[i]
             self.epoch_emitted[epoch] += samples
             self.epoch_tokens[epoch] += global_tokens[i]
@@ -525,7 +528,7 @@ class RoundLoop:
                 emitted=self.epoch_emitted[epoch],
                 tokens=self.epoch_tokens[epoch],
                 last=last,
-                steps_before_epoch=sum(c for e, c in self.steps_in_epoch.items() if e < epoch),
+                steps_before_epoch=steps_before[epoch],
             )
             progress.append(step_progress(job, facts))
         return progress
@@ -551,8 +554,8 @@ class RoundLoop:
         end = int(unit.slot_offsets[kept * g])
         emitted = _EmittedColumns.gather(self.state, self.lanes, unit.emitted.views[:end])
         self.state.mark_emitted(unit.emitted.views[:end])  # after the gather: it may drop them
-        self._count_oversized(unit.emitted.take(np.arange(end)))
-        tail = unit.emitted.take(np.arange(end, len(unit.emitted)))  # past the quota: not run
+        self._count_oversized(unit.emitted.take(slice(0, end)))  # views of the columns
+        tail = unit.emitted.take(slice(end, None))  # past the quota: not run
         self.state.return_samples(unit.unit, unit.leftover.concat(tail))
         progress_messages = [_progress_message(p) for p in progress]  # one per step, every rank
         facts = _StepColumns.of(plan, unit, kept * g)
@@ -633,10 +636,10 @@ class RoundLoop:
             num_tokens=facts.num_tokens[step][rank],
             global_num_samples=facts.global_num_samples[step],
             global_num_tokens=facts.global_num_tokens[step],
-            sample_ids=emitted.sample_ids[rows].tobytes(),
-            segments=emitted.segments[rows].tobytes(),
-            offsets=emitted.offsets[rows].tobytes(),
-            nbytes=emitted.nbytes[rows].tobytes(),
+            sample_ids=emitted.sample_ids_bytes[rows.start * 8 : rows.stop * 8],
+            segments=emitted.segments_bytes[rows.start * 4 : rows.stop * 4],
+            offsets=emitted.offsets_bytes[rows.start * 8 : rows.stop * 8],
+            nbytes=emitted.nbytes_bytes[rows.start * 8 : rows.stop * 8],
             filler_schema=self.filler_schema if idle else "",
             progress=progress,
         )
@@ -750,10 +753,14 @@ class _EmittedColumns:
     (fancy indexing); each step then slices its rows, with no Python object per sample."""
 
     locations: Locations  # (n,) where each sample lies, freed once its step is delivered
-    sample_ids: np.ndarray  # (n,) <i8 dataset identities
-    segments: np.ndarray  # (n,) <u4 arena segment index
-    offsets: np.ndarray  # (n,) <u8 byte offset in the segment
-    nbytes: np.ndarray  # (n,) <u8
+    segments: np.ndarray  # (n,) int64 arena segment index
+    offsets: np.ndarray  # (n,) int64 byte offset in the segment
+    # The StepBatch fields' packed bytes of all n rows, serialized once per round: a step's
+    # field is a slice of bytes (one C call), not a numpy slice and tobytes (two) per field.
+    sample_ids_bytes: bytes  # (n,) <i8 dataset identities
+    segments_bytes: bytes  # (n,) <u4
+    offsets_bytes: bytes  # (n,) <u8
+    nbytes_bytes: bytes  # (n,) <u8
 
     @staticmethod
     def gather(state: NodeState, lanes: Lanes, keys: np.ndarray) -> _EmittedColumns:
@@ -761,10 +768,12 @@ class _EmittedColumns:
         segments, offsets = lanes.resolve_many(locations)
         return _EmittedColumns(
             locations,
-            state.identities_of(keys).astype("<i8"),
-            segments.astype("<u4"),
-            offsets.astype("<u8"),
-            locations.nbytes.astype("<u8"),
+            segments,
+            offsets,
+            state.identities_of(keys).astype("<i8").tobytes(),
+            segments.astype("<u4").tobytes(),
+            offsets.astype("<u8").tobytes(),
+            locations.nbytes.astype("<u8").tobytes(),
         )
 
 

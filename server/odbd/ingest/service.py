@@ -134,22 +134,23 @@ class IngestService:
         locations = Locations.in_lane(lane, rows.offsets, rows.nbytes)
         outcome = self._state.commit(
             session.producer,
-            rows.view_keys.astype(np.int64),
+            rows.view_keys.astype(np.int64, copy=False),
             locations,
             rows.lengths.astype(np.int64),
             rows.loss_tokens.astype(np.int64),
-            rows.schema_hashes.astype(np.uint64).view(np.int64),
+            rows.schema_hashes.astype(np.uint64, copy=False).view(np.int64),
             rows.patches.astype(np.int64),
         )
-        kept = locations.offsets[outcome.accepted]
+        every = bool(outcome.accepted.all())  # the usual commit: no row to select or give back
+        kept = locations.offsets if every else locations.offsets[outcome.accepted]
+        nbytes = locations.nbytes if every else locations.nbytes[outcome.accepted]
         self._lanes.hold(lane, kept)
-        self._stats.ingest_bytes += int(locations.nbytes[outcome.accepted].sum())
+        self._stats.ingest_bytes += int(nbytes.sum())
         self._stats.ingest_samples += len(kept)
         for rejected in outcome.rejections:
             self._on_rejected(rejected)
-        give_back = locations.offsets[~outcome.accepted]  # rejected or stale rows
-        if give_back.size:
-            self._send_free(session, give_back)
+        if not every:
+            self._send_free(session, locations.offsets[~outcome.accepted])  # rejected, stale
         if outcome.rejections:
             self.pump_leases()  # rejected ids left the lease budget (see on_message)
         self._on_progress()

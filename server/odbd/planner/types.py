@@ -60,7 +60,8 @@ class SampleTable:
             raise InvariantError(f"sample table columns differ in length: {v.shape} {n.shape}")
         return SampleTable(v, n, t, a, p)
 
-    def take(self, index: IntArray) -> SampleTable:
+    def take(self, index: IntArray | slice) -> SampleTable:
+        """The rows at `index`; a slice gives views of the columns, not copies."""
         return SampleTable(
             self.views[index],
             self.lengths[index],

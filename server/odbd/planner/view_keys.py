@@ -19,11 +19,14 @@ def by_iteration(
     costliest calls of the daemon's per-message bookkeeping."""
     if keys.size == 0:
         return
-    its, views = np.divmod(keys, views_per_iteration)
-    first, last = int(its.min()), int(its.max())
+    # The range first: one iteration needs no division per key, and iteration 0 (every key of a
+    # one-epoch job, the first epoch of others) not even a subtraction (the views are the keys).
+    first = int(keys.min()) // views_per_iteration
+    last = int(keys.max()) // views_per_iteration
     if first == last:
-        yield first, slice(None), views
+        yield first, slice(None), keys - first * views_per_iteration if first else keys
         return
+    its, views = np.divmod(keys, views_per_iteration)
     for it in np.unique(its).tolist():
         mask = its == it
         yield it, mask, views[mask]
