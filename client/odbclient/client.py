@@ -306,20 +306,7 @@ class ODBClient:
         return world > 1 and world == stream.welcome.world_size
 
     def _open(self, resume: tuple[int, int] | None) -> TrainerStream | StagedStream:
-        world = self._world or launcher_world()
-        if self.reader == "process":
-            return StagedStream.open(
-                rank=self.rank,
-                socket=self.socket,
-                job_id=self._job_id,
-                prefetch=self._prefetch,
-                resume=resume,
-                resume_update=self._resume_update,
-                connect_timeout_s=self._connect_timeout_s,
-                world=world,
-                report_every=self._report_every,
-            )
-        return TrainerStream.open(
+        hello: dict[str, Any] = dict(
             rank=self.rank,
             socket=self.socket,
             job_id=self._job_id,
@@ -327,8 +314,11 @@ class ODBClient:
             resume=resume,
             resume_update=self._resume_update,
             connect_timeout_s=self._connect_timeout_s,
-            world=world,
+            world=self._world or launcher_world(),
         )
+        if self.reader == "process":
+            return StagedStream.open(**hello, report_every=self._report_every)
+        return TrainerStream.open(**hello)
 
     def _continue_with_the_other_ranks(self, stream: TrainerStream | StagedStream) -> None:
         """Every rank continues at the furthest rank's first event (align.py); a rank behind
