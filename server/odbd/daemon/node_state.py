@@ -498,14 +498,12 @@ class NodeState:
             for it, _, views in by_iteration(unit_keys, self.views_per_iteration):
                 unit.leased_in[it] -= len(views)
             for slot, picked in _groups_of(slots[mine]):
-                chosen = unit_keys[picked]
-                table = SampleTable(
-                    chosen.astype(np.int64, copy=False),
-                    lengths[mine][picked].astype(np.int64, copy=False),
-                    loss_tokens[mine][picked].astype(np.int64, copy=False),
-                    np.zeros(len(chosen), dtype=np.int64),  # ages: not recirculated yet
-                    patches[mine][picked].astype(np.int64, copy=False),
-                )
+                table = SampleTable.of(
+                    unit_keys[picked],
+                    lengths[mine][picked],
+                    loss_tokens[mine][picked],
+                    patches=patches[mine][picked],
+                )  # ages 0: not recirculated yet
                 unit.add_buffer(slot, table)
 
     def _slot_array(self, keys: IntArray) -> IntArray:
