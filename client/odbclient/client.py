@@ -340,7 +340,7 @@ class ODBClient:
             _where(resume),
         )
         stream.close()
-        self._stream = None
+        self._stream = None  # if the reconnect raises, no closed stream is left to iterate
         self._stream = self._open((resume.epoch, resume.step))
         if resume.epoch != JOB_END_EPOCH and resume.step != EPOCH_END_STEP:
             self._epoch, self._next_step = resume
