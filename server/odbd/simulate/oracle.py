@@ -196,6 +196,22 @@ def node_local_bound(stats: StepStats, *, ranks_per_node: int, cost: CostModel) 
     return _bound(num_steps, float(work.max(initial=0.0)), cost)
 
 
+@dataclass(frozen=True, slots=True)
+class DataLocalBound:
+    """A lower bound on one epoch's time for every plan that keeps each node's views on its
+    node, whatever its groups, steps or rounds (same units as Summary.simulated_time)."""
+
+    num_steps: int  # max over nodes of ceil(its fewest groups / G): the epoch has at least these
+    simulated_time: float  # the bound, >= c * num_steps + any node's least work / G
+    binding_node: int  # the node whose own samples give simulated_time
+
+
+# Prices per group, as fractions of c, at which `data_local_lower_bound` trades a node's steps
+# against its padding: every price gives a valid bound and the bound is concave in the price, so
+# a coarse grid loses little (0 alone is c * num_steps + the busiest node's least work / G).
+BOUND_PRICE_FRACTIONS = (0.0, 0.25, 0.5, 0.75, 1.0)
+
+
 def data_local_lower_bound(
     lengths: np.ndarray,
     *,
@@ -205,20 +221,102 @@ def data_local_lower_bound(
     cost: CostModel,
     seed: int = 0,
     shuffle: bool = True,
-) -> NodeLocalBound:
-    """A lower bound on one epoch's time for any plan that runs each node's views on its own
-    G ranks, whatever its groups: node u needs at least g_u = (its samples over the budget,
-    each a group of one) + ceil(its other tokens / budget) groups (a group's padded area is at
-    most the budget) and does at least w_u = sum of a * l + b * l^2 over its samples (padding
-    only adds), so no plan is faster than c * max_u ceil(g_u / G) + max_u w_u / G."""
-    groups, work = [], []
-    for node in _lengths_by_node(lengths, world_size, ranks_per_node, seed, shuffle):
-        node = node.astype(np.float64)
-        over = node > budget
-        groups.append(int(over.sum()) + int(np.ceil(node[~over].sum() / budget)))
-        work.append(float(cost.work(node, node * node).sum()))
-    num_steps = -(-max(groups, default=0) // ranks_per_node)
-    return _bound(num_steps, max(work, default=0.0) / ranks_per_node, cost)
+) -> DataLocalBound:
+    """No plan that runs each node's views on its own G ranks beats this, online or offline.
+
+    Any such plan runs T steps, each at least c plus the mean work of any one node's G ranks in
+    it (a rank runs one group per step), so time >= c * T + W_u / G for every node u, with W_u
+    the work of u's groups (a * padded + b * sum l^2) and T >= ceil(groups_u / G). Node u's
+    groups are some partition of its samples under the budget rule, so for a price y in [0, c]
+    (c * max(T*, x) >= (c - y) * T* + y * x): time >= (c - y) * T* + min over u's partitions of
+    (W_u + y * groups_u) / G, with T* = max over nodes of ceil(fewest groups / G). Both minima are
+    exact (`least_group_costs`); the bound is the largest over nodes and BOUND_PRICE_FRACTIONS.
+    """
+    nodes = _lengths_by_node(lengths, world_size, ranks_per_node, seed, shuffle)
+    if not any(len(node) for node in nodes):
+        return DataLocalBound(0, 0.0, 0)
+    greedy = [_greedy_groups(node, budget, cost) for node in nodes]
+    num_steps = -(-max(count for count, _ in greedy) // ranks_per_node)
+    prices = cost.c * np.asarray(BOUND_PRICE_FRACTIONS)
+    overhead = (cost.c - prices) * num_steps
+
+    def at_most(count: int, work: float) -> float:
+        """The node's bound if its cheapest partition were these greedy groups (an upper one)."""
+        return float(np.max(overhead + (work + prices * count) / ranks_per_node))
+
+    best, binding = 0.0, 0
+    # Nodes whose greedy groups already bound them below the best found cannot bind: skip their
+    # dynamic programme (most nodes, since padding is a fraction of a percent of the work).
+    for index in sorted(range(len(nodes)), key=lambda u: -at_most(*greedy[u])):
+        if at_most(*greedy[index]) <= best:
+            break
+        node = np.sort(nodes[index])[::-1]
+        priced = least_group_costs(node, budget, cost, prices) / ranks_per_node
+        node_bound = float(np.max(overhead + priced))
+        if node_bound > best:
+            best, binding = node_bound, index
+    return DataLocalBound(num_steps, best, binding)
+
+
+def _greedy_groups(lengths: np.ndarray, budget: int, cost: CostModel) -> tuple[int, float]:
+    """(groups, work) of min-time's greedy cut of these samples: the fewest groups of any
+    partition under the budget rule (`least_group_costs` with a = b = 0 agrees), and a work no
+    partition's least work exceeds."""
+    table = SampleTable.of(np.arange(len(lengths)), lengths, lengths)
+    groups = group_buffer(table, budget, Grouping.MIN_TIME)
+    sorted_len = lengths[groups.order].astype(np.float64)
+    padded = _longest(sorted_len, groups.starts) * groups.sizes()
+    return len(groups), float(cost.work(padded.sum(), np.sum(sorted_len * sorted_len)))
+
+
+def least_group_costs(
+    lengths_longest_first: np.ndarray, budget: int, cost: CostModel, prices: np.ndarray
+) -> np.ndarray:
+    """For each price y: the least sum over groups of (a * padded + b * sum l^2 + y) over every
+    partition of these samples into groups under the budget rule (padded area <= budget, or one
+    sample alone). With a = b = 0 and y = 1, the fewest groups.
+
+    Some best partition cuts the longest-first order into contiguous runs: give the k-th costliest
+    group's size to the k-th run instead; its longest member is no longer, so it still fits and
+    pads no more. Over contiguous runs this is a dynamic programme on F(p), the least cost of
+    samples p.. when p starts a group. All groups starting among the samples of one length v
+    (K = max(1, budget // v) per group) cover up to that length's end and t < K samples past
+    it, so F(p) = a v r + y ceil(r / K) + min(min_{t <= q} G(t), y + min_{t > q} G(t)) with
+    r samples of length v left from p, q = the free places of its ceil(r / K) groups and
+    G(t) = a v t + F(end + t): one pass per distinct length, vectorised over the prices, and only
+    the first K-of-the-previous-length positions of each length are ever a group's start.
+    """
+    lengths = np.asarray(lengths_longest_first, dtype=np.int64)
+    prices = np.asarray(prices, dtype=np.float64)
+    num = len(lengths)
+    if num and np.any(lengths[1:] > lengths[:-1]):
+        raise ConfigError("least_group_costs needs lengths sorted longest first (np.sort()[::-1])")
+    change = np.flatnonzero(np.diff(lengths)) + 1
+    run_starts = np.concatenate([[0], change]).astype(np.int64)
+    run_ends = np.concatenate([change, [num]]).astype(np.int64)
+    least = np.full((len(prices), num + 1), np.inf)
+    least[:, num] = 0.0
+    price_column = prices[:, None]
+    for run in range(len(run_starts) - 1, -1, -1):
+        start, end = int(run_starts[run]), int(run_ends[run])
+        length = int(lengths[start])
+        per_group = max(1, budget // length)
+        # Only a group cut short by a longer length's K starts inside this run.
+        previous = max(1, budget // int(lengths[start - 1])) if run else 1
+        starts = np.arange(start, min(end, start + previous))
+        past = min(per_group - 1, num - end)  # samples a group from this run can reach past it
+        reach = cost.a * length * np.arange(past + 1) + least[:, end : end + past + 1]
+        fill = np.minimum.accumulate(reach, axis=1)  # min over t <= q
+        spill = np.full((len(prices), per_group), np.inf)  # min over q < t <= past
+        if past:
+            spill[:, :past] = np.minimum.accumulate(reach[:, :0:-1], axis=1)[:, ::-1]
+        left = end - starts
+        groups = -(-left // per_group)
+        free = groups * per_group - left
+        best = np.minimum(fill[:, np.minimum(free, past)], price_column + spill[:, free])
+        least[:, starts] = cost.a * length * left + price_column * groups + best
+    squares = cost.b * float(np.sum(lengths.astype(np.float64) ** 2))
+    return least[:, 0] + squares
 
 
 def _lengths_by_node(
