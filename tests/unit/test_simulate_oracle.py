@@ -173,12 +173,12 @@ def test_no_data_local_plan_of_the_same_groups_beats_the_bound(
     if num_nodes == 1 and per_node == 1:  # one rank: every plan is its bound
         assert oracle_time == pytest.approx(bound.simulated_time)
     # Whatever the groups: neither data-local plan beats the bound from the lengths alone, and
-    # it is no tighter than either plan's bound of its own groups.
+    # it needs no more steps than either plan ran.
     tight = data_local_lower_bound(arr, world_size=world, ranks_per_node=per_node, budget=budget,
                                    cost=cost)  # fmt: skip
-    for own in (bound, ours_bound):
-        assert tight.num_steps <= own.num_steps
-        assert tight.simulated_time <= own.simulated_time * (1 + 1e-12)
+    assert tight.num_steps <= min(bound.num_steps, ours_bound.num_steps)
+    assert tight.simulated_time <= oracle_time * (1 + 1e-12)
+    assert tight.simulated_time <= summarize(ours, cost, budget, world).simulated_time * (1 + 1e-12)
 
 
 def test_data_local_lower_bound_counts_each_nodes_fewest_groups_and_least_work() -> None:
@@ -282,7 +282,7 @@ def test_min_time_greedy_cut_has_the_fewest_groups(lengths: list[int], budget: i
 
 @settings(max_examples=40, deadline=None)
 @given(
-    lengths=st.lists(st.integers(1, 30), min_size=1, max_size=4),  # <= 4 views: 4^4 placements
+    lengths=st.lists(st.integers(1, 60), min_size=1, max_size=4),  # <= 4 views: 4^4 placements
     num_nodes=st.integers(1, 2),
     per_node=st.integers(1, 2),
     budget=st.integers(10, 40),

@@ -239,23 +239,50 @@ def data_local_lower_bound(
     num_steps = -(-max(count for count, _ in greedy) // ranks_per_node)
     prices = cost.c * np.asarray(BOUND_PRICE_FRACTIONS)
     overhead = (cost.c - prices) * num_steps
+    excess = [outsized_excess(node, budget, cost, ranks_per_node) for node in nodes]
 
-    def at_most(count: int, work: float) -> float:
-        """The node's bound if its cheapest partition were these greedy groups (an upper one)."""
-        return float(np.max(overhead + (work + prices * count) / ranks_per_node))
+    def at_most(node: int) -> float:
+        """The node's bound if its cheapest partition were its greedy groups (an upper one)."""
+        count, work = greedy[node]
+        return float(np.max(overhead + (work + prices * count) / ranks_per_node)) + excess[node]
 
     best, binding = 0.0, 0
     # Nodes whose greedy groups already bound them below the best found cannot bind: skip their
     # dynamic programme (most nodes, since padding is a fraction of a percent of the work).
-    for index in sorted(range(len(nodes)), key=lambda u: -at_most(*greedy[u])):
-        if at_most(*greedy[index]) <= best:
+    for index in sorted(range(len(nodes)), key=lambda u: -at_most(u)):
+        if at_most(index) <= best:
             break
         node = np.sort(nodes[index])[::-1]
         priced = least_group_costs(node, budget, cost, prices) / ranks_per_node
-        node_bound = float(np.max(overhead + priced))
+        node_bound = float(np.max(overhead + priced)) + excess[index]
         if node_bound > best:
             best, binding = node_bound, index
     return DataLocalBound(num_steps, best, binding)
+
+
+def outsized_excess(
+    lengths: np.ndarray, budget: int, cost: CostModel, ranks_per_node: int
+) -> float:
+    """How much the steps running this node's samples over the budget cost beyond the node's
+    mean work in them, at least, in any plan: such a sample x is a group of one, so a step with
+    the set S of them on this node lasts >= max(S) while the node's mean in it is at most
+    (sum(S) + (G - |S|) * C) / G, C = a * L + b * L^2 bounding every group under the budget
+    (padded <= L, sum l^2 <= L * longest <= L^2) and an idle rank. Summed over steps this is
+    least for the outsized samples dealt G per step longest first (fewest steps, sorted runs)."""
+    costs = np.sort(cost.work(*_giants(lengths, budget)))[::-1]
+    if len(costs) == 0:
+        return 0.0
+    ceiling = float(cost.work(budget, float(budget) ** 2))
+    runs = -(-len(costs) // ranks_per_node)
+    fillers = runs * ranks_per_node - len(costs)
+    total = float(costs[::ranks_per_node].sum() - costs.sum() / ranks_per_node)
+    return total - fillers * ceiling / ranks_per_node
+
+
+def _giants(lengths: np.ndarray, budget: int) -> tuple[np.ndarray, np.ndarray]:
+    """(padded tokens, sum l^2) of each sample over the budget: a group of one."""
+    over = lengths[lengths > budget].astype(np.float64)
+    return over, over * over
 
 
 def _greedy_groups(lengths: np.ndarray, budget: int, cost: CostModel) -> tuple[int, float]:
