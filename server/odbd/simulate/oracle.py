@@ -26,9 +26,10 @@ any one node's G ranks in it, and a rank runs one group per step). The node-loca
 runs reach that bound up to the steps where the node with the most work is not the slowest.
 
 `data_local_lower_bound` drops the fixed groups too: it bounds every plan that keeps each node's
-views on that node, however it groups them, from the lengths alone. Where it is below 0.99 of
-the global oracle's efficiency, no data-local planner (odbd included) can reach 0.99 x the
-oracle: the gap is data locality, not planning.
+views on that node, however it groups them and whether it plans online or offline, from the
+lengths alone (each node's fewest groups and cheapest partition, by an exact dynamic
+programme). Where it is below 0.99 of the global oracle's efficiency, no data-local planner (odbd
+included) can reach 0.99 x the oracle: the gap is data locality, not planning.
 """
 
 from __future__ import annotations
@@ -230,7 +231,9 @@ def data_local_lower_bound(
     groups are some partition of its samples under the budget rule, so for a price y in [0, c]
     (c * max(T*, x) >= (c - y) * T* + y * x): time >= (c - y) * T* + min over u's partitions of
     (W_u + y * groups_u) / G, with T* = max over nodes of ceil(fewest groups / G). Both minima are
-    exact (`least_group_costs`); the bound is the largest over nodes and BOUND_PRICE_FRACTIONS.
+    exact (`least_group_costs`). A step lasts at least its longest group too, not only the
+    node's mean: `outsized_excess` adds what that costs in the steps of u's samples over the
+    budget. The bound is the largest over nodes and BOUND_PRICE_FRACTIONS.
     """
     nodes = _lengths_by_node(lengths, world_size, ranks_per_node, seed, shuffle)
     if not any(len(node) for node in nodes):
