@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Iterator
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -11,11 +14,12 @@ from odbd.errors import ConfigError
 from odbd.planner.config import CostModel, Grouping, PlannerConfig
 from odbd.planner.epoch import simulate
 from odbd.planner.grouping import group_buffer
-from odbd.planner.sampler import sampler_identities
+from odbd.planner.sampler import sampler_identities, views_of_ranks
 from odbd.planner.types import StepStats
 from odbd.simulate.distributions import sample_lengths
 from odbd.simulate.oracle import (
     data_local_lower_bound,
+    least_group_costs,
     node_local_bound,
     node_oracle_stats,
     oracle_stats,
@@ -169,21 +173,135 @@ def test_no_data_local_plan_of_the_same_groups_beats_the_bound(
     if num_nodes == 1 and per_node == 1:  # one rank: every plan is its bound
         assert oracle_time == pytest.approx(bound.simulated_time)
     # Whatever the groups: neither data-local plan beats the bound from the lengths alone, and
-    # it is no tighter than either plan's bound of its own groups.
-    loose = data_local_lower_bound(arr, world_size=world, ranks_per_node=per_node, budget=budget,
+    # it needs no more steps than either plan ran.
+    tight = data_local_lower_bound(arr, world_size=world, ranks_per_node=per_node, budget=budget,
                                    cost=cost)  # fmt: skip
-    for own in (bound, ours_bound):
-        assert loose.num_steps <= own.num_steps
-        assert loose.busiest_node_work <= own.busiest_node_work * (1 + 1e-12)
+    assert tight.num_steps <= min(bound.num_steps, ours_bound.num_steps)
+    assert tight.simulated_time <= oracle_time * (1 + 1e-12)
+    assert tight.simulated_time <= summarize(ours, cost, budget, world).simulated_time * (1 + 1e-12)
 
 
-def test_data_local_lower_bound_counts_each_nodes_least_groups_and_work() -> None:
+def test_data_local_lower_bound_counts_each_nodes_fewest_groups_and_least_work() -> None:
     # W = 2, one rank per node, no shuffle: node 0 gets views 0, 2, 4 (lengths 30, 5, 5), node 1
-    # views 1, 3, 5 (25, 8, 0; the 0-length sample is rejected). Budget 20: node 0 needs the
-    # 30 alone plus ceil(10 / 20) = 1 group, node 1 the 25 alone plus ceil(8 / 20) = 1.
+    # views 1, 3, 5 (25, 8, 0; the 0-length sample is rejected). Budget 20: node 0's best is
+    # [30] [5, 5] (2 groups, work 40), node 1's [25] [8] (2 groups, work 33): 2 steps.
     lengths = np.array([30, 25, 5, 8, 5, 0])
     bound = data_local_lower_bound(
         lengths, world_size=2, ranks_per_node=1, budget=20, cost=LINEAR, shuffle=False
     )
-    assert (bound.num_steps, bound.busiest_node_work) == (2, 40.0)  # max(30+5+5, 25+8)
+    assert (bound.num_steps, bound.binding_node) == (2, 0)
     assert bound.simulated_time == 2 * LINEAR.c + 40.0
+
+
+def test_data_local_lower_bound_prices_the_padding_of_fewer_groups() -> None:
+    # One rank, lengths 10 and 6, budget 20, c = 10: one step pads the 6 to 10 (10 + 20 = 30),
+    # two steps pad nothing (20 + 16 = 36). c x fewest steps + least work says only 10 + 16;
+    # pricing each group at c finds min(20 + 10, 16 + 20) = 30, the true optimum.
+    bound = data_local_lower_bound(
+        np.array([10, 6]), world_size=1, ranks_per_node=1, budget=20, cost=LINEAR, shuffle=False
+    )
+    assert (bound.num_steps, bound.simulated_time) == (1, 30.0)
+    assert bound.simulated_time == _best_data_local_time([[10, 6]], 1, 20, LINEAR)
+
+
+def _partitions(items: list[int]) -> Iterator[list[list[int]]]:
+    if not items:
+        yield []
+        return
+    first, rest = items[0], items[1:]
+    for part in _partitions(rest):
+        for i in range(len(part)):
+            yield [*part[:i], [first, *part[i]], *part[i + 1 :]]
+        yield [[first], *part]
+
+
+def _budget_partitions(lengths: list[int], budget: int) -> Iterator[list[list[int]]]:
+    for part in _partitions(lengths):
+        if all(len(g) == 1 or len(g) * max(g) <= budget for g in part):
+            yield part
+
+
+def _group_work(group: list[int], cost: CostModel) -> float:
+    return float(cost.work(len(group) * max(group), sum(x * x for x in group)))
+
+
+def _best_data_local_time(
+    nodes: list[list[int]], per_node: int, budget: int, cost: CostModel
+) -> float:
+    """Brute force: every partition of every node's samples, every placement of the groups on
+    steps (at most per_node groups of a node per step); time = sum over steps (c + costliest)."""
+    best = np.inf
+    for parts in itertools.product(*(list(_budget_partitions(n, budget)) for n in nodes)):
+        groups = [(u, _group_work(g, cost)) for u, part in enumerate(parts) for g in part]
+        for steps in itertools.product(range(len(groups)), repeat=len(groups)):
+            per_step: dict[int, list[tuple[int, float]]] = {}
+            for (u, work), step in zip(groups, steps, strict=True):
+                per_step.setdefault(step, []).append((u, work))
+            if any(
+                sum(v == u for v, _ in cell) > per_node
+                for cell in per_step.values()
+                for u in range(len(nodes))
+            ):
+                continue
+            time = sum(cost.c + max(w for _, w in cell) for cell in per_step.values())
+            best = min(best, time)
+    return float(best)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    lengths=st.lists(st.integers(1, 40), min_size=1, max_size=9),
+    budget=st.integers(10, 60),
+    a=st.sampled_from([0.0, 0.5, 1.0]),
+    b=st.sampled_from([0.0, 0.01]),
+    prices=st.lists(st.floats(0, 50), min_size=1, max_size=3),
+)
+def test_least_group_costs_is_the_cheapest_partition_under_the_budget(
+    lengths: list[int], budget: int, a: float, b: float, prices: list[float]
+) -> None:
+    cost = CostModel(a=a, b=b, c=0.0)
+    got = least_group_costs(np.sort(lengths)[::-1], budget, cost, np.asarray(prices))
+    want = [
+        min(
+            sum(_group_work(g, cost) + y for g in part)
+            for part in _budget_partitions(lengths, budget)
+        )
+        for y in prices
+    ]
+    assert got == pytest.approx(want)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    lengths=st.lists(st.integers(1, 5000), min_size=1, max_size=400), budget=st.integers(100, 4000)
+)
+def test_min_time_greedy_cut_has_the_fewest_groups(lengths: list[int], budget: int) -> None:
+    fewest = least_group_costs(np.sort(lengths)[::-1], budget, CostModel(a=0, b=0, c=0), np.ones(1))
+    assert int(fewest[0]) == len(group_buffer(make_table(lengths), budget, Grouping.MIN_TIME))
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    lengths=st.lists(st.integers(1, 60), min_size=1, max_size=4),  # <= 4 views: 4^4 placements
+    num_nodes=st.integers(1, 2),
+    per_node=st.integers(1, 2),
+    budget=st.integers(10, 40),
+)
+def test_no_data_local_plan_beats_the_data_local_lower_bound(
+    lengths: list[int], num_nodes: int, per_node: int, budget: int
+) -> None:
+    world = num_nodes * per_node
+    cost = CostModel(a=1.0, b=0.01, c=7.0)
+    arr = np.asarray(lengths, dtype=np.int64)
+    identities = sampler_identities(len(arr), world, seed=0, epoch=0, shuffle=False)
+    nodes = [
+        arr[
+            identities[views_of_ranks(len(arr), world, range(u * per_node, (u + 1) * per_node))]
+        ].tolist()
+        for u in range(num_nodes)
+    ]
+    bound = data_local_lower_bound(arr, world_size=world, ranks_per_node=per_node, budget=budget,
+                                   cost=cost, shuffle=False)  # fmt: skip
+    assert bound.simulated_time <= _best_data_local_time(nodes, per_node, budget, cost) * (
+        1 + 1e-12
+    )

@@ -26,9 +26,10 @@ any one node's G ranks in it, and a rank runs one group per step). The node-loca
 runs reach that bound up to the steps where the node with the most work is not the slowest.
 
 `data_local_lower_bound` drops the fixed groups too: it bounds every plan that keeps each node's
-views on that node, however it groups them, from the lengths alone. Where it is below 0.99 of
-the global oracle's efficiency, no data-local planner (odbd included) can reach 0.99 x the
-oracle: the gap is data locality, not planning.
+views on that node, however it groups them and whether it plans online or offline, from the
+lengths alone (each node's fewest groups and cheapest partition, by an exact dynamic
+programme). Where it is below 0.99 of the global oracle's efficiency, no data-local planner (odbd
+included) can reach 0.99 x the oracle: the gap is data locality, not planning.
 """
 
 from __future__ import annotations
@@ -196,6 +197,22 @@ def node_local_bound(stats: StepStats, *, ranks_per_node: int, cost: CostModel) 
     return _bound(num_steps, float(work.max(initial=0.0)), cost)
 
 
+@dataclass(frozen=True, slots=True)
+class DataLocalBound:
+    """A lower bound on one epoch's time for every plan that keeps each node's views on its
+    node, whatever its groups, steps or rounds (same units as Summary.simulated_time)."""
+
+    num_steps: int  # max over nodes of ceil(its fewest groups / G): the epoch has at least these
+    simulated_time: float  # the bound, >= c * num_steps + any node's least work / G
+    binding_node: int  # the node whose own samples give simulated_time
+
+
+# Prices per group, as fractions of c, at which `data_local_lower_bound` trades a node's steps
+# against its padding: every price gives a valid bound and the bound is concave in the price, so
+# a coarse grid loses little (0 alone is c * num_steps + the busiest node's least work / G).
+BOUND_PRICE_FRACTIONS = (0.0, 0.25, 0.5, 0.75, 1.0)
+
+
 def data_local_lower_bound(
     lengths: np.ndarray,
     *,
@@ -205,20 +222,131 @@ def data_local_lower_bound(
     cost: CostModel,
     seed: int = 0,
     shuffle: bool = True,
-) -> NodeLocalBound:
-    """A lower bound on one epoch's time for any plan that runs each node's views on its own
-    G ranks, whatever its groups: node u needs at least g_u = (its samples over the budget,
-    each a group of one) + ceil(its other tokens / budget) groups (a group's padded area is at
-    most the budget) and does at least w_u = sum of a * l + b * l^2 over its samples (padding
-    only adds), so no plan is faster than c * max_u ceil(g_u / G) + max_u w_u / G."""
-    groups, work = [], []
-    for node in _lengths_by_node(lengths, world_size, ranks_per_node, seed, shuffle):
-        node = node.astype(np.float64)
-        over = node > budget
-        groups.append(int(over.sum()) + int(np.ceil(node[~over].sum() / budget)))
-        work.append(float(cost.work(node, node * node).sum()))
-    num_steps = -(-max(groups, default=0) // ranks_per_node)
-    return _bound(num_steps, max(work, default=0.0) / ranks_per_node, cost)
+) -> DataLocalBound:
+    """No plan that runs each node's views on its own G ranks beats this, online or offline.
+
+    Any such plan runs T steps, each at least c plus the mean work of any one node's G ranks in
+    it (a rank runs one group per step), so time >= c * T + W_u / G for every node u, with W_u
+    the work of u's groups (a * padded + b * sum l^2) and T >= ceil(groups_u / G). Node u's
+    groups are some partition of its samples under the budget rule, so for a price y in [0, c]
+    (c * max(T*, x) >= (c - y) * T* + y * x): time >= (c - y) * T* + min over u's partitions of
+    (W_u + y * groups_u) / G, with T* = max over nodes of ceil(fewest groups / G). Both minima are
+    exact (`least_group_costs`). A step lasts at least its longest group too, not only the
+    node's mean: `outsized_excess` adds what that costs in the steps of u's samples over the
+    budget. The bound is the largest over nodes and BOUND_PRICE_FRACTIONS.
+    """
+    nodes = _lengths_by_node(lengths, world_size, ranks_per_node, seed, shuffle)
+    if not any(len(node) for node in nodes):
+        return DataLocalBound(0, 0.0, 0)
+    greedy = [_greedy_groups(node, budget, cost) for node in nodes]
+    num_steps = -(-max(count for count, _ in greedy) // ranks_per_node)
+    prices = cost.c * np.asarray(BOUND_PRICE_FRACTIONS)
+    overhead = (cost.c - prices) * num_steps
+    excess = [outsized_excess(node, budget, cost, ranks_per_node) for node in nodes]
+
+    def at_most(node: int) -> float:
+        """The node's bound if its cheapest partition were its greedy groups (an upper one)."""
+        count, work = greedy[node]
+        return float(np.max(overhead + (work + prices * count) / ranks_per_node)) + excess[node]
+
+    best, binding = 0.0, 0
+    # Nodes whose greedy groups already bound them below the best found cannot bind: skip their
+    # dynamic programme (most nodes, since padding is a fraction of a percent of the work).
+    for index in sorted(range(len(nodes)), key=lambda u: -at_most(u)):
+        if at_most(index) <= best:
+            break
+        node = np.sort(nodes[index])[::-1]
+        priced = least_group_costs(node, budget, cost, prices) / ranks_per_node
+        node_bound = float(np.max(overhead + priced)) + excess[index]
+        if node_bound > best:
+            best, binding = node_bound, index
+    return DataLocalBound(num_steps, best, binding)
+
+
+def outsized_excess(
+    lengths: np.ndarray, budget: int, cost: CostModel, ranks_per_node: int
+) -> float:
+    """How much the steps running this node's samples over the budget cost beyond the node's
+    mean work in them, at least, in any plan: such a sample x is a group of one, so a step with
+    the set S of them on this node lasts >= max(S) while the node's mean in it is at most
+    (sum(S) + (G - |S|) * C) / G, C = a * L + b * L^2 bounding every group under the budget
+    (padded <= L, sum l^2 <= L * longest <= L^2) and an idle rank. Summed over steps this is
+    least for the outsized samples dealt G per step longest first (fewest steps, sorted runs)."""
+    costs = np.sort(cost.work(*_giants(lengths, budget)))[::-1]
+    if len(costs) == 0:
+        return 0.0
+    ceiling = float(cost.work(budget, float(budget) ** 2))
+    runs = -(-len(costs) // ranks_per_node)
+    fillers = runs * ranks_per_node - len(costs)
+    total = float(costs[::ranks_per_node].sum() - costs.sum() / ranks_per_node)
+    return total - fillers * ceiling / ranks_per_node
+
+
+def _giants(lengths: np.ndarray, budget: int) -> tuple[np.ndarray, np.ndarray]:
+    """(padded tokens, sum l^2) of each sample over the budget: a group of one."""
+    over = lengths[lengths > budget].astype(np.float64)
+    return over, over * over
+
+
+def _greedy_groups(lengths: np.ndarray, budget: int, cost: CostModel) -> tuple[int, float]:
+    """(groups, work) of min-time's greedy cut of these samples: the fewest groups of any
+    partition under the budget rule (`least_group_costs` with a = b = 0 agrees), and a work no
+    partition's least work exceeds."""
+    table = SampleTable.of(np.arange(len(lengths)), lengths, lengths)
+    groups = group_buffer(table, budget, Grouping.MIN_TIME)
+    sorted_len = lengths[groups.order].astype(np.float64)
+    padded = _longest(sorted_len, groups.starts) * groups.sizes()
+    return len(groups), float(cost.work(padded.sum(), np.sum(sorted_len * sorted_len)))
+
+
+def least_group_costs(
+    lengths_longest_first: np.ndarray, budget: int, cost: CostModel, prices: np.ndarray
+) -> np.ndarray:
+    """For each price y: the least sum over groups of (a * padded + b * sum l^2 + y) over every
+    partition of these samples into groups under the budget rule (padded area <= budget, or one
+    sample alone). With a = b = 0 and y = 1, the fewest groups.
+
+    Some best partition cuts the longest-first order into contiguous runs: give the k-th costliest
+    group's size to the k-th run instead; its longest member is no longer, so it still fits and
+    pads no more. Over contiguous runs this is a dynamic programme on F(p), the least cost of
+    samples p.. when p starts a group. All groups starting among the samples of one length v
+    (K = max(1, budget // v) per group) cover up to that length's end and t < K samples past
+    it, so F(p) = a v r + y ceil(r / K) + min(min_{t <= q} G(t), y + min_{t > q} G(t)) with
+    r samples of length v left from p, q = the free places of its ceil(r / K) groups and
+    G(t) = a v t + F(end + t): one pass per distinct length, vectorised over the prices, and only
+    the first K-of-the-previous-length positions of each length are ever a group's start.
+    """
+    lengths = np.asarray(lengths_longest_first, dtype=np.int64)
+    prices = np.asarray(prices, dtype=np.float64)
+    num = len(lengths)
+    if num and np.any(lengths[1:] > lengths[:-1]):
+        raise ConfigError("least_group_costs needs lengths sorted longest first (np.sort()[::-1])")
+    change = np.flatnonzero(np.diff(lengths)) + 1
+    run_starts = np.concatenate([[0], change]).astype(np.int64)
+    run_ends = np.concatenate([change, [num]]).astype(np.int64)
+    least = np.full((len(prices), num + 1), np.inf)
+    least[:, num] = 0.0
+    price_column = prices[:, None]
+    for run in range(len(run_starts) - 1, -1, -1):
+        start, end = int(run_starts[run]), int(run_ends[run])
+        length = int(lengths[start])
+        per_group = max(1, budget // length)
+        # Only a group cut short by a longer length's K starts inside this run.
+        previous = max(1, budget // int(lengths[start - 1])) if run else 1
+        starts = np.arange(start, min(end, start + previous))
+        past = min(per_group - 1, num - end)  # samples a group from this run can reach past it
+        reach = cost.a * length * np.arange(past + 1) + least[:, end : end + past + 1]
+        fill = np.minimum.accumulate(reach, axis=1)  # min over t <= q
+        spill = np.full((len(prices), per_group), np.inf)  # min over q < t <= past
+        if past:
+            spill[:, :past] = np.minimum.accumulate(reach[:, :0:-1], axis=1)[:, ::-1]
+        left = end - starts
+        groups = -(-left // per_group)
+        free = groups * per_group - left
+        best = np.minimum(fill[:, np.minimum(free, past)], price_column + spill[:, free])
+        least[:, starts] = cost.a * length * left + price_column * groups + best
+    squares = cost.b * float(np.sum(lengths.astype(np.float64) ** 2))
+    return least[:, 0] + squares
 
 
 def _lengths_by_node(
