@@ -4,7 +4,8 @@
         tests/bench/daemon_bookkeeping_cost.py [--samples 30000] [--repeats 6]
 
 Drives one NodeState like the 8 KiB bench's daemon (1 node, 1 rank, --buffer 256, a token budget
-of 16 samples, fixed lengths): lease 128 ids, commit them as 128 rows, and whenever the units
+of 16 samples, fixed lengths): lease --commit-rows ids (default 256, the producer's
+--commit-batch), commit them as as many rows, and whenever the units
 are ready take the offers, `plan_round` them, look up the emitted samples' locations and mark
 them emitted. No sockets, messages, steps or event loop: the per-sample and per-round Python
 of the state and the planner alone. Prints microseconds per sample by phase, the minimum over
@@ -74,7 +75,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--samples", type=int, default=30_000)
     parser.add_argument("--repeats", type=int, default=6)
-    parser.add_argument("--commit-rows", type=int, default=_COMMIT_ROWS, help="rows per lease and commit")
+    parser.add_argument(
+        "--commit-rows", type=int, default=_COMMIT_ROWS, help="ids per lease, rows per commit"
+    )
     args = parser.parse_args()
     runs = [run_once(args.samples, args.commit_rows) for _ in range(args.repeats)]
     for phase in runs[0]:
