@@ -1,11 +1,11 @@
 """The daemon's bookkeeping and planning per sample, without I/O: what a round costs in Python.
 
     PYTHONPATH=<tree>/server:<tree>/client .venv/bin/python \
-        tests/bench/daemon_bookkeeping_cost.py [--samples 30000] [--repeats 6]
+        tests/bench/daemon_bookkeeping_cost.py [--samples 30000] [--repeats 6] [--commit-rows 256]
 
-Drives one NodeState like the 8 KiB bench's daemon (1 node, 1 rank, --buffer 256, a token budget
-of 16 samples, fixed lengths): lease --commit-rows ids (default 256, the producer's
---commit-batch), commit them as as many rows, and whenever the units
+Drives one NodeState like the old 8 KiB bench case's daemon (1 node, 1 rank, --buffer 256, a
+token budget of 16 samples, fixed lengths): lease --commit-rows ids (default 256, the
+producer's --commit-batch), commit them as one commit of as many rows, and whenever the units
 are ready take the offers, `plan_round` them, look up the emitted samples' locations and mark
 them emitted. No sockets, messages, steps or event loop: the per-sample and per-round Python
 of the state and the planner alone. Prints microseconds per sample by phase, the minimum over
