@@ -214,8 +214,8 @@ class Producer:
         *,
         name: str | None = None,
         job_id: str = "",
-        lease_batch: int = 256,
-        commit_batch: int = 128,  # defaults as producer_main's (why: there)
+        lease_batch: int = 512,
+        commit_batch: int = 256,  # defaults as producer_main's (why: there)
         commit_interval_s: float = 0.01,
         connect_timeout_s: float = 60.0,
     ) -> None:

@@ -39,14 +39,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--lease-batch",
         type=int,
-        default=256,
+        default=512,
         help="most sample ids kept in hand (fewer when samples are slow: about 20 ms of work)",
     )
-    # 128 rows / 10 ms: a commit is one gRPC message each side handles, which costs far more
-    # than its rows; at 32 / 2 ms an 8 KiB producer sent one per ~28 samples (issue 15: 128 /
-    # 10 ms measured +12 % samples/s, daemon CPU per sample -17 %). The age limit bounds what
-    # a slow producer holds back; an idle producer sends what it has at once.
-    parser.add_argument("--commit-batch", type=int, default=128, help="samples per commit")
+    # 256 rows / 10 ms: a commit is one message each side handles, which costs far more than
+    # its rows; at 32 / 2 ms an 8 KiB producer sent one per ~28 samples (issue 15: 128 / 10 ms
+    # measured +12 % samples/s, daemon CPU per sample -17 %; 256 with --lease-batch 512 halved
+    # the ingest messages again, daemon -10-16 %: docs/bench/datapath.md). The age limit
+    # bounds what a slow producer holds back; an idle producer sends what it has at once.
+    parser.add_argument("--commit-batch", type=int, default=256, help="samples per commit")
     parser.add_argument("--commit-interval-s", type=float, default=0.01, help="commit age limit")
     parser.add_argument("--connect-timeout-s", type=float, default=60.0)
     parser.add_argument("--log-level", default="WARNING")

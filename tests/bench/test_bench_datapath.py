@@ -57,12 +57,15 @@ COMPUTE_MS = (5.0, 10.0)
 # (our case, raw ring samples per run). Ring runs are short: it is 10-30x faster than ours.
 THROUGHPUT_CASES = (
     (
+        # The daemon's own defaults (--buffer 1024 --steps-ahead 64): what a user runs. Until
+        # issue 15's third daemon pass this case was 256 / 16, four rounds per 1024 samples,
+        # whose fixed cost per round then set the daemon's CPU per sample (datapath.md).
         DatapathCase(
             nbytes=8 * 1024,
             num_samples=30_000,
             batch_samples=16,
-            buffer=256,
-            steps_ahead=16,
+            buffer=1024,
+            steps_ahead=64,
             shm_bytes=256 << 20,
             warmup_steps=WARMUP_STEPS,
         ),
