@@ -54,6 +54,10 @@ class _Plan(NamedTuple):
     # Which header bits carry meaning, None for all: the padding after each key name is not
     # written by encode_into, so two samples of one layout may differ there (reused memory).
     mask: np.ndarray | None  # uint64, like header
+    # The same as byte ranges [start, end) of the header, and their bytes joined: a step of
+    # few samples compares these as bytes (_headers_match).
+    ranges: tuple[tuple[int, int], ...]
+    meaningful: bytes
 
 
 class _Layout(NamedTuple):
@@ -88,16 +92,51 @@ def collate_uniform(
     plan = _plan(table.buffers[segments[0]], offsets[0], nbytes[0])
     if plan is None or min(nbytes) < plan.meta.total_bytes:
         return None
-    width = len(plan.header) * _WORD
-    headers = _rows_of(layout, table.buffers, segments, offsets, 0, width).view(np.uint64)
-    differ = headers != plan.header if plan.mask is None else (headers ^ plan.header) & plan.mask
-    if differ.any():
+    if not _headers_match(plan, layout, table.buffers, segments, offsets):
         return None
     return _collate(plan.meta, layout, table.buffers, segments, offsets, form=form)
 
 
 def _as_list(values: Sequence[int]) -> list[int]:
+    if isinstance(values, list):
+        return values  # only read
     return values.tolist() if isinstance(values, np.ndarray) else list(values)
+
+
+# Up to this many header slices (samples x meaningful ranges) a step's headers are compared as
+# joined bytes (~2 us for 16 samples back to back); above it, gathered into one numpy array
+# and compared under the mask (~9 us whatever the count, 3 numpy calls and a gather).
+_BYTES_CHECK_MAX_SLICES = 64
+
+
+def _headers_match(
+    plan: _Plan,
+    layout: _Layout,
+    buffers: Sequence[memoryview],
+    segments: list[int],
+    offsets: list[int],
+) -> bool:
+    """Whether every sample's header is plan's, up to the bytes that carry no meaning."""
+    ranges, count = plan.ranges, len(offsets)
+    if count * len(ranges) <= _BYTES_CHECK_MAX_SLICES:
+        if layout.segment >= 0:
+            buffer = buffers[layout.segment]
+            if len(ranges) == 1:
+                start, end = ranges[0]
+                got = [buffer[o + start : o + end] for o in offsets]
+            else:
+                got = [buffer[o + a : o + b] for o in offsets for a, b in ranges]
+        else:
+            got = [
+                buffers[s][o + a : o + b]
+                for s, o in zip(segments, offsets, strict=True)
+                for a, b in ranges
+            ]
+        return b"".join(got) == plan.meaningful * count
+    width = len(plan.header) * _WORD
+    headers = _rows_of(layout, buffers, segments, offsets, 0, width).view(np.uint64)
+    differ = headers != plan.header if plan.mask is None else (headers ^ plan.header) & plan.mask
+    return not differ.any()
 
 
 def _layout(
@@ -141,15 +180,23 @@ def _plan(buffer: memoryview, offset: int, nbytes: int) -> _Plan | None:
             return None
         if len(_PLAN_OF_HEADER) >= _MAX_PLANS:
             _PLAN_OF_HEADER.clear()
-        plan = _Plan(meta, np.frombuffer(header, np.uint64), _meaningful(meta, header_len))
+        keep = _meaningful(meta, header_len)
+        ranges = _ranges(keep)
+        plan = _Plan(
+            meta,
+            np.frombuffer(header, np.uint64),
+            None if keep.all() else keep.view(np.uint64),
+            ranges,
+            b"".join(header[a:b] for a, b in ranges),
+        )
         _PLAN_OF_HEADER[header] = plan
     return plan
 
 
-def _meaningful(meta: SampleMeta, header_len: int) -> np.ndarray | None:
-    """A uint64 mask of the header bits that are not name padding (shm.SampleMeta's layout:
-    a 24-byte header, then per key a 24-byte entry, 8 bytes per dimension and the name padded
-    to 8 bytes)."""
+def _meaningful(meta: SampleMeta, header_len: int) -> np.ndarray:
+    """A uint8 mask (0xFF or 0) of the header bytes that are not name padding
+    (shm.SampleMeta's layout: a 24-byte header, then per key a 24-byte entry, 8 bytes per
+    dimension and the name padded to 8 bytes)."""
     keep = np.full(header_len, 0xFF, np.uint8)
     pos = 24
     for field in meta.fields:
@@ -157,7 +204,13 @@ def _meaningful(meta: SampleMeta, header_len: int) -> np.ndarray | None:
         name_len = len(field.name.encode())
         pos = name_at + ((name_len + 7) & -8)
         keep[name_at + name_len : pos] = 0
-    return None if keep.all() else keep.view(np.uint64)
+    return keep
+
+
+def _ranges(keep: np.ndarray) -> tuple[tuple[int, int], ...]:
+    """The runs [start, end) of kept (nonzero) bytes of a uint8 mask, in order."""
+    edges = np.flatnonzero(np.diff(np.concatenate(([0], keep != 0, [0])).astype(np.int8)))
+    return tuple((int(a), int(b)) for a, b in zip(edges[::2], edges[1::2], strict=True))
 
 
 def _strided(
