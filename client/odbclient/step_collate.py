@@ -23,12 +23,12 @@ from __future__ import annotations
 import operator
 import struct
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 
-from odbclient.collate import BatchForm, Collated, KeySchema, _to_torch
+from odbclient.collate import BatchForm, Collated, KeySchema
 from odbclient.errors import CollateError
 from odbclient.packing import LABEL_SEPARATOR, check_reserved_keys, offsets_key, sequence_fields
 from odbclient.shm import SampleMeta, read_meta
@@ -58,6 +58,7 @@ class _Plan(NamedTuple):
     # few samples compares these as bytes (_headers_match).
     ranges: tuple[tuple[int, int], ...]
     meaningful: bytes
+    by_form: dict[int, tuple[BatchForm, tuple[_KeyPlan, ...]]]  # _key_plans_of's cache
 
 
 class _Layout(NamedTuple):
@@ -94,7 +95,7 @@ def collate_uniform(
         return None
     if not _headers_match(plan, layout, table.buffers, segments, offsets):
         return None
-    return _collate(plan.meta, layout, table.buffers, segments, offsets, form=form)
+    return _collate(plan, layout, table.buffers, segments, offsets, form=form)
 
 
 def _as_list(values: Sequence[int]) -> list[int]:
@@ -188,6 +189,7 @@ def _plan(buffer: memoryview, offset: int, nbytes: int) -> _Plan | None:
             None if keep.all() else keep.view(np.uint64),
             ranges,
             b"".join(header[a:b] for a, b in ranges),
+            {},
         )
         _PLAN_OF_HEADER[header] = plan
     return plan
@@ -229,8 +231,66 @@ def _sliding(buffer: memoryview, at: int, width: int) -> np.ndarray:
                       offset=at, strides=(1, 1))  # fmt: skip
 
 
+class _KeyPlan(NamedTuple):
+    """One key of a plan in one batch form: all that collating it needs besides the rows."""
+
+    key: str
+    at: int  # where its bytes start in a sample
+    width: int  # its bytes per sample
+    dtype: np.dtype[Any]  # how the bytes read (bfloat16 as its uint16 bits)
+    shape: tuple[int, ...]  # per sample
+    schema: KeySchema
+    bfloat16: bool
+    labels: bool  # packed labels: each sample's first token becomes the separator
+
+
+def _key_plans(meta: SampleMeta, form: BatchForm) -> tuple[_KeyPlan, ...]:
+    """Per key, what does not change from step to step (raises what a batch of this layout
+    cannot be)."""
+    if form.packed or form.concat_keys:
+        check_reserved_keys(meta.keys, form.concat_keys)
+    plans = []
+    for field in meta.fields:
+        dtype = np.dtype("uint16" if field.dtype == "bfloat16" else field.dtype)
+        key, shape, labels = field.name, field.shape, False
+        if key in form.concat_keys:
+            if not shape:
+                raise CollateError(
+                    f"--concat {key}: its arrays are scalars; a concatenated key needs a first "
+                    f"dimension (rows, e.g. patches): fix preprocessing or drop --concat {key}"
+                )
+            schema = KeySchema(key, field.dtype, shape[1:], padded=False, concat=True)
+        elif form.packed and len(shape) == 1:
+            labels = key == form.labels_key and shape[0] > 0
+            if labels and dtype.kind not in "if":
+                raise CollateError(
+                    f"labels key {key!r} has dtype {dtype}, which cannot hold the "
+                    "separator -100; store labels as a signed integer type"
+                )
+            schema = KeySchema(key, field.dtype, (), padded=True)
+        elif len(shape) == 1:  # 1-D: padded, but every sample has the same length
+            schema = KeySchema(key, field.dtype, shape[1:], padded=True)
+        else:
+            schema = KeySchema(key, field.dtype, shape, padded=False)
+        bfloat16 = field.dtype == "bfloat16"
+        plans.append(
+            _KeyPlan(key, field.offset, field.nbytes, dtype, shape, schema, bfloat16, labels)
+        )
+    return tuple(plans)
+
+
+def _key_plans_of(plan: _Plan, form: BatchForm) -> tuple[_KeyPlan, ...]:
+    """_key_plans, cached in the plan per form (a stream keeps one form: one lookup)."""
+    cached = plan.by_form.get(id(form))
+    if cached is not None and cached[0] is form:
+        return cached[1]
+    keys = _key_plans(plan.meta, form)
+    plan.by_form[id(form)] = (form, keys)  # holds the form: its id is not reused meanwhile
+    return keys
+
+
 def _collate(
-    meta: SampleMeta,
+    plan: _Plan,
     layout: _Layout,
     buffers: Sequence[memoryview],
     segments: list[int],
@@ -238,44 +298,25 @@ def _collate(
     *,
     form: BatchForm,
 ) -> Collated:
-    count, keys = len(offsets), meta.keys
-    if form.packed or form.concat_keys:
-        check_reserved_keys(keys, form.concat_keys)
+    count = len(offsets)
+    keys = _key_plans_of(plan, form)
     tensors: dict[str, torch.Tensor | int] = {}
-    schema = []
-    for field in meta.fields:
-        dtype = np.dtype("uint16" if field.dtype == "bfloat16" else field.dtype)
-        array = _rows_of(layout, buffers, segments, offsets, field.offset, field.nbytes)
-        array = array.view(dtype).reshape((count, *field.shape))
-        key, shape = field.name, field.shape
-        if key in form.concat_keys:
-            if not shape:
-                raise CollateError(
-                    f"--concat {key}: its arrays are scalars; a concatenated key needs a first "
-                    f"dimension (rows, e.g. patches): fix preprocessing or drop --concat {key}"
-                )
-            array = array.reshape((count * shape[0], *shape[1:]))
-            tensors[offsets_key(key)] = torch.arange(count + 1, dtype=torch.int64) * shape[0]
-            key_schema = KeySchema(key, field.dtype, shape[1:], padded=False, concat=True)
-        elif form.packed and len(shape) == 1:
-            array = array.reshape(1, count * shape[0])
-            if key == form.labels_key and shape[0]:
-                if array.dtype.kind not in "if":
-                    raise CollateError(
-                        f"labels key {key!r} has dtype {array.dtype}, which cannot hold the "
-                        "separator -100; store labels as a signed integer type"
-                    )
-                array[0, :: shape[0]] = LABEL_SEPARATOR
-            key_schema = KeySchema(key, field.dtype, (), padded=True)
-        elif len(shape) == 1:  # 1-D: padded, but every sample has the same length
-            key_schema = KeySchema(key, field.dtype, shape[1:], padded=True)
+    for k in keys:
+        array = _rows_of(layout, buffers, segments, offsets, k.at, k.width).view(k.dtype)
+        if k.schema.concat:
+            array = array.reshape((count * k.shape[0], *k.shape[1:]))
+            tensors[offsets_key(k.key)] = torch.arange(count + 1, dtype=torch.int64) * k.shape[0]
+        elif form.packed and len(k.shape) == 1:
+            array = array.reshape(1, count * k.shape[0])
+            if k.labels:
+                array[0, :: k.shape[0]] = LABEL_SEPARATOR
         else:
-            key_schema = KeySchema(key, field.dtype, shape, padded=False)
-        tensors[key] = _to_torch(array, field.dtype)
-        schema.append(key_schema)
+            array = array.reshape((count, *k.shape))
+        tensor = torch.from_numpy(array)  # fresh memory (_rows_of), never shared memory
+        tensors[k.key] = tensor.view(torch.bfloat16) if k.bfloat16 else tensor
     if form.packed:
-        tensors.update(sequence_fields([meta.field(form.length_key).shape[0]] * count))
-    return Collated(tensors, tuple(schema))
+        tensors.update(sequence_fields([plan.meta.field(form.length_key).shape[0]] * count))
+    return Collated(tensors, tuple(k.schema for k in keys))
 
 
 def _rows_of(
