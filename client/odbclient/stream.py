@@ -367,12 +367,20 @@ class TrainerStream:
                 received = self._connection.recv_into(buffer)
                 if not received:
                     break
-                for payload in frames.feed(view[:received]):
-                    event = trainer_pb2.TrainerEvent.FromString(payload)
-                    if event.HasField("refusal"):
-                        self._put(Failure(self._refusal(event.refusal)))
-                        return
-                    for item in self._handle(event):
+                # The items of everything one recv brought are queued together, after the
+                # last is collated: a trainer waiting for data then wakes once per recv, not
+                # once per step (each wake-up costs both threads a context switch and a GIL
+                # hand-off, ~10 us of the trainer process's CPU per step; issue 15).
+                items: list[object] = []
+                try:
+                    for payload in frames.feed(view[:received]):
+                        event = trainer_pb2.TrainerEvent.FromString(payload)
+                        if event.HasField("refusal"):
+                            items.append(Failure(self._refusal(event.refusal)))
+                            return
+                        items.extend(self._handle(event))
+                finally:  # also before a failure: the batches collated before it come first
+                    for item in items:
                         self._put(item)
             self._on_stream_end(cut=frames.pending_bytes > 0)
         except OSError as error:
@@ -418,8 +426,7 @@ class TrainerStream:
             self.inbox.put(item)
 
     def _handle(self, event: trainer_pb2.TrainerEvent) -> Iterator[object]:
-        """The inbox items of one event, each as soon as it is ready (a StepBatches yields its
-        first batch before the next is collated)."""
+        """The inbox items of one event."""
         kind = event.WhichOneof("kind")
         if kind == "step":
             yield self._batch(event.step)
