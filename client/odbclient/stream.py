@@ -1,5 +1,5 @@
 """The trainer side of one step channel: hello, welcome, and a reader thread that turns
-StepBatch events into ready Batch objects (collated out of shared memory) in an inbox queue.
+StepBatch events into ready Batch objects (collated out of shared memory) in an inbox.
 
 Transport (protocol 6): one blocking unix socket to the daemon's step socket, carrying
 length-prefixed TrainerMessage / TrainerEvent frames (odbclient.framing). Threads: `_read` runs
@@ -52,6 +52,7 @@ from odbclient.errors import (
     ProtocolError,
 )
 from odbclient.framing import FrameBuffer, frame
+from odbclient.inbox import Inbox
 from odbclient.reports import DEFAULT_POLL_S, DeliveryReports
 from odbclient.shm import ArenaView, decode, read_meta
 from odbclient.step_collate import SegmentTable, collate_uniform
@@ -220,9 +221,9 @@ class TrainerStream:
         self, *, rank: int, socket: str, connection: socketlib.socket, prefetch: int
     ) -> None:
         self.rank, self.socket = rank, socket
-        # A SimpleQueue: put and get are C, ~10x cheaper than queue.Queue's Python condition
-        # variables, paid per step on both threads (issue 15). _put bounds it.
-        self.inbox: queue.SimpleQueue[object] = queue.SimpleQueue()
+        # Batches are visible at once; a waiting trainer is woken about twice per recv, not
+        # once per step (odbclient.inbox; issue 15). _put bounds it.
+        self.inbox = Inbox()
         self._inbox_bound = prefetch + 4  # the daemon pushes <= prefetch steps, plus markers
         self.welcome: Welcome | None = None
         self._connection = connection
@@ -278,7 +279,7 @@ class TrainerStream:
 
     def take(self, timeout_s: float) -> object:
         """The next inbox item; raises queue.Empty after `timeout_s`."""
-        return self.inbox.get(timeout=timeout_s)
+        return self.inbox.take(timeout_s)
 
     def close(self) -> None:
         """Ends the stream and the reader thread (idempotent); arena mappings stay (shm.py)."""
@@ -326,14 +327,12 @@ class TrainerStream:
                 "new ODBClient to go on (the daemon re-sends the steps this one did not deliver)"
             )
         )
-        with contextlib.suppress(queue.Empty):
-            while True:
-                self.inbox.get_nowait()
+        self.inbox.clear()
         self.inbox.put(closed)
 
     def _await_welcome(self, timeout_s: float) -> None:
         try:
-            item = self.inbox.get(timeout=timeout_s)
+            item = self.inbox.take(timeout_s)
         except queue.Empty:
             raise DaemonTimeoutError(
                 f"odbd on unix:{self.socket} accepted the connection of rank {self.rank} but "
@@ -367,27 +366,30 @@ class TrainerStream:
                 received = self._connection.recv_into(buffer)
                 if not received:
                     break
-                # The items of everything one recv brought are queued together, after the
-                # last is collated: a trainer waiting for data then wakes once per recv, not
-                # once per step (each wake-up costs both threads a context switch and a GIL
-                # hand-off, ~10 us of the trainer process's CPU per step; issue 15).
-                items: list[object] = []
+                # A waiting trainer is woken after the first item of this recv and after its
+                # last (odbclient.inbox), not after each one.
+                first = True
                 try:
                     for payload in frames.feed(view[:received]):
                         event = trainer_pb2.TrainerEvent.FromString(payload)
                         if event.HasField("refusal"):
-                            items.append(Failure(self._refusal(event.refusal)))
+                            self._put(Failure(self._refusal(event.refusal)))
                             return
-                        items.extend(self._handle(event))
-                finally:  # also before a failure: the batches collated before it come first
-                    for item in items:
-                        self._put(item)
+                        for item in self._handle(event):
+                            self._put(item)
+                            if first:
+                                self.inbox.ring()
+                                first = False
+                finally:
+                    self.inbox.ring()
             self._on_stream_end(cut=frames.pending_bytes > 0)
         except OSError as error:
             if not self._closing.is_set():
                 self._put(Failure(self._broken(f"{type(error).__name__}: {error}")))
+                self.inbox.ring()
         except Exception as exc:  # bad data or a bug: the trainer must see it, not hang
             self._put(Failure(exc))
+            self.inbox.ring()
             with contextlib.suppress(OSError):
                 self._connection.shutdown(socketlib.SHUT_RDWR)
 
@@ -399,6 +401,7 @@ class TrainerStream:
         self._put(
             Failure(self._broken("the stream ended inside a message")) if cut else StreamEnd()
         )
+        self.inbox.ring()
 
     def _refusal(self, refusal: trainer_pb2.Refusal) -> Exception:
         return refusal_error(
@@ -418,12 +421,13 @@ class TrainerStream:
     def _put(self, item: object) -> None:
         """Queues `item`; waits while the inbox is full (the daemon pushed more than prefetch),
         until next() takes one or close() (then drops it); due reports still leave meanwhile."""
-        while self.inbox.qsize() >= self._inbox_bound:
+        while len(self.inbox) >= self._inbox_bound:
+            self.inbox.ring()  # the trainer must see what is queued before we wait for it
             if self._closing.wait(DEFAULT_POLL_S):
                 return
             self.reports.flush_due()
         if not self._closing.is_set():
-            self.inbox.put(item)
+            self.inbox.add(item)  # the caller rings
 
     def _handle(self, event: trainer_pb2.TrainerEvent) -> Iterator[object]:
         """The inbox items of one event."""
