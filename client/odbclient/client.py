@@ -231,7 +231,7 @@ class ODBClient:
         # on their way. Flushing at once cost a Delivered and a FreeBatch per step with no
         # compute (issue 15: -20 % samples/s, +7 us daemon CPU per 8 KiB sample); the wait
         # bounds how long frees for full producer lanes or an epoch's end can be held back.
-        # (A ready item returns at once: SimpleQueue.get is C.)
+        # (A ready item returns at once: Inbox.take pops it without waiting.)
         if self._first_event is not None:
             event, self._first_event = self._first_event, None
             return event

@@ -52,7 +52,13 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from odbclient.batch import Batch, Progress
+from odbclient.batch import (
+    BATCH_FACTS,
+    PROGRESS_FIELDS,
+    Batch,
+    assemble_batch,
+    assemble_progress,
+)
 
 CONTROL_LAYOUT_VERSION = 1
 CONTROL_BYTES = 4096
@@ -145,30 +151,16 @@ class ControlPage:
 #   the slot, dtype a numpy name or "bfloat16" (stored as its uint16 bits); or (key, int) for
 #   a plain int (packed batches' max_length_q/k);
 # - facts: Batch's fields in FACTS order; progress: Progress's fields in PROGRESS order.
-FACTS = tuple(name for name in Batch.__dataclass_fields__ if name not in ("tensors", "progress"))
-PROGRESS = tuple(Progress.__dataclass_fields__)
-
-
-# Slot setters: a staged batch's Batch is filled field by field, not built by __init__, which
-# cost ~16 us per step in the trainer (a frozen dataclass sets each of its ~20 fields through
-# object.__setattr__, and keyword arguments are matched one by one) against ~1 us. Safe: the
-# values come from a Batch the reader process built with __init__, which has no checks besides.
-_BATCH_SETTERS = tuple(Batch.__dict__[name].__set__ for name in ("tensors", "progress", *FACTS))
-_PROGRESS_SETTERS = tuple(Progress.__dict__[name].__set__ for name in PROGRESS)
+FACTS = BATCH_FACTS
+PROGRESS = PROGRESS_FIELDS
 
 
 def staged_batch(data: np.ndarray, facts: tuple[Any, ...]) -> Batch:
     """The Batch of a staged batch: `data` is the trainer's fresh copy of the slot's tensor
-    bytes, `facts` its unpickled (layout, facts, progress)."""
+    bytes, `facts` its unpickled (layout, facts, progress). Built slot by slot
+    (odbclient.batch.assemble_batch: Batch.__init__ cost ~16 us per step here)."""
     layout, values, progress_values = facts
-    progress = object.__new__(Progress)
-    for set_field, value in zip(_PROGRESS_SETTERS, progress_values, strict=True):
-        set_field(progress, value)
-    batch = object.__new__(Batch)
-    fields = (wrap_tensors(data, layout), progress, *values)
-    for set_field, value in zip(_BATCH_SETTERS, fields, strict=True):
-        set_field(batch, value)
-    return batch
+    return assemble_batch(wrap_tensors(data, layout), assemble_progress(progress_values), values)
 
 
 def align(nbytes: int) -> int:

@@ -28,9 +28,9 @@ import sys
 import time
 import urllib.request
 
-import numpy as np
+import torch
 
-from odbclient import ODBClient
+from odbclient import Batch, ODBClient
 
 _COUNTERS = ("odbd_trainer_wait_seconds_total", "odbd_trainer_compute_seconds_total")
 _SETTLE_S = 0.3  # after the epoch: lets the daemon apply the last Delivered before the scrape
@@ -45,6 +45,22 @@ def scrape(url: str, rank: int = 0) -> dict[str, float]:
         if name in _COUNTERS and f'rank="{rank}"' in rest:
             found[name] = float(rest.rsplit(" ", 1)[1])
     return found
+
+
+def check_rows(batch: Batch) -> None:
+    """Every row of `batch` carries its own sample id in its first and last entry.
+
+    Its cost is the trainer's CPU too, so it reads the tensor once as numpy and compares two
+    lists of ints (~2 us per 16-row step back to back; two torch slices, np.asarray and two
+    np.array_equal calls were ~12 us, a sixth of the trainer thread's work per step)."""
+    rows = batch["input_ids"]
+    assert isinstance(rows, torch.Tensor)
+    array, expected = rows.numpy(), list(batch.sample_ids)
+    first, last = array[:, 0].tolist(), array[:, -1].tolist()
+    if first != expected or last != expected:
+        raise RuntimeError(
+            f"step {batch.step}: rows carry {first[:4]} .. {last[:4]}, ids {expected[:4]}"
+        )
 
 
 def run(args: argparse.Namespace) -> dict[str, object]:
@@ -65,13 +81,7 @@ def run(args: argparse.Namespace) -> dict[str, object]:
         computes.append(0.0 if last_return_s is None else called_s - last_return_s)
         returns.append(returned_s)
         samples.append(batch.num_samples)
-        rows = batch["input_ids"]
-        ids = rows[:, 0].numpy()
-        expected = np.asarray(batch.sample_ids, np.int64)
-        if not (np.array_equal(ids, expected) and np.array_equal(rows[:, -1].numpy(), expected)):
-            raise RuntimeError(
-                f"step {batch.step}: rows carry {ids[:4]}, ids {batch.sample_ids[:4]}"
-            )
+        check_rows(batch)
         if hi_s > 0:
             time.sleep(rng.uniform(lo_s, hi_s))
         if args.metrics_url and len(waits) == args.warmup_steps + 1:

@@ -5,10 +5,15 @@ do."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import numpy as np
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
+from odbclient import step_collate
 from odbclient.collate import BatchForm, collate
 from odbclient.shm import align_up, decode, encode_into, encoded_size, read_meta
 from odbclient.step_collate import SegmentTable, _layout, collate_uniform
@@ -19,6 +24,18 @@ FORMS = {
     "packed": BatchForm(packed=True),
     "concat": BatchForm(concat_keys=frozenset({"pixels"})),
 }
+
+
+@pytest.fixture(autouse=True, params=["bytes", "numpy"], ids=["bytes-check", "numpy-check"])
+def header_check(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Every test runs with both header checks: joined bytes (few samples) and the numpy
+    gather under a mask (many samples)."""
+    saved = step_collate._BYTES_CHECK_MAX_SLICES
+    step_collate._BYTES_CHECK_MAX_SLICES = saved if request.param == "bytes" else -1
+    try:
+        yield
+    finally:
+        step_collate._BYTES_CHECK_MAX_SLICES = saved
 
 
 def sample(i: int, length: int = 5) -> dict[str, object]:
@@ -171,3 +188,35 @@ def test_stale_bytes_in_name_padding_do_not_split_a_layout(gaps: list[int]) -> N
     fast = collate_uniform(table(segments), seg, off, nb, form=BatchForm())
     assert fast is not None
     assert fast.tensors["input_ids"][:, 0].tolist() == [0, 100, 200, 300]
+
+
+def name_padding(header_len: int) -> set[int]:
+    """The header bytes of sample() that are name padding (encode_into does not write them)."""
+    meta = read_meta(memoryview(encode(sample(0))))
+    keep = step_collate._meaningful(meta, header_len)
+    return {i for i in range(header_len) if not keep[i]}
+
+
+def encode(s: dict[str, object]) -> np.ndarray:
+    out = np.zeros(encoded_size(s), np.uint8)
+    encode_into(memoryview(out), s)
+    return out
+
+
+@given(at=st.integers(0, 10_000), victim=st.integers(0, 3), value=st.integers(1, 255))
+def test_any_meaningful_header_byte_that_differs_splits_the_step(
+    at: int, victim: int, value: int
+) -> None:
+    """A byte flipped in one sample's header: name padding still collates together, any
+    other byte sends the step the per-sample way (which decodes each sample by itself)."""
+    samples = [sample(i) for i in range(4)]
+    segments, refs = place(samples, [0, 0, 2, 0])
+    (header_len,) = np.frombuffer(segments[0][refs[0][1] + 8 : refs[0][1] + 12], "<u4")
+    at %= int(header_len)
+    seg, offset, _ = refs[victim]
+    segments[seg][offset + at] ^= value
+    out = collate_uniform(
+        table(segments), [r[0] for r in refs], [r[1] for r in refs], [r[2] for r in refs],
+        form=BatchForm(),
+    )  # fmt: skip
+    assert (out is not None) == (at in name_padding(int(header_len)))
