@@ -215,20 +215,32 @@ def _ranges(keep: np.ndarray) -> tuple[tuple[int, int], ...]:
     return tuple((int(a), int(b)) for a, b in zip(edges[::2], edges[1::2], strict=True))
 
 
-def _strided(
-    buffer: memoryview, start: int, stride: int, count: int, at: int, width: int
+_ROW_DTYPES: dict[int, np.dtype[Any]] = {}
+
+
+def _row_dtype(width: int) -> np.dtype[Any]:
+    """The void dtype of one `width`-byte row (cached: np.dtype() is ~0.5 us)."""
+    row = _ROW_DTYPES.get(width)
+    if row is None:
+        if len(_ROW_DTYPES) >= _MAX_PLANS:
+            _ROW_DTYPES.clear()
+        row = _ROW_DTYPES[width] = np.dtype((np.void, width))
+    return row
+
+
+def _strided_rows(
+    buffer: memoryview, start: int, stride: int, count: int, at: int, row: np.dtype[Any]
 ) -> np.ndarray:
-    """(count, width) bytes starting `at` into each of `count` samples `stride` apart from
-    `start`: a view, only ever read (numpy checks that it stays inside the mapping)."""
-    return np.ndarray((count, width), np.uint8, buffer=buffer, offset=start + at,
-                      strides=(stride, 1))  # fmt: skip
+    """The `count` rows at `at` into samples `stride` apart from `start`, as void items: a
+    view, only ever read (numpy checks that it stays inside the mapping)."""
+    return np.ndarray((count,), row, buffer=buffer, offset=start + at, strides=(stride,))
 
 
-def _sliding(buffer: memoryview, at: int, width: int) -> np.ndarray:
-    """Row r = the `width` bytes at r + at of the mapping: indexed by sample offsets, one
+def _sliding_rows(buffer: memoryview, at: int, row: np.dtype[Any]) -> np.ndarray:
+    """Item r = the row.itemsize bytes at r + at of the mapping: indexed by sample offsets, one
     numpy call gathers any rows of one segment (a view, only ever read; bounds checked)."""
-    return np.ndarray((len(buffer) - at - width + 1, width), np.uint8, buffer=buffer,
-                      offset=at, strides=(1, 1))  # fmt: skip
+    return np.ndarray((len(buffer) - at - row.itemsize + 1,), row, buffer=buffer, offset=at,
+                      strides=(1,))  # fmt: skip
 
 
 class _KeyPlan(NamedTuple):
@@ -332,13 +344,17 @@ def _rows_of(
     across segments. Always numpy's allocation: it asks for huge pages from 4 MiB on (a
     1 MiB-sample step then faults 2 MiB pages, not 4 KiB; a joined bytearray did not)."""
     count = len(offsets)
-    if layout.segment >= 0:
-        buffer = buffers[layout.segment]
+    if layout.segment >= 0 and width:
+        # Rows as one void item each: numpy copies (count,) items holding the GIL, where a
+        # (count, width) uint8 copy releases it around each step's ~10 us memcpy and then
+        # waits to take it back from the trainer thread (issue 15: a GIL hand-off per step).
+        buffer, row = buffers[layout.segment], _row_dtype(width)
         if layout.stride:
-            array = np.empty((count, width), np.uint8)
-            array[:] = _strided(buffer, offsets[0], layout.stride, count, at, width)
-            return array
-        return _sliding(buffer, at, width)[offsets]
+            rows = np.empty(count, row)
+            rows[:] = _strided_rows(buffer, offsets[0], layout.stride, count, at, row)
+        else:
+            rows = _sliding_rows(buffer, at, row)[offsets]
+        return rows.view(np.uint8).reshape(count, width)
     array = np.empty((count, width), np.uint8)
     out, pos = array.reshape(-1).data, 0
     for segment, offset in zip(segments, offsets, strict=True):
