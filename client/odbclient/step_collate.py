@@ -228,19 +228,35 @@ def _row_dtype(width: int) -> np.dtype[Any]:
     return row
 
 
+# Up to this many bytes per key, a step's rows are copied as one void item each, which numpy
+# does holding the GIL: a (count, width) uint8 copy releases it around the memcpy and then waits
+# to take it back from the trainer thread, a GIL hand-off per step (issue 15). A bigger copy
+# keeps releasing it: holding the GIL through an 8 MiB step (1 MiB samples, ~1 ms) would stop
+# the trainer thread from launching its work for that long.
+_GIL_HELD_COPY_BYTES = 1 << 20
+
+
 def _strided_rows(
-    buffer: memoryview, start: int, stride: int, count: int, at: int, row: np.dtype[Any]
+    buffer: memoryview, start: int, stride: int, count: int, at: int, width: int, whole: bool
 ) -> np.ndarray:
-    """The `count` rows at `at` into samples `stride` apart from `start`, as void items: a
-    view, only ever read (numpy checks that it stays inside the mapping)."""
-    return np.ndarray((count,), row, buffer=buffer, offset=start + at, strides=(stride,))
+    """The `count` rows of `width` bytes at `at` into samples `stride` apart from `start`, each
+    one void item if `whole`, else `width` uint8s: a view, only ever read (numpy checks that it
+    stays inside the mapping)."""
+    if whole:
+        return np.ndarray((count,), _row_dtype(width), buffer=buffer, offset=start + at,
+                          strides=(stride,))  # fmt: skip
+    return np.ndarray((count, width), np.uint8, buffer=buffer, offset=start + at,
+                      strides=(stride, 1))  # fmt: skip
 
 
-def _sliding_rows(buffer: memoryview, at: int, row: np.dtype[Any]) -> np.ndarray:
-    """Item r = the row.itemsize bytes at r + at of the mapping: indexed by sample offsets, one
-    numpy call gathers any rows of one segment (a view, only ever read; bounds checked)."""
-    return np.ndarray((len(buffer) - at - row.itemsize + 1,), row, buffer=buffer, offset=at,
-                      strides=(1,))  # fmt: skip
+def _sliding_rows(buffer: memoryview, at: int, width: int, whole: bool) -> np.ndarray:
+    """Row r = the `width` bytes at r + at of the mapping (one void item if `whole`, else `width`
+    uint8s): indexed by sample offsets, one numpy call gathers any rows of one segment (a view,
+    only ever read; bounds checked)."""
+    rows = len(buffer) - at - width + 1
+    if whole:
+        return np.ndarray((rows,), _row_dtype(width), buffer=buffer, offset=at, strides=(1,))
+    return np.ndarray((rows, width), np.uint8, buffer=buffer, offset=at, strides=(1, 1))
 
 
 class _KeyPlan(NamedTuple):
@@ -345,15 +361,13 @@ def _rows_of(
     1 MiB-sample step then faults 2 MiB pages, not 4 KiB; a joined bytearray did not)."""
     count = len(offsets)
     if layout.segment >= 0 and width:
-        # Rows as one void item each: numpy copies (count,) items holding the GIL, where a
-        # (count, width) uint8 copy releases it around each step's ~10 us memcpy and then
-        # waits to take it back from the trainer thread (issue 15: a GIL hand-off per step).
-        buffer, row = buffers[layout.segment], _row_dtype(width)
+        buffer, whole = buffers[layout.segment], count * width <= _GIL_HELD_COPY_BYTES
         if layout.stride:
-            rows = np.empty(count, row)
-            rows[:] = _strided_rows(buffer, offsets[0], layout.stride, count, at, row)
+            view = _strided_rows(buffer, offsets[0], layout.stride, count, at, width, whole)
+            rows = np.empty(view.shape, view.dtype)
+            rows[:] = view
         else:
-            rows = _sliding_rows(buffer, at, row)[offsets]
+            rows = _sliding_rows(buffer, at, width, whole)[offsets]
         return rows.view(np.uint8).reshape(count, width)
     array = np.empty((count, width), np.uint8)
     out, pos = array.reshape(-1).data, 0

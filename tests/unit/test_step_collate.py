@@ -227,12 +227,14 @@ def test_any_meaningful_header_byte_that_differs_splits_the_step(
     st.integers(0, 300),
     st.lists(st.integers(0, 3), min_size=1, max_size=12),
     st.booleans(),
+    st.booleans(),
 )
 def test_rows_of_copies_each_sample_s_bytes_into_fresh_writable_memory(
-    width: int, at: int, gaps: list[int], strided: bool
+    width: int, at: int, gaps: list[int], strided: bool, big: bool
 ) -> None:
-    """_rows_of (rows copied as void items, holding the GIL) against one slice per row, for a
-    strided step and a gathered one; the copy survives the arena being wiped."""
+    """_rows_of against one slice per row, for a strided step and a gathered one, copied as
+    void items (holding the GIL) or, past _GIL_HELD_COPY_BYTES, as uint8s (releasing it); the
+    copy survives the arena being wiped."""
     arena = np.random.default_rng(width + at).integers(0, 256, 1 << 14, dtype=np.uint8)
     stride = at + width + 7
     if strided:
@@ -241,7 +243,10 @@ def test_rows_of_copies_each_sample_s_bytes_into_fresh_writable_memory(
         offsets = np.cumsum([64] + [stride + g * 5 for g in gaps[1:]]).tolist()
     layout = step_collate._Layout(0, stride if strided else 0)
     segments = [0] * len(offsets)
-    rows = step_collate._rows_of(layout, [memoryview(arena)], segments, offsets, at, width)
+    with pytest.MonkeyPatch.context() as patch:
+        if big:  # every copy counts as big: the uint8 path
+            patch.setattr(step_collate, "_GIL_HELD_COPY_BYTES", 0)
+        rows = step_collate._rows_of(layout, [memoryview(arena)], segments, offsets, at, width)
     expected = [arena[o + at : o + at + width].tolist() for o in offsets]
     assert rows.dtype == np.uint8 and rows.shape == (len(offsets), width)
     assert rows.tolist() == expected and rows.flags.writeable
