@@ -18,11 +18,11 @@ from collections.abc import Callable
 import numpy as np
 
 from odbclient.collate import BatchForm
-from odbclient.shm import align_up, encode_into, encoded_size
 from odbclient.step_collate import SegmentTable
 from odbclient.stream import TrainerStream
 from odbclient.wire.odbd.v1 import trainer_pb2
 from tests.bench.datapath_trainer import check_rows
+from tests.shm_samples import write_samples
 
 HEADER_BYTES = 4096
 ROWS, TOKENS = 16, 1024  # 8 KiB of int64 per sample
@@ -30,13 +30,8 @@ ROWS, TOKENS = 16, 1024  # 8 KiB of int64 per sample
 
 def write_step(buffer: memoryview, base: int, gaps: tuple[int, ...]) -> trainer_pb2.StepBatch:
     """ROWS samples written from `base` on (64 bytes more after each index in `gaps`)."""
-    offsets, pos, size = [], base, 0
-    for i in range(ROWS):
-        sample = {"input_ids": np.full(TOKENS, 1000 + i, np.int64)}
-        size = encoded_size(sample)
-        encode_into(buffer[pos : pos + size], sample)
-        offsets.append(pos)
-        pos = align_up(pos + size) + (64 if i in gaps else 0)
+    samples = [{"input_ids": np.full(TOKENS, 1000 + i, np.int64)} for i in range(ROWS)]
+    offsets, size = write_samples(buffer, base, samples, gaps)
     step = trainer_pb2.StepBatch(
         epoch=0, step=5, num_samples=ROWS, num_tokens=ROWS * TOKENS, global_num_samples=ROWS,
         global_num_tokens=ROWS * TOKENS, loss_scale=1.0,

@@ -16,8 +16,9 @@ from functools import partial
 import numpy as np
 
 from odbclient.collate import BatchForm, collate
-from odbclient.shm import align_up, decode, encode_into, encoded_size, read_meta
+from odbclient.shm import decode, read_meta
 from odbclient.step_collate import SegmentTable, _layout, collate_uniform
+from tests.shm_samples import write_samples
 
 HEADER_BYTES = 4096
 CASES = (  # samples per step, payload bytes per sample, samples after which a 64-byte gap falls
@@ -41,13 +42,8 @@ def main() -> None:
     buffer = memoryview(segment)
     table = SegmentTable([buffer], [HEADER_BYTES], [len(segment)])
     for count, nbytes, gaps in CASES:
-        offsets_list, pos, size = [], HEADER_BYTES, 0
-        for i in range(count):
-            sample = {"input_ids": np.full(nbytes // 8, i, np.int64)}
-            size = encoded_size(sample)
-            encode_into(buffer[pos : pos + size], sample)
-            offsets_list.append(pos)
-            pos = align_up(pos + size) + (64 if i in gaps else 0)
+        samples = [{"input_ids": np.full(nbytes // 8, i, np.int64)} for i in range(count)]
+        offsets_list, size = write_samples(buffer, HEADER_BYTES, samples, gaps)
         segments = np.zeros(count, np.uint32)
         offsets = np.array(offsets_list, np.uint64)
         sizes = np.full(count, size, np.uint64)

@@ -24,10 +24,10 @@ from odbclient.batch import (
 )
 from odbclient.collate import BatchForm
 from odbclient.errors import ProtocolError
-from odbclient.shm import align_up, encode_into, encoded_size
 from odbclient.step_collate import SegmentTable
 from odbclient.stream import TrainerStream, int_list
 from odbclient.wire.odbd.v1 import trainer_pb2
+from tests.shm_samples import write_samples
 
 u64 = st.integers(0, 2**64 - 1)
 u32 = st.integers(0, 2**32 - 1)
@@ -124,13 +124,8 @@ def stream() -> Iterator[tuple[TrainerStream, np.ndarray, trainer_pb2.StepBatch]
     """A stream with no daemon: one fake arena segment holding ROWS samples, and their step."""
     segment = np.zeros(1 << 20, np.uint8)
     buffer = memoryview(segment)
-    offsets, pos, size = [], HEADER_BYTES, 0
-    for i in range(ROWS):
-        sample = {"input_ids": np.full(TOKENS, 100 + i, np.int64)}
-        size = encoded_size(sample)
-        encode_into(buffer[pos : pos + size], sample)
-        offsets.append(pos)
-        pos = align_up(pos + size)
+    samples = [{"input_ids": np.full(TOKENS, 100 + i, np.int64)} for i in range(ROWS)]
+    offsets, size = write_samples(buffer, HEADER_BYTES, samples)
     ours, theirs = socket.socketpair()
     trainer = TrainerStream(rank=0, socket="unused", connection=ours, prefetch=2)
     trainer._segment_table = SegmentTable([buffer], [HEADER_BYTES], [len(segment)])
