@@ -761,7 +761,7 @@ class _EmittedColumns:
 
     @staticmethod
     def gather(state: NodeState, lanes: Lanes, keys: np.ndarray) -> _EmittedColumns:
-        locations = state.locations_of(keys)
+        locations = state.locations_of(keys).with_lane()  # its steps' frees skip the lane ids
         segments, offsets = lanes.resolve_many(locations)
         return _EmittedColumns(
             locations,

@@ -135,19 +135,23 @@ class RankQueue:
     def deliver(self, epoch: int, step: int) -> list[Locations]:
         """Drops items up to and including (epoch, step); returns their locations to free."""
         freed: list[Locations] = []
-        while self._items and self._sent > 0:
-            head = self._items[0]
-            if head.is_step and (head.epoch, head.step) > (epoch, step):
-                break
-            if head.job_end is not None:
+        items = self._items
+        delivered = 0  # steps among the dropped items
+        # head.step >= 0 is head.is_step, inline: this runs per item of every report.
+        while items and self._sent > 0:
+            head = items[0]
+            if head.step >= 0:
+                if (head.epoch, head.step) > (epoch, step):
+                    break
+                delivered += 1
+            elif head.job_end is not None:
                 break  # stays queued: a trainer that connects later is told the job's end too
-            self._items.popleft()
+            items.popleft()
             self._sent -= 1
-            freed.extend(head.locations)
-            if head.is_step:
-                self.delivered_steps += 1
-                self._num_steps -= 1
-                self._sent_steps -= 1
+            freed += head.locations
+        self.delivered_steps += delivered
+        self._num_steps -= delivered
+        self._sent_steps -= delivered
         self._changed.set()
         return freed
 
