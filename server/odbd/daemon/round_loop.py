@@ -556,6 +556,7 @@ class RoundLoop:
         self.state.return_samples(unit.unit, unit.leftover.concat(tail))
         progress_messages = _progress_messages(progress)  # one per step, every rank
         facts = _StepColumns.of(plan, unit, kept * g)
+        patch_weight = self.cost.model.p  # once per round: the model is refit between rounds
         bounds = unit.slot_offsets.tolist()
         for local_rank, rank in enumerate(ranks):
             items = []
@@ -564,6 +565,7 @@ class RoundLoop:
                 items.append(self._step_item(
                     facts, emitted, step, rank, s, slice(bounds[s], bounds[s + 1]),
                     step_epochs[step], step_numbers[step], progress_messages[step], updates[step],
+                    patch_weight,
                 ))  # fmt: skip
             self.queues[rank].push(items)
 
@@ -613,11 +615,13 @@ class RoundLoop:
         number: int,
         progress: trainer_pb2.Progress,
         update: trainer_pb2.Update | None,
+        patch_weight: float,
     ) -> QueuedItem:
         idle = rows.stop <= rows.start
-        # Patches enter the fit as p token-equivalents each (the planner's own weight), so the
-        # learned model keeps the vision share fixed and fits the scale of the whole step.
-        linear = facts.padded_tokens[step][rank] + self.cost.model.p * facts.slot_patches[slot]
+        # Patches enter the fit as p token-equivalents each (the planner's own weight, the
+        # cost model's p), so the learned model keeps the vision share fixed and fits the
+        # scale of the whole step.
+        linear = facts.padded_tokens[step][rank] + patch_weight * facts.slot_patches[slot]
         self.cost.expect(rank, epoch, number, linear, facts.slot_sum_sq[slot])
         if not idle and not self.filler_schema:
             self._learn_schema(

@@ -122,6 +122,26 @@ class RankQueue:
             return self.take_ready(prefetch)
         return None
 
+    def take_ready_steps(
+        self, prefetch: int, max_steps: int, budget_bytes: int
+    ) -> list[QueuedItem]:
+        """take_ready_step while it gives a step, at most `max_steps` of them and until
+        their events' bytes reach `budget_bytes` (the step that reaches it is taken): one
+        loop over the queue for a message's worth of steps, not two calls per step."""
+        items, sent, taken_bytes = self._items, self._sent, 0
+        steps: list[QueuedItem] = []
+        room = min(prefetch - self._sent_steps, max_steps)
+        while len(steps) < room and taken_bytes < budget_bytes and sent < len(items):
+            item = items[sent]
+            if item.step < 0:  # a marker waits for a message of its own
+                break
+            steps.append(item)
+            taken_bytes += len(item.event)
+            sent += 1
+        self._sent = sent
+        self._sent_steps += len(steps)
+        return steps
+
     async def next_to_send(self, prefetch: int) -> QueuedItem | None:
         """The next item, once it may be sent (take_ready); None once the stream is finished
         (a failed job's end went out): the stream should end."""
