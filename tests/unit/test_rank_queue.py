@@ -8,6 +8,8 @@ import asyncio
 import random
 
 import pytest
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 
 from odbclient.wire.odbd.v1 import trainer_pb2
 from odbd.daemon.node_state import Location
@@ -263,3 +265,56 @@ def test_a_resume_at_an_epochs_end_skips_its_steps_and_keeps_its_end() -> None:
     queue.push([step(0, 0), step(0, 1), marker(0), step(1, 0)])
     queue.skip_before(0, 2**63 - 1)
     assert keys(send_all(queue)) == [(0, -1), (1, 0)]
+
+
+def _ready_steps_one_by_one(queue: RankQueue, prefetch: int, first: QueuedItem) -> list[QueuedItem]:
+    """_ready_steps as it was: take_ready_step until a limit (the reference)."""
+    steps, nbytes = [first], len(first.event)
+    while len(steps) < MAX_STEPS_PER_EVENT and nbytes < MAX_EVENT_BYTES:
+        item = queue.take_ready_step(prefetch)
+        if item is None:
+            break
+        steps.append(item)
+        nbytes += len(item.event)
+    return steps
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    sizes=st.lists(st.one_of(st.none(), st.integers(1, MAX_EVENT_BYTES // 3)), max_size=60),
+    prefetch=st.integers(0, 50),
+    reports=st.lists(st.integers(0, 60), max_size=6),
+)
+@example(sizes=[MAX_EVENT_BYTES // 4] * 6, prefetch=50, reports=[])  # exactly the byte limit
+def test_ready_steps_takes_what_take_ready_step_would(
+    sizes: list[int | None], prefetch: int, reports: list[int]
+) -> None:
+    """Steps of any size (None: a marker), any prefetch window and deliveries between
+    messages: the same messages, and the queue left in the same state, as step by step."""
+
+    def queue_of() -> RankQueue:
+        queue = RankQueue(rank=0)
+        queue.push([
+            marker(0) if size is None else QueuedItem(0, i, event=b"x" * size)
+            for i, size in enumerate(sizes)
+        ])  # fmt: skip
+        return queue
+
+    async def messages(batch: bool) -> list[list[tuple[int, int]]]:
+        queue, out = queue_of(), []
+        for upto in [*reports, len(sizes)]:
+            while (first := queue.take_ready(prefetch)) is not None:
+                if first.is_step:
+                    taken = (
+                        _ready_steps(queue, prefetch, first=first)
+                        if batch
+                        else _ready_steps_one_by_one(queue, prefetch, first)
+                    )
+                    out.append(keys(taken))
+                else:
+                    out.append(keys([first]))
+            queue.deliver(0, upto)
+            out.append([(queue.queued_steps(), queue.delivered_steps)])
+        return out
+
+    assert asyncio.run(messages(True)) == asyncio.run(messages(False))

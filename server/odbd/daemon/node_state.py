@@ -63,9 +63,21 @@ class Locations:
     lanes: IntArray  # (n,) int64 lane id
     offsets: IntArray  # (n,) int64 byte offset inside the lane
     nbytes: IntArray  # (n,) int64
+    # Every row lies in this lane, when known (None: not known, maybe several): a step's rows
+    # are freed without concatenating and reducing their lane ids (Lanes.free).
+    lane: int | None = None
 
     def __len__(self) -> int:
         return int(self.offsets.shape[0])
+
+    def with_lane(self) -> Locations:
+        """These rows, with `lane` set if they all lie in one lane (two reductions, once)."""
+        if self.lane is not None or len(self) == 0:
+            return self
+        first, last = int(self.lanes.min()), int(self.lanes.max())
+        if first != last:
+            return self
+        return Locations(self.lanes, self.offsets, self.nbytes, first)
 
     @staticmethod
     def empty() -> Locations:
@@ -79,6 +91,7 @@ class Locations:
             np.full(offsets.shape, lane, dtype=np.int64),
             offsets,
             np.asarray(nbytes, dtype=np.int64),
+            lane,
         )
 
     @staticmethod
@@ -91,13 +104,25 @@ class Locations:
             np.concatenate([p.lanes for p in parts]),
             np.concatenate([p.offsets for p in parts]),
             np.concatenate([p.nbytes for p in parts]),
+            common_lane(parts),
         )
 
     def take(self, rows: IntArray | slice) -> Locations:
-        return Locations(self.lanes[rows], self.offsets[rows], self.nbytes[rows])
+        return Locations(self.lanes[rows], self.offsets[rows], self.nbytes[rows], self.lane)
 
     def at(self, row: int) -> Location:
         return Location(int(self.lanes[row]), int(self.offsets[row]), int(self.nbytes[row]))
+
+
+def common_lane(parts: list[Locations]) -> int | None:
+    """The lane every row of `parts` lies in, if each part knows it is that one lane."""
+    lane = parts[0].lane if parts else None
+    if lane is None:
+        return None
+    for part in parts:
+        if part.lane != lane:
+            return None
+    return lane
 
 
 @dataclass(frozen=True, slots=True)

@@ -35,7 +35,7 @@ from odbd.ingest.rejections import empty_epoch_failure
 from odbd.metrics.stats import DaemonStats
 from odbd.planner.config import Collate, PlannerConfig
 from odbd.planner.cost_fit import FitConfig, FitState
-from odbd.planner.progress import JobShape, Progress, StepFacts, step_progress
+from odbd.planner.progress import JobShape, ProgressColumns, StepFactsColumns, steps_progress
 from odbd.planner.round import plan_round
 from odbd.planner.types import RoundPlan, SampleTable, UnitPlan
 from odbd.round import RoundBarrier
@@ -494,7 +494,7 @@ class RoundLoop:
 
     def _plan_progress(
         self, plan: RoundPlan, quota_before: int, step_epochs: list[int], step_numbers: list[int]
-    ) -> list[Progress]:
+    ) -> ProgressColumns:
         """Each kept step's StepBatch.progress, from global facts only (the same on every
         daemon): non-join counts the epoch's views by the sample quota (rejections included,
         the step reaching the epoch's share is its last); join by the epoch's emitted and
@@ -504,34 +504,31 @@ class RoundLoop:
         assert self.tally.rejected is not None
         rejected = sum(self.tally.rejected.values())  # join: of the epoch being planned
         quota = quota_before
-        progress = []
+        facts = StepFactsColumns([], [], [], [], [], [], [])
         # Python ints, once per round: the properties sum a (T, world) array on every access.
         global_samples = plan.stats.global_num_samples.tolist()
         global_tokens = plan.stats.global_num_tokens.tolist()
         steps_before: dict[int, int] = {}  # epoch -> steps of the epochs before it
-        for i, (epoch, number) in enumerate(zip(step_epochs, step_numbers, strict=True)):
+        join, final_step = self.config.join, len(step_epochs) - 1 if plan.final else -1
+        for i, epoch in enumerate(step_epochs):
             if epoch not in steps_before:
                 steps_before[epoch] = sum(c for e, c in self.steps_in_epoch.items() if e < epoch)
             samples = global_samples[i]
-            self.epoch_emitted[epoch] += samples
-            self.epoch_tokens[epoch] += global_tokens[i]
+            emitted = self.epoch_emitted[epoch] = self.epoch_emitted[epoch] + samples
+            tokens = self.epoch_tokens[epoch] = self.epoch_tokens[epoch] + global_tokens[i]
             quota += samples
-            if self.config.join:
-                consumed = self.epoch_emitted[epoch] + rejected
-                last = plan.final and i == len(step_epochs) - 1
+            if join:
+                facts.consumed.append(emitted + rejected)
+                facts.last.append(i == final_step)
             else:
-                consumed, last = quota - epoch * n, quota >= (epoch + 1) * n
-            facts = StepFacts(
-                epoch=epoch,
-                step=number,
-                consumed=consumed,
-                emitted=self.epoch_emitted[epoch],
-                tokens=self.epoch_tokens[epoch],
-                last=last,
-                steps_before_epoch=steps_before[epoch],
-            )
-            progress.append(step_progress(job, facts))
-        return progress
+                facts.consumed.append(quota - epoch * n)
+                facts.last.append(quota >= (epoch + 1) * n)
+            facts.emitted.append(emitted)
+            facts.tokens.append(tokens)
+            facts.steps_before_epoch.append(steps_before[epoch])
+        facts.epoch.extend(step_epochs)
+        facts.step.extend(step_numbers)
+        return steps_progress(job, facts)
 
     def _tally_identities(self, unit: UnitPlan, kept: int) -> None:
         g = self.state.planner.ranks_per_unit
@@ -545,7 +542,7 @@ class RoundLoop:
         unit: UnitPlan,
         step_epochs: list[int],
         step_numbers: list[int],
-        progress: list[Progress],
+        progress: ProgressColumns,
         updates: list[trainer_pb2.Update | None],
     ) -> None:
         g = self.state.planner.ranks_per_unit
@@ -557,8 +554,9 @@ class RoundLoop:
         self._count_oversized(unit.emitted.take(slice(0, end)))  # views of the columns
         tail = unit.emitted.take(slice(end, None))  # past the quota: not run
         self.state.return_samples(unit.unit, unit.leftover.concat(tail))
-        progress_messages = [_progress_message(p) for p in progress]  # one per step, every rank
+        progress_messages = _progress_messages(progress)  # one per step, every rank
         facts = _StepColumns.of(plan, unit, kept * g)
+        patch_weight = self.cost.model.p  # once per round: the model is refit between rounds
         bounds = unit.slot_offsets.tolist()
         for local_rank, rank in enumerate(ranks):
             items = []
@@ -567,6 +565,7 @@ class RoundLoop:
                 items.append(self._step_item(
                     facts, emitted, step, rank, s, slice(bounds[s], bounds[s + 1]),
                     step_epochs[step], step_numbers[step], progress_messages[step], updates[step],
+                    patch_weight,
                 ))  # fmt: skip
             self.queues[rank].push(items)
 
@@ -616,11 +615,13 @@ class RoundLoop:
         number: int,
         progress: trainer_pb2.Progress,
         update: trainer_pb2.Update | None,
+        patch_weight: float,
     ) -> QueuedItem:
         idle = rows.stop <= rows.start
-        # Patches enter the fit as p token-equivalents each (the planner's own weight), so the
-        # learned model keeps the vision share fixed and fits the scale of the whole step.
-        linear = facts.padded_tokens[step][rank] + self.cost.model.p * facts.slot_patches[slot]
+        # Patches enter the fit as p token-equivalents each (the planner's own weight, the
+        # cost model's p), so the learned model keeps the vision share fixed and fits the
+        # scale of the whole step.
+        linear = facts.padded_tokens[step][rank] + patch_weight * facts.slot_patches[slot]
         self.cost.expect(rank, epoch, number, linear, facts.slot_sum_sq[slot])
         if not idle and not self.filler_schema:
             self._learn_schema(
@@ -764,7 +765,7 @@ class _EmittedColumns:
 
     @staticmethod
     def gather(state: NodeState, lanes: Lanes, keys: np.ndarray) -> _EmittedColumns:
-        locations = state.locations_of(keys)
+        locations = state.locations_of(keys).with_lane()  # its steps' frees skip the lane ids
         segments, offsets = lanes.resolve_many(locations)
         return _EmittedColumns(
             locations,
@@ -815,14 +816,26 @@ def _slot_sums(values: np.ndarray, slot_offsets: np.ndarray, num_slots: int) -> 
     return (cumulative[bounds[1:]] - cumulative[bounds[:-1]]).astype(np.float64).tolist()
 
 
-def _progress_message(progress: Progress) -> trainer_pb2.Progress:
-    """StepBatch.progress; field by field (dataclasses.asdict deep-copies, and ran per item)."""
-    return trainer_pb2.Progress(
-        epoch_steps_estimate=progress.epoch_steps_estimate,
-        epoch_steps_exact=progress.epoch_steps_exact,
-        epoch_sample_fraction=progress.epoch_sample_fraction,
-        epoch_token_fraction=progress.epoch_token_fraction,
-        epoch_tokens=progress.epoch_tokens,
-        job_fraction=progress.job_fraction,
-        job_steps_estimate=progress.job_steps_estimate,
-    )
+def _progress_messages(progress: ProgressColumns) -> list[trainer_pb2.Progress]:
+    """Each step's StepBatch.progress, field by field (dataclasses.asdict deep-copies)."""
+    return [
+        trainer_pb2.Progress(
+            epoch_steps_estimate=steps,
+            epoch_steps_exact=exact,
+            epoch_sample_fraction=sample_fraction,
+            epoch_token_fraction=token_fraction,
+            epoch_tokens=tokens,
+            job_fraction=job_fraction,
+            job_steps_estimate=job_steps,
+        )
+        for steps, exact, sample_fraction, token_fraction, tokens, job_fraction, job_steps in zip(
+            progress.epoch_steps_estimate,
+            progress.epoch_steps_exact,
+            progress.epoch_sample_fraction,
+            progress.epoch_token_fraction,
+            progress.epoch_tokens,
+            progress.job_fraction,
+            progress.job_steps_estimate,
+            strict=True,
+        )
+    ]

@@ -21,7 +21,7 @@ import numpy as np
 
 from odbclient.lane import IDLE
 from odbclient.shm import Allocation
-from odbd.daemon.node_state import Location, Locations
+from odbd.daemon.node_state import Location, Locations, common_lane
 from odbd.errors import InvariantError
 from odbd.ingest.arena import Arena
 
@@ -99,6 +99,9 @@ class Lanes:
 
     def free(self, groups: list[Locations]) -> dict[int, np.ndarray]:
         """Frees delivered samples; returns producer -> lane offsets to hand back to it."""
+        lane_id = common_lane(groups)
+        if lane_id is not None:  # a trainer's report of one producer's steps: the usual case
+            return self._free_in_lane(lane_id, groups)
         freed = Locations.concat(groups)
         back: dict[int, np.ndarray] = {}
         if len(freed) == 0:
@@ -119,6 +122,20 @@ class Lanes:
             else:
                 self._maybe_reclaim(lane)
         return back
+
+    def _free_in_lane(self, lane_id: int, groups: list[Locations]) -> dict[int, np.ndarray]:
+        """free() of rows known to lie in one lane: only their offsets are joined."""
+        offsets = (
+            groups[0].offsets if len(groups) == 1 else np.concatenate([g.offsets for g in groups])
+        )
+        lane = self._lanes.get(lane_id)
+        if lane is None or len(offsets) == 0:
+            return {}
+        lane.live.difference_update(offsets.tolist())
+        if lane.producer is None:
+            self._maybe_reclaim(lane)
+            return {}
+        return {lane.producer: offsets}
 
     def _maybe_reclaim(self, lane: Lane) -> None:
         if lane.producer is None and not lane.live:

@@ -122,6 +122,26 @@ class RankQueue:
             return self.take_ready(prefetch)
         return None
 
+    def take_ready_steps(
+        self, prefetch: int, max_steps: int, budget_bytes: int
+    ) -> list[QueuedItem]:
+        """take_ready_step while it gives a step, at most `max_steps` of them and until
+        their events' bytes reach `budget_bytes` (the step that reaches it is taken): one
+        loop over the queue for a message's worth of steps, not two calls per step."""
+        items, sent, taken_bytes = self._items, self._sent, 0
+        steps: list[QueuedItem] = []
+        room = min(prefetch - self._sent_steps, max_steps)
+        while len(steps) < room and taken_bytes < budget_bytes and sent < len(items):
+            item = items[sent]
+            if item.step < 0:  # a marker waits for a message of its own
+                break
+            steps.append(item)
+            taken_bytes += len(item.event)
+            sent += 1
+        self._sent = sent
+        self._sent_steps += len(steps)
+        return steps
+
     async def next_to_send(self, prefetch: int) -> QueuedItem | None:
         """The next item, once it may be sent (take_ready); None once the stream is finished
         (a failed job's end went out): the stream should end."""
@@ -135,19 +155,23 @@ class RankQueue:
     def deliver(self, epoch: int, step: int) -> list[Locations]:
         """Drops items up to and including (epoch, step); returns their locations to free."""
         freed: list[Locations] = []
-        while self._items and self._sent > 0:
-            head = self._items[0]
-            if head.is_step and (head.epoch, head.step) > (epoch, step):
-                break
-            if head.job_end is not None:
+        items = self._items
+        delivered = 0  # steps among the dropped items
+        # head.step >= 0 is head.is_step, inline: this runs per item of every report.
+        while items and self._sent > 0:
+            head = items[0]
+            if head.step >= 0:
+                if (head.epoch, head.step) > (epoch, step):
+                    break
+                delivered += 1
+            elif head.job_end is not None:
                 break  # stays queued: a trainer that connects later is told the job's end too
-            self._items.popleft()
+            items.popleft()
             self._sent -= 1
-            freed.extend(head.locations)
-            if head.is_step:
-                self.delivered_steps += 1
-                self._num_steps -= 1
-                self._sent_steps -= 1
+            freed += head.locations
+        self.delivered_steps += delivered
+        self._num_steps -= delivered
+        self._sent_steps -= delivered
         self._changed.set()
         return freed
 

@@ -174,14 +174,12 @@ def world_refusal(hello: trainer_pb2.TrainerHello, world_size: int) -> str | Non
 
 def _ready_steps(queue: RankQueue, prefetch: int, *, first: QueuedItem) -> list[QueuedItem]:
     """`first` and the steps that may follow it now, within the per-message limits."""
-    steps, nbytes = [first], len(first.event)
-    while len(steps) < MAX_STEPS_PER_EVENT and nbytes < MAX_EVENT_BYTES:
-        item = queue.take_ready_step(prefetch)
-        if item is None:
-            break
-        steps.append(item)
-        nbytes += len(item.event)
-    return steps
+    if len(first.event) >= MAX_EVENT_BYTES:
+        return [first]
+    more = queue.take_ready_steps(
+        prefetch, MAX_STEPS_PER_EVENT - 1, MAX_EVENT_BYTES - len(first.event)
+    )
+    return [first, *more]
 
 
 def _steps_event(items: list[QueuedItem]) -> bytes:
