@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import struct
 from collections import Counter
@@ -27,29 +28,12 @@ def _bits(progress: Progress) -> tuple[object, ...]:
     """Every field, floats by their bits (0.0 == -0.0 would hide a sign)."""
     return tuple(
         struct.pack("<d", v) if isinstance(v, float) else (type(v), v)
-        for v in (
-            progress.epoch_steps_estimate,
-            progress.epoch_steps_exact,
-            progress.epoch_sample_fraction,
-            progress.epoch_token_fraction,
-            progress.epoch_tokens,
-            progress.job_fraction,
-            progress.job_steps_estimate,
-        )
+        for v in dataclasses.astuple(progress)
     )
 
 
 def _assert_same(job: JobShape, rows: list[StepFacts]) -> None:
-    columns = StepFactsColumns(
-        [f.epoch for f in rows],
-        [f.step for f in rows],
-        [f.consumed for f in rows],
-        [f.emitted for f in rows],
-        [f.tokens for f in rows],
-        [f.last for f in rows],
-        [f.steps_before_epoch for f in rows],
-    )
-    got = steps_progress(job, columns)
+    got = steps_progress(job, StepFactsColumns.of_rows(rows))
     assert len(got.epoch_steps_estimate) == len(rows)
     for i, facts in enumerate(rows):
         assert _bits(got.row(i)) == _bits(step_progress(job, facts)), facts

@@ -12,7 +12,8 @@ join: the last step of the flush round).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -109,15 +110,11 @@ class StepFactsColumns:
     steps_before_epoch: list[int]
 
     def row(self, i: int) -> StepFacts:
-        return StepFacts(
-            epoch=self.epoch[i],
-            step=self.step[i],
-            consumed=self.consumed[i],
-            emitted=self.emitted[i],
-            tokens=self.tokens[i],
-            last=self.last[i],
-            steps_before_epoch=self.steps_before_epoch[i],
-        )
+        return _row(self, StepFacts, i)
+
+    @staticmethod
+    def of_rows(rows: list[StepFacts]) -> StepFactsColumns:
+        return _columns(StepFactsColumns, rows)
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,27 +130,33 @@ class ProgressColumns:
     job_steps_estimate: list[int]
 
     def row(self, i: int) -> Progress:
-        return Progress(
-            epoch_steps_estimate=self.epoch_steps_estimate[i],
-            epoch_steps_exact=self.epoch_steps_exact[i],
-            epoch_sample_fraction=self.epoch_sample_fraction[i],
-            epoch_token_fraction=self.epoch_token_fraction[i],
-            epoch_tokens=self.epoch_tokens[i],
-            job_fraction=self.job_fraction[i],
-            job_steps_estimate=self.job_steps_estimate[i],
-        )
+        return _row(self, Progress, i)
 
     @staticmethod
     def of_rows(rows: list[Progress]) -> ProgressColumns:
-        return ProgressColumns(
-            [p.epoch_steps_estimate for p in rows],
-            [p.epoch_steps_exact for p in rows],
-            [p.epoch_sample_fraction for p in rows],
-            [p.epoch_token_fraction for p in rows],
-            [p.epoch_tokens for p in rows],
-            [p.job_fraction for p in rows],
-            [p.job_steps_estimate for p in rows],
-        )
+        return _columns(ProgressColumns, rows)
+
+
+_Row = TypeVar("_Row")
+_Columns = TypeVar("_Columns")
+
+
+def _row(columns: object, row_type: type[_Row], i: int) -> _Row:
+    """Entry i of every column of `columns`, as one `row_type` (the same fields in the same
+    order: checked below)."""
+    values = [getattr(columns, f.name)[i] for f in fields(columns)]  # type: ignore[arg-type]
+    return row_type(*values)
+
+
+def _columns(columns_type: type[_Columns], rows: list[Any]) -> _Columns:
+    """The column of each field of `rows`, as one `columns_type`."""
+    names = [f.name for f in fields(columns_type)]  # type: ignore[arg-type]
+    return columns_type(*([getattr(r, name) for r in rows] for name in names))
+
+
+for _rows_type, _columns_type in ((StepFacts, StepFactsColumns), (Progress, ProgressColumns)):
+    if [f.name for f in fields(_rows_type)] != [f.name for f in fields(_columns_type)]:
+        raise ImportError(f"{_columns_type.__name__} must have {_rows_type.__name__}'s fields")
 
 
 # float64 holds every integer below 2**53 exactly: there, numpy's division of two int64 arrays
