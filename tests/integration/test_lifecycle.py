@@ -21,7 +21,7 @@ from odbclient.batch import Batch
 from odbclient.errors import JobFailedError
 from odbclient.wire.odbd.v1 import admin_pb2, admin_pb2_grpc
 from odbd.demo.cluster import ClusterSpec, LocalCluster
-from tests.integration.harness import synthetic_args
+from tests.integration.harness import scaled, synthetic_args
 from tests.integration.test_ops_health_drain import SERVING, health, steps, wait_until
 
 # A small job: 2 ranks, 2 epochs of 120 samples, a few dozen steps per rank.
@@ -416,6 +416,40 @@ def test_a_full_state_dir_fails_the_job_cleanly_and_still_releases_shm_and_socke
     assert "No space left on device" in daemon_log, daemon_log
     assert "Traceback" not in daemon_log, daemon_log
     assert_released(cluster)
+
+
+# A daemon killed with SIGKILL (the OOM killer) leaves 16 MiB of arena in a 24 MiB /dev/shm.
+_STALE_ARENA_THEN_RUN = """
+mount -t tmpfs -o size=24m tmpfs /dev/shm || exit 97
+"$0" -c 'import os, sys
+from odbd.ingest.arena import Arena
+Arena.create("killed-job", 0, 16 << 20)
+os._exit(0)' || exit 98
+exec "$@"
+"""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(
+    not _can_mount_a_private_tmpfs(), reason="needs unshare -rm (user + mount namespaces)"
+)
+def test_a_dead_daemon_s_arena_filling_dev_shm_is_named_with_its_rm() -> None:
+    """The next job's daemon cannot reserve its arena: the error must say that odbd's own
+    stale segment takes the space (only a daemon of that job and node rank would reclaim it),
+    and how to remove it, not only "lower --shm-size"."""
+    cluster = LocalCluster(ClusterSpec(nodes=1, ranks_per_node=1, daemon_args=SMALL_JOB))
+    command = ["unshare", "-rm", "sh", "-c", _STALE_ARENA_THEN_RUN, sys.executable]
+    command += cluster.command(0)
+    try:
+        run = subprocess.run(command, capture_output=True, text=True, timeout=scaled(60))
+    finally:
+        cluster.stop()
+    log = run.stdout + run.stderr
+    assert run.returncode == 1, log
+    assert "/dev/shm has" in log and "lower --shm-size or enlarge /dev/shm" in log, log
+    assert "odbd-killed-job-0-0 (16.0 MiB, stale: its daemon, pid" in log, log
+    assert log.rstrip().endswith("remove them: rm /dev/shm/odbd-killed-job-0-0"), log
+    assert "Traceback" not in log, log
 
 
 @pytest.mark.timeout(120)

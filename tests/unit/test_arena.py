@@ -29,7 +29,14 @@ from odbclient.shm import (
     read_meta,
 )
 from odbd.errors import ConfigError, InvariantError
-from odbd.ingest.arena import Arena, ArenaInUseError, SampleTooLargeError, reclaim_stale
+from odbd.ingest.arena import (
+    Arena,
+    ArenaInUseError,
+    SampleTooLargeError,
+    describe_shm_holders,
+    odbd_segments,
+    reclaim_stale,
+)
 
 ArenaFactory = Callable[..., Arena]
 
@@ -273,6 +280,41 @@ def test_half_created_segments_are_reclaimed_and_other_jobs_untouched(job_id: st
     longer_job.write_bytes(b"\x00" * 100)
     assert reclaim_stale(job_id) == [half.name]
     assert longer_job.exists()
+
+
+LEAVE_ARENA = """
+import os, sys
+from odbd.ingest.arena import Arena
+Arena.create(sys.argv[1], 0, 1 << 16, shm_dir=sys.argv[2])
+os._exit(0)  # as SIGKILL or the OOM killer would: no close, the segment stays
+"""
+
+
+@pytest.mark.timeout(60)
+def test_the_out_of_space_error_names_odbd_s_own_segments_and_how_to_remove_the_stale(
+    tmp_path: Path,
+) -> None:
+    """A daemon killed by the OOM killer leaves its arena in /dev/shm; the next job's daemon,
+    short of space, must say so (only a daemon of the same job and node rank reclaims it)."""
+    subprocess.run([sys.executable, "-c", LEAVE_ARENA, "dead-job", str(tmp_path)], check=True)
+    mine = Arena.create("this-job", 0, 1 << 16, shm_dir=str(tmp_path))
+    (tmp_path / "odbd-garbage-0-0").write_bytes(b"\x00" * 100)  # half-created, or not ours
+    try:
+        holders = {h.name: h for h in odbd_segments(str(tmp_path), exclude="odbd-this-job-0-1")}
+        assert sorted(holders) == ["odbd-dead-job-0-0", "odbd-garbage-0-0", "odbd-this-job-0-0"]
+        dead, garbage, own = (holders[n] for n in sorted(holders))
+        assert dead.owner_pid not in (None, os.getpid()) and not dead.alive
+        assert dead.nbytes >= 1 << 16  # what the segment takes from the filesystem
+        assert garbage.owner_pid is None
+        assert own.owner_pid == os.getpid() and own.alive
+        text = describe_shm_holders(list(holders.values()), str(tmp_path))
+        assert f"odbd-dead-job-0-0 (0.1 MiB, stale: its daemon, pid {dead.owner_pid}" in text
+        assert "odbd-garbage-0-0 (0.0 MiB, header unreadable" in text
+        assert "odbd-this-job-0-0 (0.1 MiB, this daemon's own)" in text
+        assert text.endswith(f"remove them: rm {tmp_path}/odbd-dead-job-0-0")  # only the stale
+    finally:
+        mine.close()
+    assert describe_shm_holders([], str(tmp_path)) == ""
 
 
 @pytest.mark.parametrize(

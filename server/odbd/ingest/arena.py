@@ -219,10 +219,14 @@ def _live_owner(path: str) -> int | None:
             header = SegmentHeader.unpack(f.read(SEGMENT_HEADER_BYTES), name=path)
     except (ShmLayoutError, FileNotFoundError):
         return None
+    return header.owner_pid if _owner_runs(header) else None
+
+
+def _owner_runs(header: SegmentHeader) -> bool:
+    """The segment's daemon still runs: same boot, and its pid has the same start time."""
     if header.boot_id != _boot_id():
-        return None
-    alive = _process_start_ticks(header.owner_pid) == header.owner_start_ticks
-    return header.owner_pid if alive else None
+        return False
+    return _process_start_ticks(header.owner_pid) == header.owner_start_ticks
 
 
 def _process_start_ticks(pid: int) -> int | None:
@@ -317,11 +321,77 @@ def _reserve(fd: int, name: str, nbytes: int, shm_dir: str) -> None:
         if e.errno != errno.ENOSPC:
             raise
         stat = os.statvfs(shm_dir)
+        holders = describe_shm_holders(odbd_segments(shm_dir, exclude=name), shm_dir)
         raise ShmSpaceError(
             f"{shm_dir} has {stat.f_bavail * stat.f_frsize} bytes free but shm segment {name} "
             f"needs {nbytes}; lower --shm-size or enlarge {shm_dir} (docker --shm-size, "
-            "Kubernetes emptyDir medium Memory sizeLimit)"
+            f"Kubernetes emptyDir medium Memory sizeLimit){holders}"
         ) from None
+
+
+@dataclass(frozen=True, slots=True)
+class ShmHolder:
+    """An odbd segment found in the shm directory, as seen from this process."""
+
+    name: str
+    nbytes: int
+    owner_pid: int | None  # None: no header we can read (another user's, or half-written)
+    alive: bool
+
+
+def odbd_segments(shm_dir: str, *, exclude: str = "") -> list[ShmHolder]:
+    """Every odbd segment in `shm_dir` but `exclude`, with its size and whether its owner runs.
+
+    Said when the arena does not fit: a daemon killed by SIGKILL or the OOM killer leaves its
+    segments behind, and only a daemon of the same job and node rank reclaims them by itself.
+    """
+    holders = []
+    for path in sorted(Path(shm_dir).glob("odbd-*")):
+        if path.name == exclude:
+            continue
+        try:
+            nbytes = path.stat().st_blocks * 512  # what it takes from tmpfs, not its length
+            with open(path, "rb") as f:
+                header = SegmentHeader.unpack(f.read(SEGMENT_HEADER_BYTES), name=path.name)
+        except FileNotFoundError:
+            continue  # unlinked meanwhile
+        except (PermissionError, ShmLayoutError):
+            holders.append(ShmHolder(path.name, nbytes, None, False))
+            continue
+        holders.append(ShmHolder(path.name, nbytes, header.owner_pid, _owner_runs(header)))
+    return holders
+
+
+def describe_shm_holders(holders: list[ShmHolder], shm_dir: str) -> str:
+    """The part of the out-of-space error that names what odbd itself already holds there."""
+    if not holders:
+        return ""
+    stale = [h for h in holders if h.owner_pid is not None and not h.alive]
+    parts = [f"{h.name} ({_mib(h.nbytes)}, {_owner_text(h)})" for h in holders]
+    text = f"; odbd segments in {shm_dir} hold {_mib(sum(h.nbytes for h in holders))}: "
+    text += ", ".join(parts)
+    if stale:
+        paths = " ".join(os.path.join(shm_dir, h.name) for h in stale)
+        text += (
+            f". The stale ones were left by daemons that died without cleaning up (SIGKILL, "
+            f"the OOM killer); unless a daemon in another container shares {shm_dir}, "
+            f"remove them: rm {paths}"
+        )
+    return text
+
+
+def _owner_text(holder: ShmHolder) -> str:
+    if holder.owner_pid is None:
+        return "header unreadable: another user's, or being created"
+    if holder.owner_pid == os.getpid():
+        return "this daemon's own"
+    if holder.alive:
+        return f"in use by running odbd pid {holder.owner_pid}"
+    return f"stale: its daemon, pid {holder.owner_pid}, is not running"
+
+
+def _mib(nbytes: int) -> str:
+    return f"{nbytes / (1 << 20):.1f} MiB"
 
 
 def _unlink_quietly(path: str) -> None:
