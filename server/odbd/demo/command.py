@@ -141,9 +141,7 @@ def _run(args: argparse.Namespace, cluster: LocalCluster) -> bool:
     lengths = sample_lengths(args.dist, args.num_samples, 0)
     summary = summarize_demo(read_reports(reports), lengths, CostModel())
     urls = [f"http://127.0.0.1:{p}/metrics" for p in cluster.metrics_ports]
-    print(render(summary, urls))
-    leftovers = cluster.leftover_segments()
-    print(f"  {'shared memory left':26}  {leftovers or 'none'}")
+    print(render(summary, urls, cluster.leftover_segments()))
     return True
 
 

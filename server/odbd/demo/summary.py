@@ -86,7 +86,7 @@ def summarize_demo(
     )
 
 
-def render(summary: DemoSummary, metrics_urls: list[str]) -> str:
+def render(summary: DemoSummary, metrics_urls: list[str], shm_left: list[str]) -> str:
     steps = sorted(set(summary.steps_per_rank.values()))
     rows = [
         (
@@ -101,6 +101,7 @@ def render(summary: DemoSummary, metrics_urls: list[str]) -> str:
         ("rejected samples", ", ".join(f"{k}={v}" for k, v in summary.rejected.items()) or "none"),
         ("speedup vs fixed batch 4", f"{summary.speedup:.2f}x (cost model, same lengths)"),
         ("/metrics", ", ".join(metrics_urls) or "not served"),
+        ("shared memory left", ", ".join(shm_left) or "none"),
     ]
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"  {k.ljust(width)}  {v}" for k, v in rows)
