@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -322,3 +323,19 @@ def test_with_enough_units_every_filling_round_is_capped_not_only_giant_ones() -
     assert not company.caps_every_round(few_config)
     few = plan_round(few_offers, few_config, 0)
     assert few.num_steps == 6 and all(len(u.leftover) == 0 for u in few.units)
+
+
+def test_ordinary_groups_within_the_pacing_slack_of_the_cap_run(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Unit 0 cuts four groups of 4 x 250 (work 1003), every other unit four of 5 x 200
+    # (1002.4): 0.06 % over the cap, within PACING_SLACK, so nothing waits and T = 4.
+    config = replace(make_config(world=4, per_node=1, budget=1000, buffer=64), fresh_groups=False)
+    offers = make_offers(config, [[250] * 16] + [[200] * 20] * 3)
+    assert company.caps_every_round(config) and company.PACING_SLACK > 0.0006
+    plan = plan_round(offers, config, 0)
+    assert plan.num_steps == 4 and all(len(u.leftover) == 0 for u in plan.units)
+    # The exact cap holds unit 0's groups for that difference, and T falls to what it runs.
+    monkeypatch.setattr(company, "PACING_SLACK", 0.0)
+    exact = plan_round(offers, config, 0)
+    assert exact.num_steps < 4 and len(exact.units[0].leftover) > 0

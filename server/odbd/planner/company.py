@@ -14,7 +14,8 @@ So each round every unit runs its costly groups only as deep as a shared cap all
 
 1. cap (every daemon, from the summaries' profiles): at each profile position j, the
    CAP_QUANTILE-quantile over units of their j-th costliest group, then taken at the last
-   position of j's run of G, so a run's cap is what a quarter of the units can fill whole;
+   position of j's run of G, so a run's cap is what a quarter of the units can fill whole
+   (PACING_SLACK higher in a round without a giant, so near-equal ordinary groups run);
 2. hold (each unit on its node): walking its groups costliest first, a group that costs more
    than the cap at the next free position waits (recirculated, sorted again with the next
    round's arrivals); the rest run. Every daemon computes each unit's held count from its
@@ -70,6 +71,17 @@ CAP_QUANTILE = 0.25
 # Rounds a group may wait: 6 / 12 gave 0.969 / 0.973 at depth 64, 8 / 12 gave 0.975 / 0.974 at
 # depth 256 (fewer rounds force giants out while the other units have none to match them).
 MAX_HOLD_ROUNDS = 8
+# In rounds without a giant the cap only paces ordinary groups, whose costs mostly differ by
+# the budget's rounding (l x floor(L / l) of L, a few tenths of a percent): a group within this
+# fraction of the cap runs (`pacing_cap`). Exact, all-short at W=128 held ~half its groups
+# every round over cost differences under 0.5 % (T = 2 where its groups fill 4). odbd/oracle
+# on bimodal at W = 128 and 1024 (docs/bench/planner.md, fourth pass): 0.9913 and 0.9896
+# exact; slack 0.001 / 0.0015 / 0.002 / 0.003: 0.9919 / 0.9919 / 0.9922 / 0.9922 and
+# 0.9900 / 0.9902 / 0.9902 / 0.9901. Of these, 0.0015 alone lowered no row of the oracle table
+# (0.002: uniform-narrow at W=128 0.99199 -> 0.99181); 1 % and 3 % lost sharegpt4o 0.2 % at
+# W=128 (second pass). Giant rounds keep the exact cap: 0.001 / 0.002 on their ordinary
+# positions lost the heavy tail 0.1 % at W=128.
+PACING_SLACK = 0.0015
 # Units whose profiles set the cap and T, every k-th from unit 0 past this many (W > 512);
 # only their summaries carry a profile. The quantile of 64 units is as good a cap as that of
 # all: at W=1024 (128 units) sampling 64 / all gave 0.963 / 0.964 efficiency on sharegpt4o and
@@ -155,6 +167,12 @@ def cap_profile(matrix: FloatArray, ranks_per_unit: int, threshold: float) -> Fl
     positive = np.flatnonzero(cap > 0)
     floor = cap[positive[-1]] if positive.size else threshold
     return np.where(cap > 0, cap, floor)
+
+
+def pacing_cap(cap: FloatArray) -> FloatArray:
+    """The cap of a round without a giant: PACING_SLACK above cap_profile's, still
+    non-increasing (held_counts and unit_holds read it the same way on every daemon)."""
+    return cap * (1.0 + PACING_SLACK)
 
 
 def held_counts(matrix: FloatArray, lengths: IntArray, cap: FloatArray) -> IntArray:

@@ -51,6 +51,8 @@ def _cap_and_holds(
     cap = company.cap_profile(matrix, config.ranks_per_unit, company.outsized_work(config))
     if len(cap) == 0:
         return None, None
+    if no_giant:  # the cap only paces ordinary groups: near-equal costs run (PACING_SLACK)
+        cap = company.pacing_cap(cap)
     held = np.zeros(len(summaries), dtype=np.int64)
     held[sample] = company.held_counts(matrix, lengths, cap)
     if all(s.num_groups <= h for s, h in zip(summaries, held, strict=True)):
