@@ -7,7 +7,6 @@ node's daemon; `python` may be another venv's interpreter (the benchmark's paper
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -16,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from odbd.demo.cluster import ClusterSpec, LocalCluster, free_ports, wait_all
+from tests.integration.harness import read_jsonl
 
 REPO = Path(__file__).resolve().parents[2]
 DATASET = Path(__file__).with_name("ddp_data.py")
@@ -125,9 +125,7 @@ class Reports:
     def read(cls, out_dir: Path, world: int) -> Reports:
         records = {}
         for rank in range(world):
-            path = out_dir / f"rank{rank}.jsonl"
-            text = path.read_text() if path.exists() else ""
-            records[rank] = [json.loads(line) for line in text.splitlines() if line.strip()]
+            records[rank] = read_jsonl(out_dir / f"rank{rank}.jsonl")
         return cls(records)
 
     def steps(self, rank: int, epoch: int | None = None) -> list[dict]:

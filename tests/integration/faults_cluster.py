@@ -10,7 +10,6 @@ plus the handles a fault needs (producer pids, Admin status, trainer reports, ti
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import subprocess
@@ -24,7 +23,7 @@ import grpc
 
 from odbclient.wire.odbd.v1 import admin_pb2, admin_pb2_grpc
 from odbd.demo.cluster import ClusterSpec, LocalCluster
-from tests.integration.harness import scaled
+from tests.integration.harness import read_jsonl, scaled
 
 TRAINER = Path(__file__).with_name("faults_trainer.py")
 REPO = Path(__file__).resolve().parents[2]
@@ -166,10 +165,7 @@ class FaultCluster:
     # -- what the trainers got ---------------------------------------------------------------
 
     def records(self, rank: int) -> list[dict]:
-        path = self.reports / f"rank{rank}.jsonl"
-        if not path.exists():
-            return []
-        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        return read_jsonl(self.reports / f"rank{rank}.jsonl")
 
     def steps(self, rank: int, epoch: int | None = None) -> list[dict]:
         return [

@@ -139,14 +139,17 @@ def run_cluster(
             if t.poll() is None:
                 t.kill()
         cluster.stop()
-    records = {r: _read(p) for r, p in enumerate(reports)}
+    records = {r: read_jsonl(p) for r, p in enumerate(reports)}
     return RunResult(cluster, records, codes, [t.poll() for t in trainers])
 
 
-def _read(path: Path) -> list[dict]:
+def read_jsonl(path: Path) -> list[dict]:
+    """The complete lines of a report a trainer may still be writing: a last line without
+    its newline is half-written, not malformed, and is left for the next read."""
     if not path.exists():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    *complete, _partial = path.read_text().split("\n")
+    return [json.loads(line) for line in complete if line.strip()]
 
 
 def describe(result: RunResult) -> str:

@@ -4,7 +4,6 @@ releases shared memory."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -17,7 +16,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from odbd.demo.cluster import ClusterSpec, LocalCluster
-from tests.integration.harness import poll_until, scaled, synthetic_args
+from tests.integration.harness import poll_until, read_jsonl, scaled, synthetic_args
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
@@ -43,9 +42,7 @@ def wait_until(what: str, check, timeout_s: float) -> None:
 
 
 def steps(report: Path) -> list[dict]:
-    if not report.exists():
-        return []
-    return [json.loads(x) for x in report.read_text().splitlines() if '"step"' in x]
+    return [r for r in read_jsonl(report) if "step" in r]
 
 
 def start_trainers(cluster: LocalCluster, tmp: Path) -> tuple[list[subprocess.Popen], list[Path]]:
