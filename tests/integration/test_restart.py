@@ -13,7 +13,7 @@ import grpc
 import pytest
 
 from odbd.demo.cluster import ClusterSpec, LocalCluster
-from tests.integration.harness import _read, admin_status, poll_until, scaled, synthetic_args
+from tests.integration.harness import admin_status, poll_until, read_jsonl, scaled, synthetic_args
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -136,7 +136,7 @@ def _kill_and_resume(nodes: int, tmp_path: Path, *, tear: bool) -> LocalCluster:
     finally:
         cluster.stop()
     assert codes == [0] * nodes, cluster.log(0)
-    records = {r: [x for x in _read(p) if "step" in x] for r, p in report.items()}
+    records = {r: [x for x in read_jsonl(p) if "step" in x] for r, p in report.items()}
     world = cluster.world
     tail = world * math.ceil(size / world) - size
     for epoch in range(epochs):
