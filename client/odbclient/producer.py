@@ -70,6 +70,16 @@ __all__ = ["Producer", "ProducerCore", "RejectReason"]
 
 log = logging.getLogger("odbclient.producer")
 _MAX_LOGGED_TRACEBACKS = 5  # then rejections are only counted by the daemon
+# A commit is one message each side handles, which costs far more than its rows: at 32 rows /
+# 2 ms an 8 KiB producer sent one per ~28 samples. Issue 15 (docs/bench/datapath.md): 128 / 10
+# ms gave +12 % samples/s and -17 % daemon CPU per sample; 256 with 512 ids in hand halved the
+# ingest messages again (daemon -10-16 %); 512 with 1024 in hand, daemon 6.0 -> 4.9 us per 8
+# KiB sample (10 alternated rounds, lower in 9). Only cheap samples reach these caps: ids in
+# hand follow ~20 ms of measured work (LeaseCredits), and a commit leaves after
+# COMMIT_INTERVAL_S or when the producer idles, so slow samples are never held back longer.
+DEFAULT_LEASE_BATCH = 1024
+DEFAULT_COMMIT_BATCH = 512
+DEFAULT_COMMIT_INTERVAL_S = 0.01
 
 
 @dataclass(frozen=True, slots=True)
@@ -214,9 +224,9 @@ class Producer:
         *,
         name: str | None = None,
         job_id: str = "",
-        lease_batch: int = 512,
-        commit_batch: int = 256,  # defaults as producer_main's (why: there)
-        commit_interval_s: float = 0.01,
+        lease_batch: int = DEFAULT_LEASE_BATCH,
+        commit_batch: int = DEFAULT_COMMIT_BATCH,
+        commit_interval_s: float = DEFAULT_COMMIT_INTERVAL_S,
         connect_timeout_s: float = 60.0,
     ) -> None:
         if lease_batch < 1 or commit_batch < 1 or commit_interval_s < 0:

@@ -15,7 +15,12 @@ import sys
 
 from odbclient.dataset import load_dataset, parse_dataset_args
 from odbclient.errors import DatasetLoadError, ODBClientError
-from odbclient.producer import Producer
+from odbclient.producer import (
+    DEFAULT_COMMIT_BATCH,
+    DEFAULT_COMMIT_INTERVAL_S,
+    DEFAULT_LEASE_BATCH,
+    Producer,
+)
 from odbclient.shm import ShmAttachError
 
 
@@ -39,16 +44,19 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--lease-batch",
         type=int,
-        default=512,
+        default=DEFAULT_LEASE_BATCH,
         help="most sample ids kept in hand (fewer when samples are slow: about 20 ms of work)",
     )
-    # 256 rows / 10 ms: a commit is one message each side handles, which costs far more than
-    # its rows; at 32 / 2 ms an 8 KiB producer sent one per ~28 samples (issue 15: 128 / 10 ms
-    # measured +12 % samples/s, daemon CPU per sample -17 %; 256 with --lease-batch 512 halved
-    # the ingest messages again, daemon -10-16 %: docs/bench/datapath.md). The age limit
-    # bounds what a slow producer holds back; an idle producer sends what it has at once.
-    parser.add_argument("--commit-batch", type=int, default=256, help="samples per commit")
-    parser.add_argument("--commit-interval-s", type=float, default=0.01, help="commit age limit")
+    # Why these sizes: odbclient.producer's DEFAULT_COMMIT_BATCH.
+    parser.add_argument(
+        "--commit-batch", type=int, default=DEFAULT_COMMIT_BATCH, help="samples per commit"
+    )
+    parser.add_argument(
+        "--commit-interval-s",
+        type=float,
+        default=DEFAULT_COMMIT_INTERVAL_S,
+        help="commit age limit",
+    )
     parser.add_argument("--connect-timeout-s", type=float, default=60.0)
     parser.add_argument("--log-level", default="WARNING")
     return parser

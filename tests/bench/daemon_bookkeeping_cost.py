@@ -26,7 +26,7 @@ from odbd.daemon.node_state import Locations, NodeState
 from odbd.planner.round import plan_round
 from odbd.world import World
 
-_COMMIT_ROWS = 256  # the producer's default --commit-batch
+_COMMIT_ROWS = 256  # rows per commit (the producer's default --commit-batch until 512)
 _SAMPLE_BYTES = 8200  # an 8 KiB sample and its header, as lane offsets step
 
 

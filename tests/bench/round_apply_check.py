@@ -39,7 +39,7 @@ from odbd.planner.round import plan_round
 from odbd.serve.rank_queue import RankQueue
 from odbd.world import World
 
-_COMMIT_ROWS = 256  # the producer's --commit-batch
+_COMMIT_ROWS = 256  # rows per commit (the producer's --commit-batch until it became 512)
 _SAMPLE_BYTES = 8200  # an 8 KiB sample and its header, as lane offsets step
 _STEPS_PER_REPORT = 4  # ~64 samples per Delivered at 16 per step, as the live bench
 _SCHEMA = '[["input_ids", "int64", []]]'  # set up front: no sample header to read here
