@@ -146,7 +146,9 @@ def train_accelerate(args: argparse.Namespace, client: ODBClient, log: StepLog) 
 
     from odbclient.adapters.accelerate import ODBAccelerate
 
-    accelerator = Accelerator(cpu=True)
+    # --accelerator-default: the docs' bare Accelerator(), which on a machine without GPUs
+    # does not join the launched processes (the adapter must say so).
+    accelerator = Accelerator() if args.accelerator_default else Accelerator(cpu=True)
     model = tiny_llama()
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     model, optimizer = accelerator.prepare(model, optimizer)
@@ -170,6 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="ddp_hf_trainer")
     p.add_argument("--framework", choices=["hf", "accelerate"], required=True)
     p.add_argument("--out-dir", type=Path, required=True)
+    p.add_argument("--accelerator-default", action="store_true", help="Accelerator(), no cpu=True")
     p.add_argument("--max-steps", type=int, default=10_000)
     p.add_argument("--lr-schedule", default="constant")
     p.add_argument("--warmup-steps", type=int, default=0)
