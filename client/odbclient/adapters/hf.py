@@ -114,6 +114,11 @@ class ODBTrainer(Trainer):
         return_outputs: bool = False,
         num_items_in_batch: Any = None,
     ) -> Any:
+        if LOSS_SCALE_KEY not in inputs:
+            # Not an odbd batch: the Trainer's own loader of `eval_dataset` (evaluate(), or
+            # eval_strategy between training steps), whose loss is the Trainer's as it is.
+            # Popping the key raised KeyError and killed the job at its first evaluation.
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
         # num_items_in_batch is the Trainer's own cross-rank token count; odbd's loss_scale
         # already carries the exact one, so the model returns its plain per-rank mean.
         inputs = dict(inputs)
