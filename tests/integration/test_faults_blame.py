@@ -3,10 +3,12 @@ hub itself when it was frozen past the round deadline, never an innocent peer.""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
 
+import grpc
 import pytest
 
 from tests.integration.faults_cluster import FaultCluster, synthetic
@@ -80,10 +82,19 @@ def test_a_spoke_frozen_past_the_deadline_learns_the_hub_s_verdict_not_an_intern
         )
         spoke = fc.daemons[1].pid
         os.kill(spoke, signal.SIGSTOP)
+        hub_waits: set[str] = set()  # what `odbd status` of the hub said meanwhile
+
+        def hub_exited() -> bool:
+            with contextlib.suppress(grpc.RpcError):
+                hub_waits.add(fc.status(0, timeout_s=1.0).waiting_for)
+            return fc.daemons[0].poll() is not None
+
         try:  # the hub fails the round at its deadline and exits while node 1 is frozen
-            fc.wait_until(lambda: fc.daemons[0].poll() is not None, "the hub exited", 60)
+            fc.wait_until(hub_exited, "the hub exited", 60)
         finally:
             os.kill(spoke, signal.SIGCONT)
+        sent = "not every other node has sent its offer for round"
+        assert any(w.startswith(sent) and "--round-timeout 2 s" in w for w in hub_waits), hub_waits
         codes = _wait_exits(fc, 60)
         assert codes == [1, 1], fc.describe()
         assert "node 1 (" in fc.log(0) and "did not contribute" in fc.log(0), fc.log(0)

@@ -151,6 +151,7 @@ class RoundLoop:
         self.round_seed_base = 0  # plans of a restarted job must not repeat the old seeds
         self.progress = asyncio.Event()
         self._exchanging = False  # this node's offer is in the barrier: it waits for the others
+        self._exchange_started_s = 0.0  # time.monotonic() when it went in
         self._room: bool | None = None  # set while _wait_ready waits: were the queues short?
         self.round_index = 0
         self.done = False
@@ -184,7 +185,7 @@ class RoundLoop:
                 resume=self.resume if self.round_index == 0 else None,
                 observations=self.cost.take_new(),
             )
-            self._exchanging = True
+            self._exchanging, self._exchange_started_s = True, time.monotonic()
             payloads = await self.barrier.exchange(self.round_index, offer_codec.encode(offer))
             self._exchanging = False
             offers = [self._decode(node, p) for node, p in enumerate(payloads)]
@@ -325,7 +326,14 @@ class RoundLoop:
     def waiting_for(self) -> str:
         """What the next round waits for, for `odbd status` and a stalled trainer's error."""
         if self._exchanging:
-            return f"the other nodes' offers for round {self.round_index}"
+            # Read after "waits because": it was "the other nodes' offers for round K", which
+            # neither read as a reason nor said for how long or when a deadline names the node.
+            since_s = time.monotonic() - self._exchange_started_s
+            return (
+                f"not every other node has sent its offer for round {self.round_index} yet "
+                f"(this node sent its own {since_s:.0f} s ago; at --round-timeout "
+                f"{self.config.round_timeout_s:g} s the hub fails the job naming the missing node)"
+            )
         return "" if self._room is None else self._wait_reason(self._room)
 
     def _log_waiting(self, reason: str) -> None:
