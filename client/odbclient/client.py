@@ -164,6 +164,7 @@ class ODBClient:
         self._resume_update = 0
         self._last_return_s: float | None = None  # perf_counter when next() last returned
         self._last_batch: tuple[int, int] | None = None  # (epoch, step) next() returned last
+        self._last_progress: float | None = None  # job_fraction of the batch returned last
         self._unreported_wait_s = 0.0  # time spent reporting the last Delivered
         self._num_batches, self._num_idle = 0, 0  # delivered this epoch
         self._summary: dict[str, Any] = {}
@@ -206,7 +207,10 @@ class ODBClient:
                 continue
             stream.reports.flush()  # the epoch or the stream ended: report every batch
             if isinstance(event, EpochEnd):
+                last_of_job = self._last_progress is not None and self._last_progress >= 1.0
                 self._end_epoch(event)
+                if last_of_job:
+                    self._take_the_job_end(stream)
                 return
             elif isinstance(event, JobEnd):
                 self._job_end = event
@@ -223,6 +227,19 @@ class ODBClient:
                         "without ending the job; check the daemon log, then restart the trainer"
                     )
                 )
+
+    def _take_the_job_end(self, stream: TrainerStream | StagedStream) -> None:
+        """After the epoch holding the job's last step (job_fraction 1.0), the daemon has
+        queued the JobEnd behind its EpochEnd: taking it now makes `job_ended` true when the
+        last epoch's loop ends. Before, `while not client.job_ended: for batch in client: ...`
+        (docs/training.md) ran one more, empty epoch, and its per-epoch code (evaluation, a
+        checkpoint, `summary`) a second time for the last epoch. Anything else is kept for
+        the next iteration, which raises a failed JobEnd as before."""
+        event = self._next_event(stream)
+        if isinstance(event, JobEnd) and not event.failed:
+            self._job_end = event
+        else:
+            self._first_event = event
 
     def _next_event(self, stream: TrainerStream | StagedStream) -> object:
         # Flush only once the wait is not brief. The daemon cannot be out of room for us while
@@ -259,6 +276,7 @@ class ODBClient:
             stream.reports.flush()
         self._epoch, self._next_step = batch.epoch, batch.step + 1
         self._last_batch = (batch.epoch, batch.step)
+        self._last_progress = batch.progress.job_fraction
         if batch.windowed:
             self._next_update = batch.update_index + int(batch.update_end)
             self._open_update = None if batch.update_end else batch

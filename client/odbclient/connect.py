@@ -148,10 +148,15 @@ def _connect_framed(socket: str, path: str, *, who: str, timeout_s: float) -> so
                 "as the user of the odbd daemon"
             ) from None
         if time.monotonic() >= deadline_s:
+            # A daemon opens its sockets only after its own call of the --dataset factory
+            # (for len()), which takes minutes on a real corpus: trainers started beside it
+            # (a pod's sidecar) were told to start a daemon that was starting.
             raise DaemonUnavailableError(
                 f"no odbd daemon answered on unix:{socket} within {timeout_s:g} s (its {who} "
                 f"socket {path} does not accept); start odbd on this node, or point socket= / "
-                f"${SOCKET_ENV} at the daemon's --socket"
+                f"${SOCKET_ENV} at the daemon's --socket. A daemon that is still starting "
+                "opens it only after building its --dataset once: if that takes longer, raise "
+                "connect_timeout_s"
             )
         time.sleep(_CONNECT_POLL_S)
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import socket as socketlib
 import sys
 import time
 from collections.abc import Mapping
@@ -104,6 +105,19 @@ def _cost_model(m: admin_pb2.CostModelStatus) -> str:
     return line
 
 
+def _listens(path: str) -> bool:
+    """Something accepts connections on the unix socket at `path` (the kernel does so for a
+    stopped process too: its listen backlog)."""
+    probe = socketlib.socket(socketlib.AF_UNIX, socketlib.SOCK_STREAM)
+    try:
+        probe.connect(path)
+        return True
+    except OSError:
+        return False
+    finally:
+        probe.close()
+
+
 def _waiting(lane_full: int) -> str:
     return f" ({lane_full} waiting for lane space)" if lane_full else ""
 
@@ -122,6 +136,17 @@ def main(argv: list[str] | None = None, environ: Mapping[str, str] | None = None
             try:
                 reply = stub.Status(admin_pb2.StatusRequest(), timeout=args.timeout)
             except grpc.RpcError as error:
+                if error.code() == grpc.StatusCode.DEADLINE_EXCEEDED and _listens(socket):
+                    # Found with a SIGSTOPped daemon: "is odbd running there?" sent the
+                    # operator looking for a daemon that was there but frozen.
+                    print(
+                        f"odbd status: error: the daemon on {socket} (from {source}) accepts "
+                        f"connections but did not answer within {args.timeout:g} s: it is "
+                        "stopped (SIGSTOP, a debugger), hung or overloaded; check its log and "
+                        "`ps -o stat,pid,args` (stat T: stopped), or raise --timeout",
+                        file=sys.stderr,
+                    )
+                    return 1
                 print(
                     f"odbd status: error: no daemon answered on {socket} (from {source}): "
                     f"{error.code().name}; is odbd running there? pass --socket or set "

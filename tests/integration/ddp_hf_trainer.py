@@ -93,6 +93,12 @@ def train_hf(args: argparse.Namespace, client: ODBClient, log: StepLog) -> dict[
             lr = kwargs["optimizer"].param_groups[0]["lr"]  # the LR of the step being taken
             log.step(trainer.odb_batches.last, kwargs["model"], lr=lr, max_steps=state.max_steps)
 
+    class RecordEvals(TrainerCallback):
+        losses: list[float] = []
+
+        def on_evaluate(self, _args, _state, _control, metrics=None, **_: Any) -> None:
+            self.losses.append(float((metrics or {}).get("eval_loss", float("nan"))))
+
     class RecordedTrainer(ODBTrainer):
         """Records every micro-step as the Trainer takes it from the loader: with
         gradient_accumulation_steps it prefetches an update's batches before running them, so
@@ -118,12 +124,23 @@ def train_hf(args: argparse.Namespace, client: ODBClient, log: StepLog) -> dict[
         disable_tqdm=True,
         dataloader_num_workers=0,
         ddp_find_unused_parameters=False,
+        # --eval-steps N: the Trainer's own evaluation of an eval_dataset every N steps,
+        # between odbd's training steps (its batches carry no loss scale)
+        eval_strategy="steps" if args.eval_steps else "no",
+        eval_steps=args.eval_steps or None,
+        per_device_eval_batch_size=2,
     )
+    eval_dataset = None
+    if args.eval_steps:
+        rows = torch.arange(8 * 6).remainder(60).add(1).reshape(8, 6)  # 8 samples of 6 tokens
+        eval_dataset = [{"input_ids": row, "labels": row} for row in rows]
     trainer_class = RecordedTrainer if args.grad_accum > 1 else ODBTrainer
     trainer = trainer_class(model=tiny_llama(), args=training_args, odb_client=client,
-                         callbacks=[RecordSteps()])  # fmt: skip
+                            eval_dataset=eval_dataset,
+                            callbacks=[RecordSteps(), RecordEvals()])  # fmt: skip
     result = trainer.train()
-    return {"global_step": result.global_step, "train_loss": result.training_loss}
+    return {"global_step": result.global_step, "train_loss": result.training_loss,
+            "eval_losses": RecordEvals.losses}  # fmt: skip
 
 
 class _Recorded:
@@ -146,7 +163,9 @@ def train_accelerate(args: argparse.Namespace, client: ODBClient, log: StepLog) 
 
     from odbclient.adapters.accelerate import ODBAccelerate
 
-    accelerator = Accelerator(cpu=True)
+    # --accelerator-default: the docs' bare Accelerator(), which on a machine without GPUs
+    # does not join the launched processes (the adapter must say so).
+    accelerator = Accelerator() if args.accelerator_default else Accelerator(cpu=True)
     model = tiny_llama()
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     model, optimizer = accelerator.prepare(model, optimizer)
@@ -170,11 +189,13 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="ddp_hf_trainer")
     p.add_argument("--framework", choices=["hf", "accelerate"], required=True)
     p.add_argument("--out-dir", type=Path, required=True)
+    p.add_argument("--accelerator-default", action="store_true", help="Accelerator(), no cpu=True")
     p.add_argument("--max-steps", type=int, default=10_000)
     p.add_argument("--lr-schedule", default="constant")
     p.add_argument("--warmup-steps", type=int, default=0)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--grad-accum", type=int, default=1, help="HF gradient_accumulation_steps")
+    p.add_argument("--eval-steps", type=int, default=0, help="HF evaluation every N steps")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     rank = int(os.environ.get("RANK", "0"))  # unset: one process (accelerate launch --cpu)

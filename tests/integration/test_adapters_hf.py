@@ -9,6 +9,7 @@ DDP gradient is one process's per-token mean gradient over both ranks' samples.
 
 from __future__ import annotations
 
+import math
 import subprocess
 import sys
 from collections import Counter
@@ -153,6 +154,27 @@ def test_hf_trainer_follows_odbd_progress_without_max_steps(tmp_path: Path) -> N
     near_floor = [i for i, v in enumerate(lrs) if i >= 2 and v <= 0.01 * lr]
     assert near_floor and near_floor[0] >= 0.95 * (n - 1), (n, lrs)
     assert lrs[-1] <= 0.01 * lr, lrs
+
+
+def test_hf_trainer_evaluates_an_eval_dataset_between_odbd_steps(tmp_path: Path) -> None:
+    """eval_strategy="steps" with an eval_dataset: the Trainer's own eval batches (no loss
+    scale) go through ODBTrainer.compute_loss between odbd's steps (found by hand: KeyError
+    'odb_loss_scale' at the first evaluation killed every rank)."""
+    data, epochs = {**DATA, "size": 48}, 2
+    reports = train(
+        "hf", tmp_path, data=data, daemon_args=("--epochs", str(epochs)),
+        trainer_args=("--max-steps", "0", "--eval-steps", "3"),
+    )  # fmt: skip
+    steps = [reports.steps(rank) for rank in range(WORLD)]
+    n = len(steps[0])
+    assert all(len(s) == n for s in steps) and reports.done(0)["global_step"] == n
+    for epoch in range(epochs):
+        assert Counter(reports.ids(epoch)) == Counter(range(data["size"])), epoch
+    losses = reports.done(0)["eval_losses"]
+    # every 3 steps, and once more at the end when the job does not end on a multiple of 3
+    assert n // 3 <= len(losses) <= n // 3 + 1, (n, losses)
+    assert all(math.isfinite(v) for v in losses), losses
+    assert reports.done(1)["eval_losses"] == losses  # the Trainer gathers eval over ranks
 
 
 def micro_steps_and_updates(reports: Reports) -> tuple[list[list[dict]], dict]:

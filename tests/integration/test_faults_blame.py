@@ -3,10 +3,12 @@ hub itself when it was frozen past the round deadline, never an innocent peer.""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
 
+import grpc
 import pytest
 
 from tests.integration.faults_cluster import FaultCluster, synthetic
@@ -65,3 +67,41 @@ def test_a_frozen_hub_blames_itself_not_its_peer():
         fc.wait_until(lambda: fc.errors(0) != [], "rank 0 learned why the job failed")
         [error] = fc.errors(0)
         assert "itself did not run for" in error["message"], error
+
+
+def test_a_spoke_frozen_past_the_deadline_learns_the_hub_s_verdict_not_an_internal_error():
+    # Found by hand (node 1 of 2 SIGSTOPped 20 s, --round-timeout 15): on SIGCONT its round
+    # loop wrote its next offer into the stream the hub had finished, before its reader saw
+    # the hub's verdict; grpc's InvalidStateError failed the job as "an internal error (a bug
+    # in odbd ...)" with a traceback, and that is what node 1's trainers were told.
+    timeout_s = 2.0
+    with FaultCluster(nodes=2, ranks_per_node=1, daemon_args=_args(timeout_s)) as fc:
+        fc.start_trainers("--step-sleep-s", "0.01")
+        fc.wait_until(
+            lambda: all(fc.steps_seen(r) >= 3 for r in range(fc.world)), "every rank trained"
+        )
+        spoke = fc.daemons[1].pid
+        os.kill(spoke, signal.SIGSTOP)
+        hub_waits: set[str] = set()  # what `odbd status` of the hub said meanwhile
+
+        def hub_exited() -> bool:
+            with contextlib.suppress(grpc.RpcError):
+                hub_waits.add(fc.status(0, timeout_s=1.0).waiting_for)
+            return fc.daemons[0].poll() is not None
+
+        try:  # the hub fails the round at its deadline and exits while node 1 is frozen
+            fc.wait_until(hub_exited, "the hub exited", 60)
+        finally:
+            os.kill(spoke, signal.SIGCONT)
+        sent = "not every other node has sent its offer for round"
+        assert any(w.startswith(sent) and "--round-timeout 2 s" in w for w in hub_waits), hub_waits
+        codes = _wait_exits(fc, 60)
+        assert codes == [1, 1], fc.describe()
+        assert "node 1 (" in fc.log(0) and "did not contribute" in fc.log(0), fc.log(0)
+        log = fc.log(1)
+        assert "internal error" not in log and "Traceback" not in log, log
+        fc.wait_until(lambda: fc.errors(1) != [], "rank 1 learned why the job failed")
+        [error] = fc.errors(1)
+        assert error["error"] == "JobFailedError", error
+        assert "internal error" not in error["message"], error
+        print(f"\nFAULT frozen spoke: rank 1 was told {error['message']!r}")

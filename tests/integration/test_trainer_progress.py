@@ -22,12 +22,14 @@ def progress_per_rank(cluster: LocalCluster) -> dict[int, list[tuple[int, int, d
     """Every rank's (epoch, step, progress) of the whole job, one client thread per rank."""
     seen: dict[int, list[tuple[int, int, dict]]] = {rank: [] for rank in range(WORLD)}
     errors: list[BaseException] = []
+    loops = dict.fromkeys(range(WORLD), 0)  # epochs the documented loop ran, per rank
 
     def train(rank: int) -> None:
         try:
             with ODBClient(rank=rank, socket=cluster.sockets[0], deadline_s=120) as client:
                 while not client.job_ended:
                     seen[rank] += [(b.epoch, b.step, asdict(b.progress)) for b in client]
+                    loops[rank] += 1
         except BaseException as error:  # reported by the test thread
             errors.append(error)
 
@@ -37,6 +39,8 @@ def progress_per_rank(cluster: LocalCluster) -> dict[int, list[tuple[int, int, d
     for t in threads:
         t.join(timeout=150)
     assert not errors and not any(t.is_alive() for t in threads), (errors, cluster.log(0))
+    # job_ended is true once the last epoch's loop ends: no extra, empty epoch (found by hand)
+    assert loops == dict.fromkeys(range(WORLD), EPOCHS), loops
     return seen
 
 

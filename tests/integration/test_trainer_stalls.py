@@ -4,11 +4,14 @@ said "check odbd status")."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from odbclient import ODBClient
 from odbclient.errors import DaemonTimeoutError
 from odbd.demo.cluster import ClusterSpec, LocalCluster
+from tests.integration.harness import admin_status, poll_until, scaled
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -31,4 +34,32 @@ def test_timeout_names_what_the_round_waits_for() -> None:
     assert "its next round waits because its producers filled 0 of the" in message, message
     assert "no producer is attached" in message, message
     assert "0 producers" in message and "local ranks not attached: [1]" in message, message
+    assert cluster.leftover_segments() == []
+
+
+def test_workers_still_building_the_dataset_are_named_not_called_missing(tmp_path: Path) -> None:
+    # Found by hand (a 45 s factory): while the spawned workers built the dataset, the wait
+    # line and `odbd status` said "no producer is attached: start producers on this node".
+    release = tmp_path / "built"
+    dataset = str(Path(__file__).with_name("slow_build_dataset.py")) + ":make"
+    args = ["--dataset", dataset, "--dataset-arg", f"release={release}", "--workers", "1"]
+    args += ["--shm-size", "16M", "--buffer", "16"]
+    with LocalCluster(ClusterSpec(nodes=1, ranks_per_node=1, daemon_args=args)) as cluster:
+        cluster.wait_sockets(scaled(60))
+        sock = cluster.sockets[0]
+        poll_until(
+            lambda: "no producer is attached yet" in admin_status(sock).waiting_for,
+            "the daemon says why its round waits",
+        )
+        waiting = admin_status(sock).waiting_for
+        assert "1 --workers process started" in waiting and "has not connected" in waiting
+        assert "the --dataset factory runs in every worker" in waiting, waiting
+        assert "start producers on this node" not in waiting, waiting
+        release.touch()  # the build ends: the worker connects and the epoch is served
+        ids: list[int] = []
+        with ODBClient(rank=0, socket=sock, deadline_s=scaled(60)) as client:
+            while not client.job_ended:
+                ids += [i for batch in client for i in batch.sample_ids]
+        assert sorted(ids) == list(range(16))
+        assert cluster.wait(scaled(30)) == [0], cluster.log(0)
     assert cluster.leftover_segments() == []

@@ -73,14 +73,16 @@ def test_initialised_process_group_that_differs_from_world_is_refused(
         dist.destroy_process_group()
 
 
-def accelerate_launch(flags: list[str], out_dir: Path, socket: str) -> subprocess.CompletedProcess:
+def accelerate_launch(
+    flags: list[str], out_dir: Path, socket: str, script_args: tuple[str, ...] = ()
+) -> subprocess.CompletedProcess:
     env = rank_environment(0, world=1, nproc_per_node=1, master_port=0, socket=socket)
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
                 "MASTER_ADDR", "MASTER_PORT"):  # fmt: skip
         env.pop(key)  # accelerate launch sets what it starts
     cmd = [ACCELERATE, "launch", *flags, "--num_machines", "1", "--mixed_precision", "no",
            "--dynamo_backend", "no", "-m", "tests.integration.ddp_hf_trainer",
-           "--framework", "accelerate", "--out-dir", str(out_dir)]  # fmt: skip
+           "--framework", "accelerate", "--out-dir", str(out_dir), *script_args]  # fmt: skip
     out_dir.mkdir(parents=True, exist_ok=True)
     return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=150)
 
@@ -117,3 +119,23 @@ def test_accelerate_launch_multi_gpu_starts_two_cpu_ranks_that_train(tmp_path: P
     assert len(reports.steps(0)) == len(reports.steps(1)) > 0
     assert Counter(reports.ids(0)) == Counter(range(DATA["size"]))
     assert codes == [0], cluster.log(0)
+
+
+@pytest.mark.skipif(not os.path.exists(ACCELERATE), reason="accelerate's launcher not installed")
+def test_a_bare_accelerator_on_cpus_under_multi_gpu_is_named_with_the_fix(tmp_path: Path) -> None:
+    """Found by hand with the docs' `Accelerator()` and `accelerate launch --config_file`
+    (MULTI_GPU, 2 machines x 2): without GPUs every process ran as Accelerate rank 0 of 1 and
+    the daemon's refusal asked for the `--num_processes` that had been passed."""
+    cluster = odbd_cluster(nodes=1, ranks_per_node=2, data=DATA, daemon_args=["--epochs", "1"])
+    try:
+        cluster.start()
+        run = accelerate_launch(["--multi_gpu", "--num_processes", "2"], tmp_path,
+                                cluster.sockets[0], ("--accelerator-default",))  # fmt: skip
+    finally:
+        cluster.stop()
+    assert run.returncode != 0, run.stdout + run.stderr
+    assert "Accelerate runs this process alone (process 0 of 1" in run.stderr, run.stderr
+    assert "started it as rank 1 of 2 (torch.distributed)" in run.stderr, run.stderr
+    assert "build it with Accelerator(cpu=True)" in run.stderr, run.stderr
+    assert "RankRefusedError" not in run.stderr, run.stderr
+    assert Reports.read(tmp_path, 2).steps(0) == [], "a rank trained"

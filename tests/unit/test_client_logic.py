@@ -243,6 +243,31 @@ def delivered(daemon: FakeDaemon, count: int) -> list[tuple[int, int, int]]:
 
 
 @pytest.mark.timeout(60)
+def test_the_job_has_ended_when_the_loop_of_its_last_epoch_ends(daemon: FakeDaemon) -> None:
+    # Found by hand: `while not client.job_ended: for batch in client:` (docs/training.md) ran
+    # a third, empty epoch after --epochs 2, repeating its per-epoch code and summary.
+    def last(event: Event) -> Event:
+        event.step.progress.job_fraction = 1.0  # the job's last step, as every daemon plans it
+        return event
+
+    def script(hello: Any, context: Any) -> Iterator[Event]:
+        yield daemon.welcome(input_ids=-1)
+        yield daemon.step(0, 0, [3, 1])
+        yield epoch_end(0, num_steps=1)
+        yield last(daemon.step(1, 0, [2]))
+        yield epoch_end(1, num_steps=1)
+        yield job_end()
+        wait_until_cancelled(context)
+
+    daemon.script = script
+    with client_for(daemon, prefetch=3) as client:
+        epochs = []
+        while not client.job_ended:
+            epochs.append([(b.epoch, b.step) for b in client])
+        assert epochs == [[(0, 0)], [(1, 0)]]
+        assert client.summary["epoch"] == 1 and list(client) == []
+
+
 def test_each_iteration_is_one_epoch_and_every_batch_is_delivered(daemon: FakeDaemon) -> None:
     def script(hello: Any, context: Any) -> Iterator[Event]:
         yield daemon.welcome(input_ids=-1)
@@ -647,8 +672,10 @@ def test_corrupt_sample_reference_raises_instead_of_hanging(daemon: FakeDaemon) 
 def test_no_daemon_is_unavailable_naming_the_socket(tmp_path: Path) -> None:
     socket = str(tmp_path / "absent.sock")
     with ODBClient(rank=0, socket=socket, connect_timeout_s=0.2) as client:
-        with pytest.raises(DaemonUnavailableError, match=f"unix:{socket} within 0.2 s"):
+        with pytest.raises(DaemonUnavailableError, match=f"unix:{socket} within 0.2 s") as raised:
             list(client)
+    # A daemon building a slow --dataset has no socket yet: the fix for that case is named too.
+    assert "still starting" in str(raised.value) and "raise connect_timeout_s" in str(raised.value)
 
 
 def test_socket_comes_from_argument_then_environment_then_default(

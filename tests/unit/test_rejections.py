@@ -76,7 +76,11 @@ def test_the_wait_line_says_why_nothing_arrives() -> None:
         base: dict = dict(producers=2, buffered=0, rejected={}, lanes_full=False)
         return wait_reason(**{**base, **facts})
 
-    assert why(producers=0).startswith("no producer is attached")
+    assert why(producers=0).startswith("no producer is attached: start producers")
+    building = why(producers=0, starting=(2, 41.6))  # spawned workers still in the factory
+    assert building.startswith("no producer is attached yet: 2 --workers processes started 42 s")
+    assert "start producers" not in building
+    assert why(starting=(2, 41.6)) == "2 producers attached and making samples"
     assert why(lanes_full=True).startswith("every producer waits for lane space")
     assert "every sample since the last round was rejected {'not_a_dict': 9}" in why(
         rejected={"not_a_dict": 9}

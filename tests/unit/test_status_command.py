@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket as socketlib
 from collections.abc import Iterator
 from concurrent import futures
 from pathlib import Path
@@ -45,6 +46,23 @@ def test_status_says_which_socket_it_tried_and_where_that_came_from(tmp_path, ca
     assert status.main(["--timeout", "10"], environ={"ODBD_SOCKET": missing}) == 1
     err = capsys.readouterr().err
     assert f"no daemon answered on {missing} (from ODBD_SOCKET)" in err, err
+    assert err.count("\n") == 1
+
+
+@pytest.mark.timeout(60)
+def test_status_of_a_daemon_that_accepts_but_never_answers_says_it_is_frozen(tmp_path, capsys):
+    # A SIGSTOPped daemon: the kernel still accepts connections on its socket, nobody answers.
+    path = str(tmp_path / "frozen.sock")
+    listener = socketlib.socket(socketlib.AF_UNIX, socketlib.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(8)
+    try:
+        assert status.main(["--socket", path, "--timeout", "0.5"]) == 1
+    finally:
+        listener.close()
+    err = capsys.readouterr().err
+    assert f"the daemon on {path} (from --socket) accepts connections but did not answer" in err
+    assert "stopped (SIGSTOP, a debugger), hung or overloaded" in err, err
     assert err.count("\n") == 1
 
 

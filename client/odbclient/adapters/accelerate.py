@@ -36,7 +36,7 @@ import torch
 from accelerate import Accelerator
 
 from odbclient.batch import Batch
-from odbclient.client import ODBClient
+from odbclient.client import ODBClient, launcher_world
 
 __all__ = ["ODBAccelerate", "StepInputs"]
 
@@ -51,6 +51,21 @@ class ODBAccelerate:
     """One rank's odbd epochs for an `Accelerator` loop, and the loss-scaled backward."""
 
     def __init__(self, accelerator: Accelerator, client: ODBClient) -> None:
+        launched = launcher_world()
+        if accelerator.num_processes == 1 and (launched.world_size or 1) > 1:
+            # Found with the docs' `Accelerator()` under `accelerate launch --multi_gpu` (or a
+            # MULTI_GPU config file) on a machine without GPUs: every process runs as Accelerate
+            # rank 0 of 1, and the daemon's refusal then told the user to launch the processes
+            # they had already launched.
+            raise ValueError(
+                "Accelerate runs this process alone (process 0 of 1), but the launcher started "
+                f"it as rank {launched.rank} of {launched.world_size} ({launched.source}): the "
+                "Accelerator did not join the launched processes, so every one of them would "
+                "claim odbd rank 0. "
+                "Nothing was trained. On a machine without GPUs build it with "
+                "Accelerator(cpu=True) (`accelerate launch --multi_gpu` then starts gloo CPU "
+                "ranks); else check the launch config's distributed_type and num_processes"
+            )
         if client.rank != accelerator.process_index:
             raise ValueError(
                 f"ODBClient rank {client.rank} is not this process's Accelerate rank "

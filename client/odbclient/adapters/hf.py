@@ -83,6 +83,31 @@ class ODBTrainer(Trainer):
         # First, so the progress bar's total is updated before ProgressCallback draws the step.
         self.callback_handler.callbacks.insert(0, ODBProgress(self))
 
+    def train(
+        self,
+        resume_from_checkpoint: str | bool | None = None,
+        trial: Any = None,
+        ignore_keys_for_eval: list[str] | None = None,
+    ) -> Any:
+        if resume_from_checkpoint:
+            # Found by hand (torchrun SIGKILLed after checkpoint-5, started again with
+            # resume_from_checkpoint=True): accelerate's skip_first_batches raised
+            # AttributeError 'ODBBatches' object has no attribute 'dataset'. Skipping would be
+            # wrong anyway: the daemon already continues a reconnecting rank at its next
+            # undelivered step, so the steps between the checkpoint and the crash would be
+            # lost from the restored model.
+            raise ValueError(
+                f"ODBTrainer.train(resume_from_checkpoint={resume_from_checkpoint!r}): resuming "
+                "from a Trainer checkpoint is not supported (the Trainer would skip the "
+                "checkpoint's steps in odbd's stream, which the daemon already continues where "
+                "this rank left it, so the steps after the checkpoint would be lost). Nothing "
+                "was trained. To resume exactly, use the plain loop or Accelerate with "
+                "client.state_dict() / load_state_dict() and the daemons' --state-dir "
+                "(docs/training.md, Checkpoint and resume), or start the job again, daemons "
+                "included"
+            )
+        return super().train(resume_from_checkpoint, trial, ignore_keys_for_eval)
+
     def get_train_dataloader(self) -> ODBBatches:  # type: ignore[override]
         return self.odb_batches
 
@@ -114,6 +139,11 @@ class ODBTrainer(Trainer):
         return_outputs: bool = False,
         num_items_in_batch: Any = None,
     ) -> Any:
+        if LOSS_SCALE_KEY not in inputs:
+            # Not an odbd batch: the Trainer's own loader of `eval_dataset` (evaluate(), or
+            # eval_strategy between training steps), whose loss is the Trainer's as it is.
+            # Popping the key raised KeyError and killed the job at its first evaluation.
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
         # num_items_in_batch is the Trainer's own cross-rank token count; odbd's loss_scale
         # already carries the exact one, so the model returns its plain per-rank mean.
         inputs = dict(inputs)

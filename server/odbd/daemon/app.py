@@ -181,6 +181,7 @@ class Daemon:
             journal=self.journal,
             lanes_full=lambda: self.ingest is not None and self.ingest.lanes_full(),
             producers=lambda: len(self.ingest.sessions) if self.ingest else 0,
+            starting=lambda: self.supervisor.running() if self.supervisor else (0, 0.0),
         )
         self._serve_metrics(lanes)
         if config.dataset is not None and config.workers > 0:

@@ -48,9 +48,29 @@ _TELL_FAILURE_S = 60.0  # a failed job waits this long for unattached trainers t
 
 
 def wait_reason(
-    *, producers: int, buffered: int, rejected: dict[str, int], lanes_full: bool
+    *,
+    producers: int,
+    buffered: int,
+    rejected: dict[str, int],
+    lanes_full: bool,
+    starting: tuple[int, float] = (0, 0.0),
 ) -> str:
-    """Why nothing arrives, as far as this node can tell, for the periodic wait line."""
+    """Why nothing arrives, as far as this node can tell, for the periodic wait line.
+
+    `starting`: the --workers processes alive and seconds since the first started. With none
+    attached they are still in the dataset factory (it runs in every worker before it
+    connects), which can take minutes for a real dataset: telling the operator to start
+    producers by hand then sent them the wrong way (found with a 45 s factory)."""
+    workers, since_s = starting
+    if producers == 0 and workers > 0:
+        return (
+            f"no producer is attached yet: {workers} --workers process"
+            f"{'es' if workers > 1 else ''} started {since_s:.0f} s ago and "
+            f"{'have' if workers > 1 else 'has'} not connected; each builds the dataset "
+            "(the --dataset factory runs in every worker) before it connects, so a slow "
+            "factory shows here and the round starts once one connects; if it never does, "
+            "run the worker's command (ps shows it) by hand to see where it stops"
+        )
     if producers == 0:
         return (
             "no producer is attached: start producers on this node (python -m "
@@ -110,6 +130,7 @@ class RoundLoop:
         journal: Journal | None = None,
         lanes_full: Callable[[], bool] = lambda: False,
         producers: Callable[[], int] = lambda: 0,
+        starting: Callable[[], tuple[int, float]] = lambda: (0, 0.0),
     ) -> None:
         self.config = config
         self.state = state
@@ -125,10 +146,12 @@ class RoundLoop:
         self.lanes_full = lanes_full  # IngestService.lanes_full
         self.lanes_full_warned = False
         self.producers = producers  # producers attached now (for the wait line)
+        self.starting = starting  # --workers processes alive, seconds since the first started
         self.resume: tuple[int, int] | None = None  # set by restore(): announced in round 0
         self.round_seed_base = 0  # plans of a restarted job must not repeat the old seeds
         self.progress = asyncio.Event()
         self._exchanging = False  # this node's offer is in the barrier: it waits for the others
+        self._exchange_started_s = 0.0  # time.monotonic() when it went in
         self._room: bool | None = None  # set while _wait_ready waits: were the queues short?
         self.round_index = 0
         self.done = False
@@ -162,7 +185,7 @@ class RoundLoop:
                 resume=self.resume if self.round_index == 0 else None,
                 observations=self.cost.take_new(),
             )
-            self._exchanging = True
+            self._exchanging, self._exchange_started_s = True, time.monotonic()
             payloads = await self.barrier.exchange(self.round_index, offer_codec.encode(offer))
             self._exchanging = False
             offers = [self._decode(node, p) for node, p in enumerate(payloads)]
@@ -292,6 +315,7 @@ class RoundLoop:
                 buffered=self.state.buffered_now(),
                 rejected=dict(self.state.rejected),
                 lanes_full=self.lanes_full(),
+                starting=self.starting(),
             )
         )
         if lagging:
@@ -302,7 +326,14 @@ class RoundLoop:
     def waiting_for(self) -> str:
         """What the next round waits for, for `odbd status` and a stalled trainer's error."""
         if self._exchanging:
-            return f"the other nodes' offers for round {self.round_index}"
+            # Read after "waits because": it was "the other nodes' offers for round K", which
+            # neither read as a reason nor said for how long or when a deadline names the node.
+            since_s = time.monotonic() - self._exchange_started_s
+            return (
+                f"not every other node has sent its offer for round {self.round_index} yet "
+                f"(this node sent its own {since_s:.0f} s ago; at --round-timeout "
+                f"{self.config.round_timeout_s:g} s the hub fails the job naming the missing node)"
+            )
         return "" if self._room is None else self._wait_reason(self._room)
 
     def _log_waiting(self, reason: str) -> None:

@@ -57,6 +57,7 @@ class _Worker:
     process: asyncio.subprocess.Process | None = None
     deaths: list[float] = field(default_factory=list)  # since the node last made a sample
     deaths_in_a_row: int = 0  # each within _HEALTHY_RUN_S of its start
+    started_s: float = 0.0  # time.monotonic() when its current process started
 
 
 def deaths_without_progress(
@@ -114,7 +115,7 @@ class ProducerSupervisor:
     async def _keep_running(self, worker: _Worker) -> None:
         while not self._stopping:
             made = self._progress()
-            started = time.monotonic()
+            started = worker.started_s = time.monotonic()
             worker.process = await asyncio.create_subprocess_exec(
                 *_guarded(self.command(worker.name)),
                 start_new_session=True,  # a terminal's SIGINT is the daemon's to handle
@@ -158,6 +159,14 @@ class ProducerSupervisor:
         )
         log.error("%s", message)
         self._on_give_up(message)
+
+    def running(self) -> tuple[int, float]:
+        """How many workers have a live process, and seconds since the first of them started
+        (0.0 if none): while none is attached yet, they are still building the dataset."""
+        live = [w for w in self._workers if w.process and w.process.returncode is None]
+        if not live:
+            return 0, 0.0
+        return len(live), time.monotonic() - min(w.started_s for w in live)
 
     def pids(self) -> list[int]:
         return [w.process.pid for w in self._workers if w.process and w.process.returncode is None]

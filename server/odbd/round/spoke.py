@@ -165,7 +165,13 @@ class Spoke:
         )
         async with self._write_lock:
             # A failed write means the stream is gone; the reader reports why, so wait for it.
-            with contextlib.suppress(grpc.aio.AioRpcError, grpc.aio.UsageError):
+            # InvalidStateError: the hub already finished the call (say it aborted the job at
+            # the round deadline while this daemon was frozen), and this write ran before the
+            # reader saw the verdict: it failed the job as "an internal error" instead of the
+            # hub's reason.
+            with contextlib.suppress(
+                grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError
+            ):
                 await self._call.write(peer_pb2.PeerMessage(contribution=contribution))
         timeout = self._config.round_timeout_s
         try:
