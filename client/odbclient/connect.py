@@ -135,7 +135,7 @@ def _connect_framed(socket: str, path: str, *, who: str, timeout_s: float) -> so
             return sock
         except (FileNotFoundError, ConnectionRefusedError) as error:
             sock.close()
-            if isinstance(error, FileNotFoundError) and _answers(socket):
+            if isinstance(error, FileNotFoundError) and accepts_connections(socket):
                 raise ProtocolError(
                     f"odbd on unix:{socket} has no {who} socket {path}: the daemon is older "
                     f"than this odbclient ({who} protocol {PROTOCOL_VERSION}), or it is "
@@ -161,8 +161,9 @@ def _connect_framed(socket: str, path: str, *, who: str, timeout_s: float) -> so
         time.sleep(_CONNECT_POLL_S)
 
 
-def _answers(path: str) -> bool:
-    """Something listens on the unix socket at `path`."""
+def accepts_connections(path: str) -> bool:
+    """Something listens on the unix socket at `path` (the kernel accepts into the listen
+    backlog for a stopped or hung process too, so this says nothing of whether it answers)."""
     probe = socketlib.socket(socketlib.AF_UNIX, socketlib.SOCK_STREAM)
     try:
         probe.connect(path)

@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket as socketlib
 import sys
 import time
 from collections.abc import Mapping
 
 import grpc
 
+from odbclient.connect import accepts_connections
 from odbclient.wire.odbd.v1 import admin_pb2, admin_pb2_grpc
 from odbd import flags
 from odbd.config import default_socket
@@ -105,19 +105,6 @@ def _cost_model(m: admin_pb2.CostModelStatus) -> str:
     return line
 
 
-def _listens(path: str) -> bool:
-    """Something accepts connections on the unix socket at `path` (the kernel does so for a
-    stopped process too: its listen backlog)."""
-    probe = socketlib.socket(socketlib.AF_UNIX, socketlib.SOCK_STREAM)
-    try:
-        probe.connect(path)
-        return True
-    except OSError:
-        return False
-    finally:
-        probe.close()
-
-
 def _waiting(lane_full: int) -> str:
     return f" ({lane_full} waiting for lane space)" if lane_full else ""
 
@@ -136,7 +123,8 @@ def main(argv: list[str] | None = None, environ: Mapping[str, str] | None = None
             try:
                 reply = stub.Status(admin_pb2.StatusRequest(), timeout=args.timeout)
             except grpc.RpcError as error:
-                if error.code() == grpc.StatusCode.DEADLINE_EXCEEDED and _listens(socket):
+                timed_out = error.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+                if timed_out and accepts_connections(socket):
                     # Found with a SIGSTOPped daemon: "is odbd running there?" sent the
                     # operator looking for a daemon that was there but frozen.
                     print(

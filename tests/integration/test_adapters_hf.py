@@ -83,6 +83,17 @@ def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm())
 
 
+def aligned_steps(reports: Reports, size: int, epochs: int) -> list[list[dict]]:
+    """Every rank's steps, after checking that the ranks took as many steps as the Trainer
+    counted and trained every sample once per epoch."""
+    steps = [reports.steps(rank) for rank in range(WORLD)]
+    n = len(steps[0])
+    assert all(len(s) == n for s in steps) and reports.done(0)["global_step"] == n
+    for epoch in range(epochs):
+        assert Counter(reports.ids(epoch)) == Counter(range(size)), epoch
+    return steps
+
+
 def check_adapter_run(reports: Reports, out_dir: Path) -> None:
     steps = [reports.steps(rank) for rank in range(WORLD)]
     assert len({len(s) for s in steps}) == 1, "ranks took different step counts"
@@ -126,11 +137,8 @@ def test_hf_trainer_follows_odbd_progress_without_max_steps(tmp_path: Path) -> N
         trainer_args=("--max-steps", "0", "--lr-schedule", "cosine", "--warmup-steps", "2",
                       "--lr", str(lr)),
     )  # fmt: skip
-    steps = [reports.steps(rank) for rank in range(WORLD)]
+    steps = aligned_steps(reports, data["size"], epochs)
     n = len(steps[0])
-    assert all(len(s) == n for s in steps) and reports.done(0)["global_step"] == n
-    for epoch in range(epochs):
-        assert Counter(reports.ids(epoch)) == Counter(range(data["size"])), epoch
     # Progress is the same on every rank; fractions never decrease; each epoch's last step
     # knows it is the last, with the exact count.
     assert [r["progress"] for r in steps[0]] == [r["progress"] for r in steps[1]]
@@ -165,11 +173,8 @@ def test_hf_trainer_evaluates_an_eval_dataset_between_odbd_steps(tmp_path: Path)
         "hf", tmp_path, data=data, daemon_args=("--epochs", str(epochs)),
         trainer_args=("--max-steps", "0", "--eval-steps", "3"),
     )  # fmt: skip
-    steps = [reports.steps(rank) for rank in range(WORLD)]
+    steps = aligned_steps(reports, data["size"], epochs)
     n = len(steps[0])
-    assert all(len(s) == n for s in steps) and reports.done(0)["global_step"] == n
-    for epoch in range(epochs):
-        assert Counter(reports.ids(epoch)) == Counter(range(data["size"])), epoch
     losses = reports.done(0)["eval_losses"]
     # every 3 steps, and once more at the end when the job does not end on a multiple of 3
     assert n // 3 <= len(losses) <= n // 3 + 1, (n, losses)
