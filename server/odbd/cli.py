@@ -17,6 +17,7 @@ from pathlib import Path
 
 from odbd import flag_files, flags
 from odbd.config import DEFAULT_PADS, DaemonConfig, default_socket, node_rank_from_environment
+from odbd.dataset_size import dataset_size_of
 from odbd.errors import ConfigError
 from odbd.planner.config import Balance, Collate, Grouping, LossScaling
 from odbd.planner.cost_fit import CostModelMode
@@ -492,17 +493,6 @@ def _world(world_size: int, ranks_per_node: int) -> World:
         ) from None
 
 
-def dataset_size_of(config: DaemonConfig) -> int:
-    """--dataset-size, or len() of the dataset the producers will import."""
-    if config.dataset_size is not None:
-        return config.dataset_size
-    from odbclient.dataset import load_dataset, parse_dataset_args
-
-    assert config.dataset is not None
-    args = parse_dataset_args([f"{k}={v}" for k, v in config.dataset_args])
-    return len(load_dataset(config.dataset, args))
-
-
 def run_daemon_command(argv: Sequence[str], environ: Mapping[str, str] | None = None) -> int:
     """Parses and checks everything (exit 2 with one line on a bad input), then runs the daemon."""
     env = dict(os.environ) if environ is None else dict(environ)
@@ -510,15 +500,16 @@ def run_daemon_command(argv: Sequence[str], environ: Mapping[str, str] | None = 
     refuse_misspelt_variables(parser, env)
     apply_environment(parser, env)
     args = parser.parse_args(list(argv))
+    # Before the dataset's build, which can take minutes and is said in the log meanwhile.
+    logging.basicConfig(
+        level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     try:
         config = config_from_args(args, env)
         size = dataset_size_of(config)
     except (ConfigError, ValueError) as error:  # DatasetLoadError is a ValueError
         print(f"odbd: error: {error}", file=sys.stderr)
         return EXIT_USAGE
-    logging.basicConfig(
-        level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
     from odbd.daemon.app import run_daemon
 
     return run_daemon(config, size)

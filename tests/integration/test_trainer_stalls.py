@@ -63,3 +63,31 @@ def test_workers_still_building_the_dataset_are_named_not_called_missing(tmp_pat
         assert sorted(ids) == list(range(16))
         assert cluster.wait(scaled(30)) == [0], cluster.log(0)
     assert cluster.leftover_segments() == []
+
+
+def test_a_daemon_building_its_dataset_says_so_until_it_opens_its_socket(tmp_path: Path) -> None:
+    # Found by a probe of real jobs: a 45 s factory left the daemon's log empty and its socket
+    # absent (`odbd status`: "is odbd running there?") until the build returned.
+    release = tmp_path / "built"
+    dataset = str(Path(__file__).with_name("slow_build_dataset.py")) + ":make"
+    args = ["--dataset", dataset, "--dataset-arg", f"release={release}", "--workers", "1"]
+    args += ["--dataset-arg", "in_daemon=1", "--shm-size", "16M", "--buffer", "16"]
+    with LocalCluster(ClusterSpec(nodes=1, ranks_per_node=1, daemon_args=args)) as cluster:
+        poll_until(
+            lambda: "building --dataset" in cluster.log(0),
+            "the daemon says it builds its dataset",
+        )
+        line = next(x for x in cluster.log(0).splitlines() if "building --dataset" in x)
+        assert f"building --dataset {dataset} to learn its size:" in line, line
+        assert "the daemon opens its socket (producers, trainers, `odbd status`)" in line
+        assert not Path(cluster.sockets[0]).exists()  # not serving yet: still building
+        release.touch()
+        cluster.wait_sockets(scaled(60))
+        assert f"built --dataset {dataset} in" in cluster.log(0)
+        ids: list[int] = []
+        with ODBClient(rank=0, socket=cluster.sockets[0], deadline_s=scaled(60)) as client:
+            while not client.job_ended:
+                ids += [i for batch in client for i in batch.sample_ids]
+        assert sorted(ids) == list(range(16))
+        assert cluster.wait(scaled(30)) == [0], cluster.log(0)
+    assert cluster.leftover_segments() == []
