@@ -138,7 +138,8 @@ def main(argv: list[str] | None = None, environ: Mapping[str, str] | None = None
                 print(
                     f"odbd status: error: no daemon answered on {socket} (from {source}): "
                     f"{error.code().name}; is odbd running there? pass --socket or set "
-                    f"{SOCKET_ENV} to the daemon's socket",
+                    f"{SOCKET_ENV} to the daemon's socket (a daemon still building its "
+                    "--dataset opens it only after the build: its log says so)",
                     file=sys.stderr,
                 )
                 return 1

@@ -46,6 +46,7 @@ def test_status_says_which_socket_it_tried_and_where_that_came_from(tmp_path, ca
     assert status.main(["--timeout", "10"], environ={"ODBD_SOCKET": missing}) == 1
     err = capsys.readouterr().err
     assert f"no daemon answered on {missing} (from ODBD_SOCKET)" in err, err
+    assert "a daemon still building its --dataset opens it only after the build" in err, err
     assert err.count("\n") == 1
 
 
