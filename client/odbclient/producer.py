@@ -74,9 +74,10 @@ _MAX_LOGGED_TRACEBACKS = 5  # then rejections are only counted by the daemon
 # 2 ms an 8 KiB producer sent one per ~28 samples. Issue 15 (docs/bench/datapath.md): 128 / 10
 # ms gave +12 % samples/s and -17 % daemon CPU per sample; 256 with 512 ids in hand halved the
 # ingest messages again (daemon -10-16 %); 512 with 1024 in hand, daemon 6.0 -> 4.9 us per 8
-# KiB sample (10 alternated rounds, lower in 9). Only cheap samples reach these caps: ids in
+# KiB sample (10 alternated rounds, lower in 8). Only cheap samples reach these caps: ids in
 # hand follow ~20 ms of measured work (LeaseCredits), and a commit leaves after
-# COMMIT_INTERVAL_S or when the producer idles, so slow samples are never held back longer.
+# DEFAULT_COMMIT_INTERVAL_S or when the producer idles, so slow samples are never held back
+# longer.
 DEFAULT_LEASE_BATCH = 1024
 DEFAULT_COMMIT_BATCH = 512
 DEFAULT_COMMIT_INTERVAL_S = 0.01
