@@ -36,9 +36,17 @@ def keys(items: list[QueuedItem]) -> list[tuple[int, int]]:
     return [(i.epoch, i.step) for i in items]
 
 
+def take_ready_step(queue: RankQueue, prefetch: int) -> QueuedItem | None:
+    """take_ready, but only a step (a marker waits for a message of its own): the step-by-step
+    reference that RankQueue.take_ready_steps replaced in the daemon."""
+    if queue._sent < len(queue._items) and queue._items[queue._sent].is_step:
+        return queue.take_ready(prefetch)
+    return None
+
+
 def ready_steps(queue: RankQueue, prefetch: int) -> list[QueuedItem]:
     taken = []
-    while (item := queue.take_ready_step(prefetch)) is not None:
+    while (item := take_ready_step(queue, prefetch)) is not None:
         taken.append(item)
     return taken
 
@@ -271,7 +279,7 @@ def _ready_steps_one_by_one(queue: RankQueue, prefetch: int, first: QueuedItem) 
     """_ready_steps as it was: take_ready_step until a limit (the reference)."""
     steps, nbytes = [first], len(first.event)
     while len(steps) < MAX_STEPS_PER_EVENT and nbytes < MAX_EVENT_BYTES:
-        item = queue.take_ready_step(prefetch)
+        item = take_ready_step(queue, prefetch)
         if item is None:
             break
         steps.append(item)

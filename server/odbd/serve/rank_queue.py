@@ -116,18 +116,12 @@ class RankQueue:
         self._sent += 1
         return item
 
-    def take_ready_step(self, prefetch: int) -> QueuedItem | None:
-        """Like take_ready, but only a step: a marker waits for a message of its own."""
-        if self._sent < len(self._items) and self._items[self._sent].is_step:
-            return self.take_ready(prefetch)
-        return None
-
     def take_ready_steps(
         self, prefetch: int, max_steps: int, budget_bytes: int
     ) -> list[QueuedItem]:
-        """take_ready_step while it gives a step, at most `max_steps` of them and until
-        their events' bytes reach `budget_bytes` (the step that reaches it is taken): one
-        loop over the queue for a message's worth of steps, not two calls per step."""
+        """take_ready while it gives a step (a marker waits for a message of its own), at
+        most `max_steps` of them and until their events' bytes reach `budget_bytes` (the step
+        that reaches it is taken): one loop over the queue for a message's worth of steps."""
         items, sent, taken_bytes = self._items, self._sent, 0
         steps: list[QueuedItem] = []
         room = min(prefetch - self._sent_steps, max_steps)
