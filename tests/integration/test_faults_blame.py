@@ -30,6 +30,12 @@ def _wait_exits(fc: FaultCluster, timeout_s: float) -> list[int | None]:
     return [d.returncode for d in fc.daemons]
 
 
+def _every_rank_trains(fc: FaultCluster) -> None:
+    """Starts every rank's trainer and returns once each trained a few steps (the job runs)."""
+    fc.start_trainers("--step-sleep-s", "0.01")
+    fc.wait_until(lambda: all(fc.steps_seen(r) >= 3 for r in range(fc.world)), "every rank trained")
+
+
 def test_a_rank_that_stops_iterating_is_named_by_every_daemon_and_trainer():
     timeout_s = 8.0
     with FaultCluster(nodes=2, ranks_per_node=1, daemon_args=_args(timeout_s)) as fc:
@@ -51,10 +57,7 @@ def test_a_rank_that_stops_iterating_is_named_by_every_daemon_and_trainer():
 def test_a_frozen_hub_blames_itself_not_its_peer():
     timeout_s = 2.0
     with FaultCluster(nodes=2, ranks_per_node=1, daemon_args=_args(timeout_s)) as fc:
-        fc.start_trainers("--step-sleep-s", "0.01")
-        fc.wait_until(
-            lambda: all(fc.steps_seen(r) >= 3 for r in range(fc.world)), "every rank trained"
-        )
+        _every_rank_trains(fc)
         hub = fc.daemons[0].pid
         os.kill(hub, signal.SIGSTOP)
         time.sleep(3 * timeout_s)  # the fault itself: frozen past the deadline and its grace
@@ -76,10 +79,7 @@ def test_a_spoke_frozen_past_the_deadline_learns_the_hub_s_verdict_not_an_intern
     # in odbd ...)" with a traceback, and that is what node 1's trainers were told.
     timeout_s = 2.0
     with FaultCluster(nodes=2, ranks_per_node=1, daemon_args=_args(timeout_s)) as fc:
-        fc.start_trainers("--step-sleep-s", "0.01")
-        fc.wait_until(
-            lambda: all(fc.steps_seen(r) >= 3 for r in range(fc.world)), "every rank trained"
-        )
+        _every_rank_trains(fc)
         spoke = fc.daemons[1].pid
         os.kill(spoke, signal.SIGSTOP)
         hub_waits: set[str] = set()  # what `odbd status` of the hub said meanwhile

@@ -37,6 +37,16 @@ def test_timeout_names_what_the_round_waits_for() -> None:
     assert cluster.leftover_segments() == []
 
 
+def _train_every_sample_once_to_the_end(cluster: LocalCluster) -> None:
+    """Rank 0 trains the job's 16 samples to its end; the daemon then exits 0."""
+    ids: list[int] = []
+    with ODBClient(rank=0, socket=cluster.sockets[0], deadline_s=scaled(60)) as client:
+        while not client.job_ended:
+            ids += [i for batch in client for i in batch.sample_ids]
+    assert sorted(ids) == list(range(16))
+    assert cluster.wait(scaled(30)) == [0], cluster.log(0)
+
+
 def test_workers_still_building_the_dataset_are_named_not_called_missing(tmp_path: Path) -> None:
     # Found by hand (a 45 s factory): while the spawned workers built the dataset, the wait
     # line and `odbd status` said "no producer is attached: start producers on this node".
@@ -56,12 +66,7 @@ def test_workers_still_building_the_dataset_are_named_not_called_missing(tmp_pat
         assert "the --dataset factory runs in every worker" in waiting, waiting
         assert "start producers on this node" not in waiting, waiting
         release.touch()  # the build ends: the worker connects and the epoch is served
-        ids: list[int] = []
-        with ODBClient(rank=0, socket=sock, deadline_s=scaled(60)) as client:
-            while not client.job_ended:
-                ids += [i for batch in client for i in batch.sample_ids]
-        assert sorted(ids) == list(range(16))
-        assert cluster.wait(scaled(30)) == [0], cluster.log(0)
+        _train_every_sample_once_to_the_end(cluster)
     assert cluster.leftover_segments() == []
 
 
@@ -84,10 +89,5 @@ def test_a_daemon_building_its_dataset_says_so_until_it_opens_its_socket(tmp_pat
         release.touch()
         cluster.wait_sockets(scaled(60))
         assert f"built --dataset {dataset} in" in cluster.log(0)
-        ids: list[int] = []
-        with ODBClient(rank=0, socket=cluster.sockets[0], deadline_s=scaled(60)) as client:
-            while not client.job_ended:
-                ids += [i for batch in client for i in batch.sample_ids]
-        assert sorted(ids) == list(range(16))
-        assert cluster.wait(scaled(30)) == [0], cluster.log(0)
+        _train_every_sample_once_to_the_end(cluster)
     assert cluster.leftover_segments() == []
