@@ -374,6 +374,28 @@ class ODBClient:
             )
         self._world = TrainerWorld(world_size, rank, source)
 
+    @property
+    def daemon_job_id(self) -> str | None:
+        """The job id of the daemon that welcomed this client; None before the first iteration."""
+        welcome = self._stream.welcome if self._stream is not None else None
+        return welcome.job_id if welcome is not None else None
+
+    def expect_job(self, job_id: str) -> None:
+        """Asks the daemon for `job_id` when connecting, as `ODBClient(job_id=...)` does, so a
+        daemon of another job refuses this client (e.g. when resuming from that job's
+        checkpoint); call before the first iteration."""
+        if self._stream is not None:
+            raise RuntimeError(
+                "expect_job() after iteration started: the job id is sent when connecting; "
+                "call it before the first iter(client)"
+            )
+        if self._job_id and job_id != self._job_id:
+            raise ValueError(
+                f"this ODBClient was built for job {self._job_id!r}, not {job_id!r}; build it "
+                "with the job id of the checkpoint's job, or resume from that job's checkpoint"
+            )
+        self._job_id = job_id
+
     def report_compute(self, seconds: float) -> None:
         """Reports this rank's own compute time for the batch next() returned last.
 

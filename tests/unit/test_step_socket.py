@@ -212,3 +212,32 @@ def test_a_rank_back_without_a_resume_point_is_warned_about_ddp_alignment(
         assert "(epoch 0 step 0)" in warnings[0] and "load_state_dict" in warnings[0]
     else:
         assert warnings == []
+
+
+@pytest.mark.parametrize(
+    ("resume_step", "refused"),
+    [(0, True), (2, True), (3, False), (4, False)],
+)
+def test_a_resume_point_at_or_before_a_delivered_step_is_refused_by_a_running_daemon(
+    resume_step: int, refused: bool
+) -> None:
+    """A trainer restored from an older checkpoint while the daemon kept running (HF Trainer
+    resume_from_checkpoint): steps 0-2 were delivered and freed, so resuming at step <= 2
+    would never train them again; before, the daemon silently continued at step 3."""
+    queue = RankQueue(0)
+    queue.push([step(0, i) for i in range(6)])
+    service = one_rank_service(queue)
+    attachment = service.attach(hello().hello)
+    assert [queue.take_ready(prefetch=3).step for _ in range(3)] == [0, 1, 2]  # type: ignore[union-attr]
+    service.on_message(
+        attachment, trainer_pb2.TrainerMessage(delivered=trainer_pb2.Delivered(epoch=0, step=2))
+    )
+    service.detach(attachment)
+    assert queue.last_delivered == (0, 2)
+    refusal = service.admit(hello(resume=True, resume_epoch=0, resume_step=resume_step).hello)
+    if not refused:
+        assert refusal is None
+        return
+    assert refusal is not None and refusal.code == "INVALID_ARGUMENT"
+    assert f"rank 0 resumes at epoch 0 step {resume_step}" in refusal.message
+    assert "up to epoch 0 step 2" in refusal.message and "--state-dir" in refusal.message

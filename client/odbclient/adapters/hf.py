@@ -34,15 +34,25 @@ whichever of the cap and the job ends first); training otherwise ends with odbd'
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
 from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 from transformers.trainer_callback import ProgressCallback
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
 from odbclient.adapters.batches import LOSS_SCALE_KEY, ODBBatches
+from odbclient.adapters.hf_checkpoint import (
+    CheckpointStateError,
+    ClientCheckpoint,
+    client_state_path,
+    read_client_state,
+    write_client_state,
+)
 from odbclient.adapters.schedule import Schedule, lr_factor
 from odbclient.client import ODBClient
+from odbclient.errors import JobMismatchError, RankRefusedError
 
 __all__ = ["LOSS_SCALE_KEY", "ODBBatches", "ODBTrainer"]
 
@@ -69,6 +79,7 @@ class ODBTrainer(Trainer):
             min_lr_rate=_min_lr_rate(self.args),
         )
         self.odb_max_steps = self.args.max_steps if self.args.max_steps > 0 else None
+        self.odb_resume_epoch = 0  # odbd's epoch at the checkpoint train() resumes from
         if self.odb_max_steps is None:
             self.args.max_steps = _NO_CAP
         # Loss scales assume the daemon's --world: the Trainer's own world is checked.
@@ -89,24 +100,87 @@ class ODBTrainer(Trainer):
         trial: Any = None,
         ignore_keys_for_eval: list[str] | None = None,
     ) -> Any:
-        if resume_from_checkpoint:
-            # Found by hand (torchrun SIGKILLed after checkpoint-5, started again with
-            # resume_from_checkpoint=True): accelerate's skip_first_batches raised
-            # AttributeError 'ODBBatches' object has no attribute 'dataset'. Skipping would be
-            # wrong anyway: the daemon already continues a reconnecting rank at its next
-            # undelivered step, so the steps between the checkpoint and the crash would be
-            # lost from the restored model.
-            raise ValueError(
-                f"ODBTrainer.train(resume_from_checkpoint={resume_from_checkpoint!r}): resuming "
-                "from a Trainer checkpoint is not supported (the Trainer would skip the "
-                "checkpoint's steps in odbd's stream, which the daemon already continues where "
-                "this rank left it, so the steps after the checkpoint would be lost). Nothing "
-                "was trained. To resume exactly, use the plain loop or Accelerate with "
-                "client.state_dict() / load_state_dict() and the daemons' --state-dir "
-                "(docs/training.md, Checkpoint and resume), or start the job again, daemons "
-                "included"
-            )
-        return super().train(resume_from_checkpoint, trial, ignore_keys_for_eval)
+        checkpoint = self._odb_checkpoint(resume_from_checkpoint)
+        if checkpoint is None:
+            return super().train(resume_from_checkpoint, trial, ignore_keys_for_eval)
+        path = self._odb_load_client_state(checkpoint)
+        try:
+            return super().train(checkpoint, trial, ignore_keys_for_eval)
+        except (JobMismatchError, RankRefusedError) as error:
+            raise type(error)(
+                f"resuming from {path}: {error} (the daemon refused the checkpoint's resume "
+                "point; nothing was trained after the checkpoint was loaded)"
+            ) from error
+
+    def _odb_checkpoint(self, resume_from_checkpoint: str | bool | None) -> str | None:
+        """The checkpoint directory to resume from: True means the newest in output_dir."""
+        if resume_from_checkpoint is None or resume_from_checkpoint is False:
+            return None
+        if resume_from_checkpoint is True:
+            last = get_last_checkpoint(self.args.output_dir)
+            if last is None:
+                raise ValueError(
+                    f"resume_from_checkpoint=True but output_dir {self.args.output_dir} holds no "
+                    "checkpoint-N directory; nothing was trained. Pass the checkpoint's path, "
+                    "or train without resume_from_checkpoint to start afresh"
+                )
+            return str(last)
+        return str(resume_from_checkpoint)
+
+    def _odb_load_client_state(self, checkpoint: str) -> Path:
+        """Loads this rank's odbd position from the checkpoint, before the Trainer loads
+        anything: the client then continues at the step after the checkpoint, so the Trainer
+        must not skip batches (`_init_training_state`)."""
+        rank = self.args.process_index
+        state = read_client_state(checkpoint, rank=rank, world_size=self.args.world_size)
+        client = self.odb_batches.client
+        path = client_state_path(checkpoint, rank)
+        if state.job_id:
+            try:
+                client.expect_job(state.job_id)  # a daemon of another job refuses at connect
+            except ValueError as error:
+                raise CheckpointStateError(
+                    f"{path} was saved by odbd job {state.job_id!r}: {error}. Nothing was trained"
+                ) from None
+        client.load_state_dict(state.client)
+        self.odb_resume_epoch = int(state.client["epoch"])
+        return path
+
+    def _init_training_state(
+        self,
+        max_steps: int,
+        num_update_steps_per_epoch: int,
+        num_train_epochs: int,
+        resume_from_checkpoint: str | None,
+        trial: Any,
+    ) -> tuple[int, int]:
+        # The Trainer would skip global_step batches of the stream (accelerate's
+        # skip_first_batches, which also raised AttributeError on ODBBatches): odbd already
+        # continues at the checkpoint's next step. Its epoch is odbd's, as in the first run
+        # (ODBProgress ends every epoch on odbd's last step).
+        epochs, _ = super()._init_training_state(
+            max_steps, num_update_steps_per_epoch, num_train_epochs, resume_from_checkpoint, trial
+        )
+        if resume_from_checkpoint is None:
+            return epochs, 0
+        return self.odb_resume_epoch, 0
+
+    def _save_checkpoint(self, model: Any, trial: Any) -> None:
+        # Every rank writes its own state before the Trainer writes trainer_state.json (only
+        # the main process does) and rotates old checkpoints: a checkpoint that the Trainer's
+        # resume finds always holds every rank's file. state_dict() is where the client is
+        # after this optimizer step (a Trainer checkpoint is at an update's end).
+        folder = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+        client = self.odb_batches.client
+        state = ClientCheckpoint(
+            rank=self.args.process_index,
+            world_size=self.args.world_size,
+            job_id=client.daemon_job_id or "",
+            global_step=self.state.global_step,
+            client=client.state_dict(),
+        )
+        write_client_state(Path(self._get_output_dir(trial)) / folder, state)
+        super()._save_checkpoint(model, trial)
 
     def get_train_dataloader(self) -> ODBBatches:  # type: ignore[override]
         return self.odb_batches

@@ -58,6 +58,9 @@ class RankQueue:
         self._changed = asyncio.Event()
         self._clock = clock
         self.delivered_steps = 0
+        # (epoch, step) of the newest step a trainer reported delivered: its shared memory is
+        # freed, so it can never be sent again (a resume point at or before it is refused).
+        self.last_delivered: tuple[int, int] | None = None
         self._attached = False
         self.ever_attached = False
         self.detached_at_s: float | None = None  # clock() when the last stream ended
@@ -151,6 +154,7 @@ class RankQueue:
         freed: list[Locations] = []
         items = self._items
         delivered = 0  # steps among the dropped items
+        last: QueuedItem | None = None  # the last of them
         # head.step >= 0 is head.is_step, inline: this runs per item of every report.
         while items and self._sent > 0:
             head = items[0]
@@ -158,11 +162,14 @@ class RankQueue:
                 if (head.epoch, head.step) > (epoch, step):
                     break
                 delivered += 1
+                last = head
             elif head.job_end is not None:
                 break  # stays queued: a trainer that connects later is told the job's end too
             items.popleft()
             self._sent -= 1
             freed += head.locations
+        if last is not None:
+            self.last_delivered = (last.epoch, last.step)
         self.delivered_steps += delivered
         self._num_steps -= delivered
         self._sent_steps -= delivered

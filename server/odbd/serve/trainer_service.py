@@ -69,12 +69,19 @@ class TrainerService:
                 f"rank {hello.rank} is not served by this daemon (it serves ranks "
                 f"{ranks[0]}..{ranks[-1]}); connect to the socket of the node that runs it",
             )
-        if self._queues[hello.rank].attached:
+        queue = self._queues[hello.rank]
+        if queue.attached:
             return Refusal(
                 "ALREADY_EXISTS",
                 f"another client is already attached for rank {hello.rank}; each rank has "
                 "exactly one ODBClient (close the other, or check RANK)",
             )
+        if hello.resume:
+            behind = resume_refusal(
+                hello.rank, (hello.resume_epoch, hello.resume_step), queue.last_delivered
+            )
+            if behind is not None:  # RankRefusedError: "the resume point is bad"
+                return Refusal("INVALID_ARGUMENT", behind)
         resume = self._on_hello(hello)
         return None if resume is None else Refusal("FAILED_PRECONDITION", resume)
 
@@ -170,6 +177,27 @@ def world_refusal(hello: trainer_pb2.TrainerHello, world_size: int) -> str | Non
             "$RANK or accelerator.process_index)"
         )
     return None
+
+
+def resume_refusal(
+    rank: int, resume: tuple[int, int], last_delivered: tuple[int, int] | None
+) -> str | None:
+    """Why a running daemon cannot resume `rank` at `resume` (epoch, step), else None: steps
+    it already handed to the rank's previous trainer (Delivered came back) were freed, so the
+    restored model would never train the steps from the resume point to the last of them."""
+    if last_delivered is None or resume > last_delivered:
+        return None
+    (epoch, step), (last_epoch, last_step) = resume, last_delivered
+    return (
+        f"rank {rank} resumes at epoch {epoch} step {step}, but this daemon already handed "
+        f"its previous trainer every step up to epoch {last_epoch} step {last_step} and freed "
+        "them: a running daemon cannot send a step again, so the restored model would never "
+        "train those steps. Nothing was trained. To resume exactly, stop every daemon of the "
+        "job and start them again with the same flags and --state-dir (they rebuild the job "
+        "from its journal at the checkpoint's step), then start the trainers from the "
+        "checkpoint; without --state-dir, resume from a checkpoint after that step or start "
+        "the job afresh"
+    )
 
 
 def _ready_steps(queue: RankQueue, prefetch: int, *, first: QueuedItem) -> list[QueuedItem]:
