@@ -5,7 +5,7 @@
     trainer = ODBTrainer(model=model, args=args, odb_client=client)
     trainer.train()
 
-`ODBTrainer` is a `Trainer` subclass that changes four things and patches nothing:
+`ODBTrainer` is a `Trainer` subclass that changes five things and patches nothing:
 - `get_train_dataloader()` returns the rank's odbd batches (`ODBBatches`), not a sharded
   DataLoader: the daemons already decided which samples every rank trains in every step.
 - `compute_loss()` multiplies the model's loss (the rank's per-token mean, as HF causal LMs
@@ -19,6 +19,15 @@
 - A callback keeps `state.max_steps` (the progress bar's total) at odbd's estimate of the job's
   steps, ends each epoch on its last step, and ends training on the job's last step, so no
   empty epoch is ever started.
+- Checkpoints: every rank writes `odbd_client_rank{R}.json` (its `ODBClient.state_dict()`, world,
+  rank, job id; `odbclient.adapters.hf_checkpoint`) into each `checkpoint-N` before the Trainer
+  writes `trainer_state.json`. `train(resume_from_checkpoint=True or PATH)` loads it before the
+  Trainer loads anything and keeps the Trainer from skipping batches (`_init_training_state`):
+  odbd continues the rank at the step after the checkpoint. Exact when the daemons restart
+  from their `--state-dir`; daemons left running refuse a rank whose steps after the checkpoint
+  they already freed (`RankRefusedError`, with the fix). A checkpoint without the file, of
+  another world or job is refused by name before anything is trained (docs/training.md,
+  "Resuming a Hugging Face Trainer").
 
 `gradient_accumulation_steps=K` needs the daemons started with `--accumulate K`: each odbd
 update is then K micro-steps whose loss scales are exact over the whole update, so the Trainer's
@@ -104,6 +113,10 @@ class ODBTrainer(Trainer):
         if checkpoint is None:
             return super().train(resume_from_checkpoint, trial, ignore_keys_for_eval)
         path = self._odb_load_client_state(checkpoint)
+        # The Trainer must not skip global_step batches of the stream: odbd already continues
+        # at the checkpoint's next step. ignore_data_skip is the public switch for that (and
+        # still restores the RNG); _init_training_state below also sets the epoch.
+        skip, self.args.ignore_data_skip = self.args.ignore_data_skip, True
         try:
             return super().train(checkpoint, trial, ignore_keys_for_eval)
         except (JobMismatchError, RankRefusedError) as error:
@@ -111,6 +124,8 @@ class ODBTrainer(Trainer):
                 f"resuming from {path}: {error} (the daemon refused the checkpoint's resume "
                 "point; nothing was trained after the checkpoint was loaded)"
             ) from error
+        finally:
+            self.args.ignore_data_skip = skip
 
     def _odb_checkpoint(self, resume_from_checkpoint: str | bool | None) -> str | None:
         """The checkpoint directory to resume from: True means the newest in output_dir."""
@@ -157,7 +172,8 @@ class ODBTrainer(Trainer):
         # The Trainer would skip global_step batches of the stream (accelerate's
         # skip_first_batches, which also raised AttributeError on ODBBatches): odbd already
         # continues at the checkpoint's next step. Its epoch is odbd's, as in the first run
-        # (ODBProgress ends every epoch on odbd's last step).
+        # (ODBProgress ends every epoch on odbd's last step); the Trainer's would be
+        # global_step // max_steps, i.e. 0.
         epochs, _ = super()._init_training_state(
             max_steps, num_update_steps_per_epoch, num_train_epochs, resume_from_checkpoint, trial
         )
