@@ -19,6 +19,7 @@ checkpoint of epoch 1, and every process of the job is SIGKILLed. Then:
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import os
 import signal
@@ -161,7 +162,8 @@ def test_hf_trainer_resumes_from_its_checkpoint_exactly_after_a_crash(
             # (a) with nothing past the checkpoint delivered: the running daemon resumes it.
             assert job.wait(timeout=scaled(150)) == 0, logs(out, cluster)
             assert cluster.wait(scaled(60)) == [0], logs(out, cluster)
-            return check_exact_resume(out, case, checkpoint, run1)
+            cluster.stop()
+            return check_exact_resume(out, case, checkpoint, run1, cluster.spec.job_id)
         # (a) Trainers restart, the daemon kept running: refused by name, nothing trained.
         assert job.wait(timeout=scaled(120)) != 0, logs(out, cluster)
         text = logs(out, cluster)
@@ -182,10 +184,13 @@ def test_hf_trainer_resumes_from_its_checkpoint_exactly_after_a_crash(
         if job is not None and job.poll() is None:
             kill_job(job, out)
         cluster.stop()
-    check_exact_resume(out, case, checkpoint, run1)
+    assert cluster.leftover_segments() == []  # the killed daemon's too
+    check_exact_resume(out, case, checkpoint, run1, cluster.spec.job_id)
 
 
-def check_exact_resume(out: Path, case: Case, checkpoint: int, run1: dict[int, list[dict]]) -> None:
+def check_exact_resume(
+    out: Path, case: Case, checkpoint: int, run1: dict[int, list[dict]], job_id: str
+) -> None:
     trained: dict[int, list[dict]] = {}  # odbd steps trained into the final model
     for rank in range(WORLD):
         records = read_jsonl(out / f"rank{rank}.jsonl")
@@ -227,3 +232,6 @@ def check_exact_resume(out: Path, case: Case, checkpoint: int, run1: dict[int, l
         assert {p.name for p in path.glob("odbd_client_rank*.json")} == {
             f"odbd_client_rank{r}.json" for r in range(WORLD)
         }, path
+        for rank in range(WORLD):
+            saved = json.loads((path / f"odbd_client_rank{rank}.json").read_text())
+            assert (saved["rank"], saved["world_size"], saved["job_id"]) == (rank, WORLD, job_id)
