@@ -474,6 +474,31 @@ def test_load_state_dict_resumes_with_the_hello(daemon: FakeDaemon) -> None:
     assert (hello.resume, hello.resume_epoch, hello.resume_step) == (True, 2, 5)
 
 
+@pytest.mark.timeout(60)
+def test_expect_job_asks_the_daemon_for_the_job_and_the_welcome_names_it(
+    daemon: FakeDaemon,
+) -> None:
+    """ODBTrainer resumes a checkpoint with the daemon's job id it saved (daemon_job_id), so a
+    daemon of another job refuses the hello."""
+
+    def script(hello: Any, context: Any) -> Iterator[Event]:
+        yield daemon.welcome()
+        yield epoch_end(0, num_steps=0)
+        yield job_end()
+
+    daemon.script = script
+    with client_for(daemon) as client:
+        assert client.daemon_job_id is None  # not connected yet
+        client.expect_job("test")
+        list(client)
+        assert client.daemon_job_id == "test"
+        with pytest.raises(RuntimeError, match="after iteration started"):
+            client.expect_job("test")
+    assert daemon.hellos[0].job_id == "test"
+    with pytest.raises(ValueError, match="built for job 'a', not 'b'"):
+        ODBClient(rank=0, socket="/nonexistent", job_id="a").expect_job("b")
+
+
 @pytest.mark.parametrize("state", [{}, {"version": 2, "epoch": 0, "step": 0}, {"version": 1}])
 def test_malformed_state_dict_is_refused(state: dict[str, Any]) -> None:
     with pytest.raises(StateDictError, match="state dict"):
