@@ -375,6 +375,19 @@ class ODBClient:
         self._world = TrainerWorld(world_size, rank, source)
 
     @property
+    def started(self) -> bool:
+        """Whether iteration started: the hello (world, job id, resume point) was sent, so
+        load_state_dict(), expect_job() and set_world() are refused from now on."""
+        return self._stream is not None
+
+    @property
+    def epoch(self) -> int:
+        """The epoch the next iteration continues: 0 at first, a loaded state's epoch after
+        load_state_dict() (so a resumed `for epoch in range(client.epoch, n)` loop starts
+        there), the next epoch once an epoch ended."""
+        return self._epoch
+
+    @property
     def daemon_job_id(self) -> str | None:
         """The job id of the daemon that welcomed this client; None before the first iteration."""
         welcome = self._stream.welcome if self._stream is not None else None

@@ -24,6 +24,29 @@ T`), accumulate locally and all-reduce once, at the update's last micro-step:
 
 Do not also use Accelerate's own `gradient_accumulation_steps` (it divides the loss by its
 count, on top of odbd's update-wide scale).
+
+Checkpoints: `accelerator.save_state(dir)` also writes every rank's `odbd_client_rank{R}.json`
+(its `ODBClient.state_dict()`, world, rank, the daemon's job id; `odbclient.adapters.
+hf_checkpoint`), and `accelerator.load_state(dir)` loads this rank's before Accelerate loads
+anything, so the client continues at the step after the checkpoint:
+
+    odb = ODBAccelerate(accelerator, ODBClient(rank=accelerator.process_index))
+    accelerator.load_state(checkpoint)                      # before the first `for step in odb`
+    for epoch in range(odb.client.epoch, epochs):           # the checkpoint's epoch
+        for step in odb: ...
+
+ODBAccelerate registers Accelerate's save/load pre-hooks for this, not the client through
+`register_for_checkpointing`: Accelerate saves registered objects on the main process only
+(`custom_checkpoint_0.pkl`) and loads that one file into every rank, so every rank would
+resume at rank 0's position, and a checkpoint saved without the object fails Accelerate's
+count check without naming what is missing. The hooks run on every process. Exact when the
+daemons restart from their `--state-dir`; daemons left running refuse a rank whose steps
+after the checkpoint they already freed (`RankRefusedError` naming the checkpoint's file).
+Refused before anything is loaded, with the fix (`CheckpointStateError`): a directory without
+this rank's file, of another world or job; `StateDictError`: `load_state` after the first
+iteration (the resume point is sent when connecting), and `save_state` in the middle of an
+odbd update (save after `optimizer.step()` on a batch with `update_end`). docs/training.md,
+"Resuming an Accelerate loop".
 """
 
 from __future__ import annotations
@@ -31,12 +54,23 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import torch
 from accelerate import Accelerator
 
+from odbclient.adapters.hf_checkpoint import (
+    ACCELERATE,
+    CheckpointStateError,
+    ClientCheckpoint,
+    client_state_path,
+    read_client_state,
+    write_client_state,
+)
 from odbclient.batch import Batch
 from odbclient.client import ODBClient, launcher_world
+from odbclient.errors import JobMismatchError, RankRefusedError, StateDictError
 
 __all__ = ["ODBAccelerate", "StepInputs"]
 
@@ -76,11 +110,77 @@ class ODBAccelerate:
         # Accelerate knows its world even when `accelerate launch --cpu` started one process
         # for --num_processes 2: the daemon then refuses it instead of training rank 0 alone.
         client.set_world(accelerator.num_processes, accelerator.process_index, source="accelerate")
+        self.resumed_from: Path | None = None  # this rank's file that load_state() loaded
+        accelerator.register_save_state_pre_hook(self._save_client_state)
+        accelerator.register_load_state_pre_hook(self._load_client_state)
 
     def __iter__(self) -> Iterator[StepInputs]:
         device = self.accelerator.device
-        for batch in self.client:
+        for batch in self._batches():
             yield StepInputs(inputs=batch.to(device), batch=batch)
+
+    def _batches(self) -> Iterator[Batch]:
+        """The client's epoch; a daemon refusing the loaded checkpoint's resume point (at the
+        connect, so at the first batch) is named with the checkpoint's file."""
+        if self.client.started or self.resumed_from is None:
+            yield from self.client
+            return
+        try:
+            batches = iter(self.client)
+            first = next(batches, None)
+        except (JobMismatchError, RankRefusedError) as error:
+            raise type(error)(
+                f"resuming from {self.resumed_from}: {error} (the daemon refused the "
+                "checkpoint's resume point; nothing was trained after accelerator.load_state)"
+            ) from error
+        if first is not None:
+            yield first
+            yield from batches
+
+    def _save_client_state(self, _models: Any, _weights: Any, output_dir: str) -> None:
+        """Accelerate's save pre-hook, on every process: this rank's file, before Accelerate
+        writes the model (a checkpoint with the model always has it)."""
+        try:
+            client_state = self.client.state_dict()
+        except StateDictError as error:
+            raise StateDictError(
+                f"accelerator.save_state({output_dir}): {error}. Accelerate wrote nothing of "
+                "this checkpoint, but may have created the directory: delete it if it is empty"
+            ) from None
+        state = ClientCheckpoint(
+            rank=self.accelerator.process_index,
+            world_size=self.accelerator.num_processes,
+            job_id=self.client.daemon_job_id or "",
+            global_step=self.accelerator.save_iteration,  # N of checkpoint_N when auto-named
+            client=client_state,
+        )
+        write_client_state(output_dir, state)
+
+    def _load_client_state(self, _models: Any, input_dir: str) -> None:
+        """Accelerate's load pre-hook, on every process, before it loads anything: a refusal
+        leaves the model, optimizer and client as they were."""
+        rank = self.accelerator.process_index
+        path = client_state_path(input_dir, rank)
+        if self.client.started:
+            raise StateDictError(
+                f"accelerator.load_state({input_dir}) after ODBAccelerate started iterating: "
+                "the resume point is sent when the client connects, so rank "
+                f"{rank} cannot move to the checkpoint's. Nothing was loaded. Call "
+                "accelerator.load_state() before the first `for step in odb` (restart the "
+                "process to resume from it)"
+            )
+        state = read_client_state(
+            input_dir, rank=rank, world_size=self.accelerator.num_processes, writer=ACCELERATE
+        )
+        if state.job_id:
+            try:
+                self.client.expect_job(state.job_id)  # a daemon of another job refuses it
+            except ValueError as error:
+                raise CheckpointStateError(
+                    f"{path} was saved by odbd job {state.job_id!r}: {error}. Nothing was loaded"
+                ) from None
+        self.client.load_state_dict(state.client)
+        self.resumed_from = path
 
     def sync(self, model: torch.nn.Module, step: StepInputs) -> contextlib.AbstractContextManager:
         """`accelerator.no_sync(model)` on an update's micro-steps before its last, so DDP

@@ -1,12 +1,14 @@
-"""Each rank's odbd client state inside a Hugging Face Trainer checkpoint (`ODBTrainer`).
+"""Each rank's odbd client state inside a Hugging Face Trainer checkpoint (`ODBTrainer`) or an
+Accelerate `save_state` directory (`ODBAccelerate`).
 
     output_dir/checkpoint-N/odbd_client_rank{R}.json
         {"format": "odbd-client-state", "version": 1, "rank": R, "world_size": W,
          "job_id": "...", "global_step": N, "client": ODBClient.state_dict()}
 
 Written by every rank before the Trainer writes `trainer_state.json` into the same directory,
-so a checkpoint that the Trainer counts as complete always holds it. JSON, not torch.save: a
-handful of ints and strings, readable by hand and loaded without unpickling.
+so a checkpoint that the Trainer counts as complete always holds it (Accelerate: before it
+writes the model). JSON, not torch.save: a handful of ints and strings, readable by hand and
+loaded without unpickling.
 """
 
 from __future__ import annotations
@@ -22,7 +24,31 @@ VERSION = 1
 
 
 class CheckpointStateError(ValueError):
-    """A Trainer checkpoint has no usable odbd client state for this rank (nothing trained)."""
+    """A checkpoint has no usable odbd client state for this rank (nothing trained)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Writer:
+    """How the refusals name the adapter that writes these files, and the user's next step."""
+
+    adapter: str  # writes the files: "ODBTrainer"
+    plain: str  # what saves checkpoints without them: "a plain transformers Trainer"
+    launch: str  # how to launch W ranks, "{world}" for W
+    resume_other: str  # how to resume from another checkpoint
+
+
+HF_TRAINER = Writer(
+    adapter="ODBTrainer",
+    plain="a plain transformers Trainer",
+    launch="torchrun --nproc-per-node ...",
+    resume_other="resume_from_checkpoint=PATH",
+)
+ACCELERATE = Writer(
+    adapter="ODBAccelerate",
+    plain="accelerator.save_state() in a loop without ODBAccelerate",
+    launch="accelerate launch --num_processes {world}",
+    resume_other="accelerator.load_state(PATH)",
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,7 +75,11 @@ def write_client_state(checkpoint_dir: str | os.PathLike[str], state: ClientChec
 
 
 def read_client_state(
-    checkpoint_dir: str | os.PathLike[str], *, rank: int, world_size: int
+    checkpoint_dir: str | os.PathLike[str],
+    *,
+    rank: int,
+    world_size: int,
+    writer: Writer = HF_TRAINER,
 ) -> ClientCheckpoint:
     """This rank's state from `checkpoint_dir`, checked against the resuming job's world."""
     path = client_state_path(checkpoint_dir, rank)
@@ -58,15 +88,15 @@ def read_client_state(
     except FileNotFoundError:
         raise CheckpointStateError(
             f"{path} does not exist: checkpoint {checkpoint_dir} holds no odbd client state for "
-            f"rank {rank} (it was saved by a plain transformers Trainer, by an odbd release "
-            "before ODBTrainer saved one, or by a job of fewer ranks), so where rank "
+            f"rank {rank} (it was saved by {writer.plain}, by an odbd release before "
+            f"{writer.adapter} saved one, or by a job of fewer ranks), so where rank "
             f"{rank}'s odbd stream continues is unknown. Nothing was trained. Resume from a "
-            "checkpoint that ODBTrainer of this job wrote, or start training afresh"
+            f"checkpoint that {writer.adapter} of this job wrote, or start training afresh"
         ) from None
     except (OSError, ValueError) as error:
         raise CheckpointStateError(
             f"{path} cannot be read ({error}); nothing was trained. Resume from another "
-            "checkpoint of this job (resume_from_checkpoint=PATH), or start training afresh"
+            f"checkpoint of this job ({writer.resume_other}), or start training afresh"
         ) from None
     state = _parse(raw, path)
     if state.world_size != world_size or state.rank != rank:
@@ -74,8 +104,8 @@ def read_client_state(
             f"{path} was saved by rank {state.rank} of a job of {state.world_size} ranks, but "
             f"this is rank {rank} of {world_size}: odbd's steps and loss scales are planned "
             f"for one world, so it cannot resume here. Nothing was trained. Launch "
-            f"{state.world_size} ranks (torchrun --nproc-per-node ...) with daemons started "
-            f"with --world {state.world_size}, or start this job afresh"
+            f"{state.world_size} ranks ({writer.launch.format(world=state.world_size)}) with "
+            f"daemons started with --world {state.world_size}, or start this job afresh"
         )
     return state
 
