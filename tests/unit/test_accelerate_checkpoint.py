@@ -33,7 +33,9 @@ from tests.unit.test_client_logic import (  # noqa: E402, F401 (the fake daemon 
 pytestmark = pytest.mark.timeout(120)
 
 
-def make_loop(tmp_path: Path, *, seed: int, client: ODBClient | None = None) -> Any:
+def make_loop(
+    tmp_path: Path, *, seed: int, client: ODBClient | None = None, **accelerator_args: Any
+) -> Any:
     """A fresh Accelerator (its state is per process, not per object) with a model, an
     optimizer and ODBAccelerate; `seed` makes the weights differ between loops."""
     from accelerate import Accelerator
@@ -43,7 +45,7 @@ def make_loop(tmp_path: Path, *, seed: int, client: ODBClient | None = None) -> 
 
     AcceleratorState._reset_state(reset_partial_state=True)
     GradientState._reset_state()
-    accelerator = Accelerator(cpu=True)
+    accelerator = Accelerator(cpu=True, **accelerator_args)
     torch.manual_seed(seed)
     model = torch.nn.Linear(4, 2)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -78,6 +80,28 @@ def test_save_state_writes_the_ranks_client_state_and_load_state_restores_it(tmp
     assert odb.client.state_dict() == {"version": 1, "epoch": 1, "step": 3, "update": 2}
     assert odb.client.epoch == 1  # where a `for epoch in range(odb.client.epoch, n)` starts
     assert odb.resumed_from == tmp_path / "ckpt" / "odbd_client_rank0.json"
+
+
+def test_load_state_of_the_newest_automatic_checkpoint_continues_accelerates_numbering(
+    tmp_path: Path,
+) -> None:
+    """Accelerate restarts its count at 0 after load_state(): the next save_state() raised on
+    the existing checkpoint_0 (or, rotated away, wrote one that the next resume skips)."""
+    from accelerate.utils import ProjectConfiguration
+
+    def project() -> Any:
+        return ProjectConfiguration(project_dir=str(tmp_path), automatic_checkpoint_naming=True)
+
+    accelerator, _, odb = make_loop(tmp_path, seed=1, project_config=project())
+    accelerator.save_state()
+    odb.client.load_state_dict({"version": 1, "epoch": 0, "step": 7})
+    accelerator.save_state()
+    accelerator, _, odb = make_loop(tmp_path, seed=2, project_config=project())
+    accelerator.load_state()  # the newest: checkpoint_1
+    assert odb.client.state_dict() == {"version": 1, "epoch": 0, "step": 7}
+    assert accelerator.save_iteration == 2
+    accelerator.save_state()
+    assert (tmp_path / "checkpoints" / "checkpoint_2" / "odbd_client_rank0.json").exists()
 
 
 def plain_checkpoint(tmp_path: Path) -> Path:

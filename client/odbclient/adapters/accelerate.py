@@ -35,6 +35,10 @@ anything, so the client continues at the step after the checkpoint:
     for epoch in range(odb.client.epoch, epochs):           # the checkpoint's epoch
         for step in odb: ...
 
+With `ProjectConfiguration(automatic_checkpoint_naming=True)`, `load_state()` (the newest
+checkpoint_N) also sets Accelerate's checkpoint count to N + 1, so the next `save_state()`
+writes checkpoint_{N+1} (Accelerate itself restarts at 0).
+
 ODBAccelerate registers Accelerate's save/load pre-hooks for this, not the client through
 `register_for_checkpointing`: Accelerate saves registered objects on the main process only
 (`custom_checkpoint_0.pkl`) and loads that one file into every rank, so every rank would
@@ -181,6 +185,12 @@ class ODBAccelerate:
                 ) from None
         self.client.load_state_dict(state.client)
         self.resumed_from = path
+        project = self.accelerator.project_configuration
+        if project.automatic_checkpoint_naming:
+            # Accelerate restarts its count at 0: the next save_state would then raise on an
+            # existing checkpoint_0, or, once total_limit rotated it away, write a checkpoint
+            # older by number than the one resumed from, which the next load_state() skips.
+            project.iteration = max(project.iteration, state.global_step + 1)
 
     def sync(self, model: torch.nn.Module, step: StepInputs) -> contextlib.AbstractContextManager:
         """`accelerator.no_sync(model)` on an update's micro-steps before its last, so DDP
