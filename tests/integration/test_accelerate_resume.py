@@ -1,0 +1,218 @@
+"""`accelerator.load_state()` after a crash between two `save_state()` checkpoints of an
+Accelerate loop fed by `ODBAccelerate` (exact resume with Accelerate's own checkpoints).
+
+Real `accelerate launch --multi_gpu --num_processes 2` (gloo CPU ranks, `Accelerator(cpu=True)`)
+on one daemon with `--state-dir`, a tiny Llama, `save_state()` every few optimizer steps with
+automatic checkpoint naming; without accumulation, and with `--accumulate 2`. Run 1 trains a
+step or two past its first checkpoint of epoch 1, and every process of the job is SIGKILLed.
+Then:
+(a) the ranks restart with `load_state()` while the daemon keeps running: it already freed
+    the steps after the checkpoint, so both ranks are refused by name before training;
+(b) the daemon is SIGKILLed and restarted with its --state-dir, and the ranks again: they
+    continue at the step after the checkpoint with the checkpoint's weights, every sample of
+    both epochs is trained exactly once counting run 1 up to the checkpoint, the run ends at
+    the job's end, every process exits 0 and no shared memory is left.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import pytest
+
+from odbd.demo.cluster import ClusterSpec, LocalCluster, free_ports
+from tests.integration.ddp_data import dataset_args
+from tests.integration.ddp_launch import DATASET, REPO
+from tests.integration.harness import admin_status, poll_until, read_jsonl, scaled
+
+pytest.importorskip("accelerate")
+pytest.importorskip("transformers")
+
+pytestmark = pytest.mark.timeout(300)
+
+ACCELERATE = str(Path(sys.executable).with_name("accelerate"))
+WORLD, EPOCHS = 2, 2
+SCRIPT = "tests.integration.accelerate_resume_train"
+
+
+@dataclass(frozen=True)
+class Case:
+    accumulate: int  # odbd --accumulate: micro-steps per optimizer step
+    size: int  # samples per epoch
+    save_every: int  # optimizer steps per checkpoint
+    hang_after: int  # optimizer steps trained past the checkpoint before the crash
+
+
+CASES = [
+    pytest.param(Case(accumulate=1, size=48, save_every=3, hang_after=2), id="no-accumulation"),
+    pytest.param(Case(accumulate=2, size=96, save_every=2, hang_after=1), id="accumulate-2"),
+]
+
+
+def start_job(out: Path, socket: str, *script_args: str) -> subprocess.Popen[bytes]:
+    # A free port per launch: gloo's store is new, and no other job's 29500 is taken.
+    cmd = [ACCELERATE, "launch", "--multi_gpu", "--num_processes", str(WORLD),
+           "--num_machines", "1", "--main_process_ip", "127.0.0.1",
+           "--main_process_port", str(free_ports(1)[0]), "--mixed_precision", "no",
+           "--dynamo_backend", "no", "-m", SCRIPT, "--out-dir", str(out), *script_args]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(REPO), "ODBD_SOCKET": socket, "OMP_NUM_THREADS": "1",
+           "HF_HUB_OFFLINE": "1"}  # fmt: skip
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)  # accelerate launch sets what it starts
+    log = open(out / "launch.log", "ab")  # noqa: SIM115 (closed right after the spawn)
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
+    log.close()
+    return proc
+
+
+def kill_job(job: subprocess.Popen[bytes], out: Path) -> None:
+    """SIGKILL the launcher and its ranks (found by their command line naming `out`)."""
+    for pid in [job.pid, *processes_of(out)]:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    job.wait()
+    poll_until(lambda: not processes_of(out), "the killed ranks to be gone", scaled(30))
+
+
+def processes_of(out: Path) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        with contextlib.suppress(OSError):
+            cmdline = (entry / "cmdline").read_bytes()
+            if entry.name.isdigit() and SCRIPT.encode() in cmdline and bytes(out) in cmdline:
+                found.append(int(entry.name))
+    return [pid for pid in found if pid != os.getpid()]
+
+
+def records_of(out: Path, rank: int) -> list[dict]:
+    return read_jsonl(out / f"rank{rank}.jsonl")
+
+
+def micro(records: list[dict]) -> list[dict]:
+    return [r for r in records if r.get("micro")]
+
+
+def delivered(socket: str) -> list[int] | None:
+    try:
+        return [int(r.delivered_steps) for r in admin_status(socket).ranks]
+    except grpc.RpcError:
+        return None
+
+
+def logs(out: Path, cluster: LocalCluster) -> str:
+    text = (out / "launch.log").read_text(errors="replace") if out.exists() else ""
+    return f"--- accelerate launch\n{text[-6000:]}\n--- daemon\n{cluster.log(0)}"
+
+
+@pytest.mark.skipif(not os.path.exists(ACCELERATE), reason="accelerate's launcher not installed")
+@pytest.mark.parametrize("case", CASES)
+def test_accelerate_load_state_resumes_exactly_after_a_crash(tmp_path: Path, case: Case) -> None:
+    out = tmp_path / "job"
+    out.mkdir()
+    daemon_args = ["--dataset", f"{DATASET}:make", *dataset_args(size=case.size, seed=3)]
+    daemon_args += ["--workers", "1", "--epochs", str(EPOCHS), "--token-budget", "256"]
+    daemon_args += ["--buffer", "8", "--shm-size", "32M", "--state-dir", str(tmp_path / "state")]
+    if case.accumulate > 1:
+        daemon_args += ["--accumulate", str(case.accumulate)]
+    script_args = ["--save-every", str(case.save_every)]
+    cluster = LocalCluster(ClusterSpec(nodes=1, ranks_per_node=WORLD, daemon_args=daemon_args))
+    socket = cluster.sockets[0]
+    job = None
+    try:
+        cluster.start()
+        # Run 1: a crash a step or two after the first checkpoint of epoch 1.
+        hang = ["--hang-after-checkpoint", str(case.hang_after)]
+        job = start_job(out, socket, *script_args, *hang)
+        poll_until(
+            lambda: (
+                all((out / f"hung{r}").exists() for r in range(WORLD)) or job.poll() is not None
+            ),
+            "both ranks to train past the checkpoint",
+            scaled(120),
+        )
+        assert job.poll() is None, logs(out, cluster)
+        taken = [len(micro(records_of(out, r))) for r in range(WORLD)]
+        # prefetch 2: every step taken is reported at once; wait until the daemon has them all
+        poll_until(lambda: delivered(socket) == taken, "the daemon to have every Delivered")
+        kill_job(job, out)
+        run1 = {r: records_of(out, r) for r in range(WORLD)}
+        saved = [r for r in run1[0] if "saved" in r][-1]
+        assert (out / "acc" / "checkpoints" / f"checkpoint_{saved['saved']}").is_dir()
+
+        # (a) The ranks restart, the daemon kept running: refused by name, nothing trained.
+        job = start_job(out, socket, *script_args, "--resume")
+        assert job.wait(timeout=scaled(120)) != 0, logs(out, cluster)
+        text = logs(out, cluster)
+        assert "RankRefusedError: resuming from" in text and "odbd_client_rank" in text, text
+        assert "but this daemon already handed its previous trainer" in text, text
+        assert "--state-dir" in text, text
+        assert {r: micro(records_of(out, r)) for r in range(WORLD)} == {
+            r: micro(run1[r]) for r in range(WORLD)
+        }, "trained before the refusal"
+        kill_job(job, out)
+        run1 = {r: records_of(out, r) for r in range(WORLD)}  # with (a)'s "loaded" records
+
+        # (b) Everything restarts: the daemon from its --state-dir journal.
+        cluster.processes[0].send_signal(signal.SIGKILL)
+        cluster.processes[0].wait()
+        cluster.start_node(0)
+        job = start_job(out, socket, *script_args, "--resume")
+        assert job.wait(timeout=scaled(150)) == 0, logs(out, cluster)
+        assert cluster.wait(scaled(60)) == [0], logs(out, cluster)
+    finally:
+        if job is not None and job.poll() is None:
+            kill_job(job, out)
+        cluster.stop()
+    assert cluster.leftover_segments() == []  # the killed daemon's too
+    check_exact_resume(out, case, saved, run1)
+
+
+def check_exact_resume(out: Path, case: Case, saved: dict, run1: dict[int, list[dict]]) -> None:
+    checkpoint = saved["updates"]  # optimizer steps in the checkpoint
+    trained: dict[int, list[dict]] = {}  # odbd steps trained into the final model
+    for rank in range(WORLD):
+        records = records_of(out, rank)
+        resumed, done = records[len(run1[rank]) :], records[-1]
+        loaded = resumed[0]
+        # the checkpoint's weights, optimizer-step count and epoch came back
+        assert loaded["loaded"] == saved["saved"] and loaded["updates"] == checkpoint, loaded
+        assert loaded["weights"] == saved["weights"] and loaded["epoch"] == 1, (loaded, saved)
+        # the steps between the checkpoint and the crash are trained again: same odbd steps
+        lost = [(r["epoch"], r["step"]) for r in micro(run1[rank]) if r["update"] > checkpoint]
+        again = [(r["epoch"], r["step"]) for r in micro(resumed)[: len(lost)]]
+        assert again == lost and lost, (again, lost)
+        assert micro(resumed)[0]["update"] == checkpoint + 1, resumed[:2]
+        trained[rank] = [r for r in micro(run1[rank]) if r["update"] <= checkpoint]
+        trained[rank] += micro(resumed)
+        for epoch in range(EPOCHS):
+            steps = [r["step"] for r in trained[rank] if r["epoch"] == epoch]
+            assert steps == list(range(len(steps))), (rank, epoch, steps)
+        updates = sorted({r["update"] for r in trained[rank]})
+        assert updates == list(range(1, len(updates) + 1)) and done["updates"] == updates[-1]
+        # saves after the resume continue Accelerate's numbering (checkpoint_N+1, ...)
+        later = [r["saved"] for r in resumed if "saved" in r]
+        assert later == list(range(saved["saved"] + 1, saved["saved"] + 1 + len(later))), later
+    for epoch in range(EPOCHS):
+        ids = [i for rank in range(WORLD) for r in trained[rank] if r["epoch"] == epoch
+               for i in r["ids"]]  # fmt: skip
+        tail = WORLD * math.ceil(case.size / WORLD) - case.size
+        counts = Counter(ids)
+        assert set(counts) == set(range(case.size)), f"epoch {epoch}: samples never trained"
+        assert len(ids) == case.size + tail, f"epoch {epoch}: samples trained twice: {counts}"
+    # every checkpoint left by the rotation (total_limit=2) holds every rank's state
+    checkpoints = sorted((out / "acc" / "checkpoints").glob("checkpoint_*"))
+    assert 1 <= len(checkpoints) <= 2, checkpoints
+    for path in checkpoints:
+        for rank in range(WORLD):
+            state = json.loads((path / f"odbd_client_rank{rank}.json").read_text())
+            assert (state["rank"], state["world_size"]) == (rank, WORLD), state
