@@ -28,6 +28,8 @@ from tests.unit.test_client_logic import (  # noqa: E402, F401 (the fake daemon 
     daemon,
     epoch_end,
     job_end,
+    wait_until_cancelled,
+    with_update,
 )
 
 pytestmark = pytest.mark.timeout(120)
@@ -191,3 +193,31 @@ def test_load_state_after_the_loop_started_is_refused_before_anything_is_loaded(
             accelerator.load_state(str(tmp_path / "ckpt"))
         assert same(weights(model), before)
     assert len(daemon.hellos) == 1 and not daemon.hellos[0].resume
+
+
+@pytest.mark.timeout(60)
+def test_save_state_inside_an_odbd_update_is_refused_before_accelerate_writes_anything(
+    tmp_path: Path,
+    daemon: FakeDaemon,  # noqa: F811 (the fixture imported above)
+) -> None:
+    def script(hello: Any, context: Any) -> Any:
+        yield daemon.welcome()
+        for step in range(2):
+            yield with_update(daemon.step(0, step, [2]), 0, step, 2)
+        wait_until_cancelled(context)
+
+    daemon.script = script
+    with client_for(daemon) as client:
+        accelerator, _, odb = make_loop(tmp_path, seed=1, client=client)
+        steps = iter(odb)
+        assert not next(steps).batch.update_end
+        with pytest.raises(
+            StateDictError, match=r"save_state\(.*mid\): state_dict\(\) in the middle"
+        ):
+            accelerator.save_state(str(tmp_path / "mid"))
+        assert list((tmp_path / "mid").iterdir()) == []  # no model, optimizer or RNG file
+        assert next(steps).batch.update_end
+        accelerator.save_state(str(tmp_path / "end"))
+    saved = json.loads((tmp_path / "end" / "odbd_client_rank0.json").read_text())
+    assert saved["client"] == {"version": 1, "epoch": 0, "step": 2, "update": 1}
+    assert saved["job_id"] == "test"  # the daemon's, for the resume's job check
