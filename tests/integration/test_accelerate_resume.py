@@ -16,24 +16,30 @@ Then:
 
 from __future__ import annotations
 
-import contextlib
 import json
-import math
 import os
-import signal
 import subprocess
 import sys
-from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
-import grpc
 import pytest
 
 from odbd.demo.cluster import ClusterSpec, LocalCluster, free_ports
-from tests.integration.ddp_data import dataset_args
-from tests.integration.ddp_launch import DATASET, REPO
-from tests.integration.harness import admin_status, poll_until, read_jsonl, scaled
+from tests.integration.ddp_launch import REPO
+from tests.integration.harness import scaled
+from tests.integration.resume_job import (
+    WORLD,
+    assert_every_sample_once,
+    assert_refused_by_the_running_daemon,
+    assert_steps_follow_on,
+    crash_past_the_checkpoint,
+    daemon_args,
+    kill_job,
+    micro,
+    records_of,
+    restart_daemon,
+)
 
 pytest.importorskip("accelerate")
 pytest.importorskip("transformers")
@@ -41,7 +47,6 @@ pytest.importorskip("transformers")
 pytestmark = pytest.mark.timeout(300)
 
 ACCELERATE = str(Path(sys.executable).with_name("accelerate"))
-WORLD, EPOCHS = 2, 2
 SCRIPT = "tests.integration.accelerate_resume_train"
 
 
@@ -75,40 +80,6 @@ def start_job(out: Path, socket: str, *script_args: str) -> subprocess.Popen[byt
     return proc
 
 
-def kill_job(job: subprocess.Popen[bytes], out: Path) -> None:
-    """SIGKILL the launcher and its ranks (found by their command line naming `out`)."""
-    for pid in [job.pid, *processes_of(out)]:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-    job.wait()
-    poll_until(lambda: not processes_of(out), "the killed ranks to be gone", scaled(30))
-
-
-def processes_of(out: Path) -> list[int]:
-    found = []
-    for entry in Path("/proc").iterdir():
-        with contextlib.suppress(OSError):
-            cmdline = (entry / "cmdline").read_bytes()
-            if entry.name.isdigit() and SCRIPT.encode() in cmdline and bytes(out) in cmdline:
-                found.append(int(entry.name))
-    return [pid for pid in found if pid != os.getpid()]
-
-
-def records_of(out: Path, rank: int) -> list[dict]:
-    return read_jsonl(out / f"rank{rank}.jsonl")
-
-
-def micro(records: list[dict]) -> list[dict]:
-    return [r for r in records if r.get("micro")]
-
-
-def delivered(socket: str) -> list[int] | None:
-    try:
-        return [int(r.delivered_steps) for r in admin_status(socket).ranks]
-    except grpc.RpcError:
-        return None
-
-
 def logs(out: Path, cluster: LocalCluster) -> str:
     text = (out / "launch.log").read_text(errors="replace") if out.exists() else ""
     return f"--- accelerate launch\n{text[-6000:]}\n--- daemon\n{cluster.log(0)}"
@@ -119,59 +90,38 @@ def logs(out: Path, cluster: LocalCluster) -> str:
 def test_accelerate_load_state_resumes_exactly_after_a_crash(tmp_path: Path, case: Case) -> None:
     out = tmp_path / "job"
     out.mkdir()
-    daemon_args = ["--dataset", f"{DATASET}:make", *dataset_args(size=case.size, seed=3)]
-    daemon_args += ["--workers", "1", "--epochs", str(EPOCHS), "--token-budget", "256"]
-    daemon_args += ["--buffer", "8", "--shm-size", "32M", "--state-dir", str(tmp_path / "state")]
-    if case.accumulate > 1:
-        daemon_args += ["--accumulate", str(case.accumulate)]
+    state_dir = tmp_path / "state"
+    args = daemon_args(size=case.size, accumulate=case.accumulate, state_dir=state_dir)
     script_args = ["--save-every", str(case.save_every)]
-    cluster = LocalCluster(ClusterSpec(nodes=1, ranks_per_node=WORLD, daemon_args=daemon_args))
+    cluster = LocalCluster(ClusterSpec(nodes=1, ranks_per_node=WORLD, daemon_args=args))
     socket = cluster.sockets[0]
     job = None
     try:
         cluster.start()
         # Run 1: a crash a step or two after the first checkpoint of epoch 1.
-        hang = ["--hang-after-checkpoint", str(case.hang_after)]
-        job = start_job(out, socket, *script_args, *hang)
-        poll_until(
-            lambda: (
-                all((out / f"hung{r}").exists() for r in range(WORLD)) or job.poll() is not None
-            ),
-            "both ranks to train past the checkpoint",
-            scaled(120),
-        )
-        assert job.poll() is None, logs(out, cluster)
-        taken = [len(micro(records_of(out, r))) for r in range(WORLD)]
-        # prefetch 2: every step taken is reported at once; wait until the daemon has them all
-        poll_until(lambda: delivered(socket) == taken, "the daemon to have every Delivered")
-        kill_job(job, out)
-        run1 = {r: records_of(out, r) for r in range(WORLD)}
+        job = start_job(out, socket, *script_args, "--hang-after-checkpoint", str(case.hang_after))
+        run1 = crash_past_the_checkpoint(job, out, socket, SCRIPT, lambda: logs(out, cluster))
         saved = [r for r in run1[0] if "saved" in r][-1]
         assert (out / "acc" / "checkpoints" / f"checkpoint_{saved['saved']}").is_dir()
 
         # (a) The ranks restart, the daemon kept running: refused by name, nothing trained.
         job = start_job(out, socket, *script_args, "--resume")
         assert job.wait(timeout=scaled(120)) != 0, logs(out, cluster)
-        text = logs(out, cluster)
-        assert "RankRefusedError: resuming from" in text and "odbd_client_rank" in text, text
-        assert "but this daemon already handed its previous trainer" in text, text
-        assert "--state-dir" in text, text
+        assert_refused_by_the_running_daemon(logs(out, cluster))
         assert {r: micro(records_of(out, r)) for r in range(WORLD)} == {
             r: micro(run1[r]) for r in range(WORLD)
         }, "trained before the refusal"
-        kill_job(job, out)
+        kill_job(job, out, SCRIPT)
         run1 = {r: records_of(out, r) for r in range(WORLD)}  # with (a)'s "loaded" records
 
         # (b) Everything restarts: the daemon from its --state-dir journal.
-        cluster.processes[0].send_signal(signal.SIGKILL)
-        cluster.processes[0].wait()
-        cluster.start_node(0)
+        restart_daemon(cluster)
         job = start_job(out, socket, *script_args, "--resume")
         assert job.wait(timeout=scaled(150)) == 0, logs(out, cluster)
         assert cluster.wait(scaled(60)) == [0], logs(out, cluster)
     finally:
         if job is not None and job.poll() is None:
-            kill_job(job, out)
+            kill_job(job, out, SCRIPT)
         cluster.stop()
     assert cluster.leftover_segments() == []  # the killed daemon's too
     check_exact_resume(out, case, saved, run1)
@@ -194,21 +144,13 @@ def check_exact_resume(out: Path, case: Case, saved: dict, run1: dict[int, list[
         assert micro(resumed)[0]["update"] == checkpoint + 1, resumed[:2]
         trained[rank] = [r for r in micro(run1[rank]) if r["update"] <= checkpoint]
         trained[rank] += micro(resumed)
-        for epoch in range(EPOCHS):
-            steps = [r["step"] for r in trained[rank] if r["epoch"] == epoch]
-            assert steps == list(range(len(steps))), (rank, epoch, steps)
+        assert_steps_follow_on(rank, trained[rank])
         updates = sorted({r["update"] for r in trained[rank]})
         assert updates == list(range(1, len(updates) + 1)) and done["updates"] == updates[-1]
         # saves after the resume continue Accelerate's numbering (checkpoint_N+1, ...)
         later = [r["saved"] for r in resumed if "saved" in r]
         assert later == list(range(saved["saved"] + 1, saved["saved"] + 1 + len(later))), later
-    for epoch in range(EPOCHS):
-        ids = [i for rank in range(WORLD) for r in trained[rank] if r["epoch"] == epoch
-               for i in r["ids"]]  # fmt: skip
-        tail = WORLD * math.ceil(case.size / WORLD) - case.size
-        counts = Counter(ids)
-        assert set(counts) == set(range(case.size)), f"epoch {epoch}: samples never trained"
-        assert len(ids) == case.size + tail, f"epoch {epoch}: samples trained twice: {counts}"
+    assert_every_sample_once(trained, case.size)
     # every checkpoint left by the rotation (total_limit=2) holds every rank's state
     checkpoints = sorted((out / "acc" / "checkpoints").glob("checkpoint_*"))
     assert 1 <= len(checkpoints) <= 2, checkpoints

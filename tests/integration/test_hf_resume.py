@@ -18,30 +18,38 @@ checkpoint of epoch 1, and every process of the job is SIGKILLed. Then:
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import os
-import signal
 import subprocess
 import sys
-from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
-import grpc
 import pytest
 
 from odbd.demo.cluster import ClusterSpec, LocalCluster, free_ports
-from tests.integration.ddp_data import dataset_args
-from tests.integration.ddp_launch import DATASET, REPO
-from tests.integration.harness import admin_status, poll_until, read_jsonl, scaled
+from tests.integration.ddp_launch import REPO
+from tests.integration.harness import scaled
+from tests.integration.resume_job import (
+    WORLD,
+    assert_every_sample_once,
+    assert_refused_by_the_running_daemon,
+    assert_steps_follow_on,
+    crash_past_the_checkpoint,
+    daemon_args,
+    kill_job,
+    micro,
+    records_of,
+    restart_daemon,
+)
 
 pytest.importorskip("transformers")
 
 pytestmark = pytest.mark.timeout(300)
 
-WORLD, EPOCHS, LR = 2, 2, 1e-3
+LR = 1e-3
+SCRIPT = "tests.integration.hf_resume_train"
 
 
 @dataclass(frozen=True)
@@ -66,7 +74,7 @@ def start_torchrun(out: Path, socket: str, *trainer_args: str) -> subprocess.Pop
     # A new torchrun per run: its store is new, so no rank reads a predecessor's gloo address.
     cmd = [str(torchrun), "--nnodes", "1", "--master-addr", "127.0.0.1"]
     cmd += ["--master-port", str(free_ports(1)[0]), "--nproc-per-node", str(WORLD)]
-    cmd += ["-m", "tests.integration.hf_resume_train", "--out-dir", str(out), *trainer_args]
+    cmd += ["-m", SCRIPT, "--out-dir", str(out), *trainer_args]
     env = {**os.environ, "PYTHONPATH": str(REPO), "ODBD_SOCKET": socket, "OMP_NUM_THREADS": "1",
            "HF_HUB_OFFLINE": "1"}  # fmt: skip
     log = open(out / "torchrun.log", "ab")  # noqa: SIM115 (closed right after the spawn)
@@ -75,45 +83,8 @@ def start_torchrun(out: Path, socket: str, *trainer_args: str) -> subprocess.Pop
     return proc
 
 
-def kill_job(torchrun: subprocess.Popen[bytes], out: Path) -> None:
-    """SIGKILL torchrun and its ranks (each runs in a session of its own, so a signal to
-    torchrun's process group would miss them): found by their command line naming `out`."""
-    for pid in [torchrun.pid, *ranks_of(out)]:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-    torchrun.wait()
-    poll_until(lambda: not ranks_of(out), "the killed ranks to be gone", scaled(30))
-
-
-def ranks_of(out: Path) -> list[int]:
-    found = []
-    for entry in Path("/proc").iterdir():
-        with contextlib.suppress(OSError):
-            cmdline = (entry / "cmdline").read_bytes()
-            if entry.name.isdigit() and b"hf_resume_train" in cmdline and bytes(out) in cmdline:
-                found.append(int(entry.name))
-    return [pid for pid in found if pid != os.getpid()]
-
-
-def records_of(out: Path, rank: int) -> list[dict]:
-    path = out / f"rank{rank}.jsonl"
-    return read_jsonl(path) if path.exists() else []
-
-
-def micro(records: list[dict]) -> list[dict]:
-    """The odbd steps (micro-steps) taken, in order."""
-    return [r for r in records if r.get("micro")]
-
-
 def optimizer_steps(records: list[dict]) -> list[dict]:
     return [r for r in records if "global_step" in r and "done" not in r]
-
-
-def delivered(socket: str) -> list[int] | None:
-    try:
-        return [int(r.delivered_steps) for r in admin_status(socket).ranks]
-    except grpc.RpcError:
-        return None
 
 
 def logs(out: Path, cluster: LocalCluster) -> str:
@@ -127,13 +98,10 @@ def test_hf_trainer_resumes_from_its_checkpoint_exactly_after_a_crash(
 ) -> None:
     out = tmp_path / "job"
     out.mkdir()
-    daemon_args = ["--dataset", f"{DATASET}:make", *dataset_args(size=case.size, seed=3)]
-    daemon_args += ["--workers", "1", "--epochs", str(EPOCHS), "--token-budget", "256"]
-    daemon_args += ["--buffer", "8", "--shm-size", "32M", "--state-dir", str(tmp_path / "state")]
-    if case.accumulate > 1:
-        daemon_args += ["--accumulate", str(case.accumulate)]
+    state_dir = tmp_path / "state"
+    args = daemon_args(size=case.size, accumulate=case.accumulate, state_dir=state_dir)
     trainer_args = ["--grad-accum", str(case.accumulate), "--save-steps", str(case.save_steps)]
-    cluster = LocalCluster(ClusterSpec(nodes=1, ranks_per_node=WORLD, daemon_args=daemon_args))
+    cluster = LocalCluster(ClusterSpec(nodes=1, ranks_per_node=WORLD, daemon_args=args))
     socket = cluster.sockets[0]
     job = None
     try:
@@ -141,19 +109,7 @@ def test_hf_trainer_resumes_from_its_checkpoint_exactly_after_a_crash(
         # Run 1: a crash a step or two after the first checkpoint of epoch 1.
         hang = ["--hang-after-checkpoint", str(case.hang_after)]
         job = start_torchrun(out, socket, *trainer_args, *hang)
-        poll_until(
-            lambda: (
-                all((out / f"hung{r}").exists() for r in range(WORLD)) or job.poll() is not None
-            ),
-            "both ranks to train past the checkpoint",
-            scaled(120),
-        )
-        assert job.poll() is None, logs(out, cluster)
-        taken = [len(micro(records_of(out, r))) for r in range(WORLD)]
-        # prefetch 2: every step taken is reported at once; wait until the daemon has them all
-        poll_until(lambda: delivered(socket) == taken, "the daemon to have every Delivered")
-        kill_job(job, out)
-        run1 = {r: records_of(out, r) for r in range(WORLD)}
+        run1 = crash_past_the_checkpoint(job, out, socket, SCRIPT, lambda: logs(out, cluster))
         checkpoint = optimizer_steps(run1[0])[-1]["global_step"] - case.hang_after
         assert (out / "hf" / f"checkpoint-{checkpoint}").is_dir(), logs(out, cluster)
 
@@ -166,23 +122,18 @@ def test_hf_trainer_resumes_from_its_checkpoint_exactly_after_a_crash(
             return check_exact_resume(out, case, checkpoint, run1, cluster.spec.job_id)
         # (a) Trainers restart, the daemon kept running: refused by name, nothing trained.
         assert job.wait(timeout=scaled(120)) != 0, logs(out, cluster)
-        text = logs(out, cluster)
-        assert "RankRefusedError: resuming from" in text and "odbd_client_rank" in text, text
-        assert "but this daemon already handed its previous trainer" in text, text
-        assert "--state-dir" in text, text
+        assert_refused_by_the_running_daemon(logs(out, cluster))
         assert {r: records_of(out, r) for r in range(WORLD)} == run1, "trained before the error"
-        kill_job(job, out)
+        kill_job(job, out, SCRIPT)
 
         # (b) Everything restarts: the daemon from its --state-dir journal.
-        cluster.processes[0].send_signal(signal.SIGKILL)
-        cluster.processes[0].wait()
-        cluster.start_node(0)
+        restart_daemon(cluster)
         job = start_torchrun(out, socket, *trainer_args, "--resume")
         assert job.wait(timeout=scaled(150)) == 0, logs(out, cluster)
         assert cluster.wait(scaled(60)) == [0], logs(out, cluster)
     finally:
         if job is not None and job.poll() is None:
-            kill_job(job, out)
+            kill_job(job, out, SCRIPT)
         cluster.stop()
     assert cluster.leftover_segments() == []  # the killed daemon's too
     check_exact_resume(out, case, checkpoint, run1, cluster.spec.job_id)
@@ -193,7 +144,7 @@ def check_exact_resume(
 ) -> None:
     trained: dict[int, list[dict]] = {}  # odbd steps trained into the final model
     for rank in range(WORLD):
-        records = read_jsonl(out / f"rank{rank}.jsonl")
+        records = records_of(out, rank)
         resumed, done = records[len(run1[rank]) :], records[-1]
         # the steps between the checkpoint and the crash are trained again: same odbd steps
         lost = [(r["epoch"], r["step"]) for r in micro(run1[rank]) if r["update"] > checkpoint]
@@ -202,9 +153,7 @@ def check_exact_resume(
         assert micro(resumed)[0]["update"] == checkpoint + 1, resumed[0]
         trained[rank] = [r for r in micro(run1[rank]) if r["update"] <= checkpoint]
         trained[rank] += micro(resumed)
-        for epoch in range(EPOCHS):
-            steps = [r["step"] for r in trained[rank] if r["epoch"] == epoch]
-            assert steps == list(range(len(steps))), (rank, epoch, steps)
+        assert_steps_follow_on(rank, trained[rank])
         updates = [r for r in optimizer_steps(run1[rank]) if r["global_step"] <= checkpoint]
         updates += optimizer_steps(resumed)
         gsteps = [r["global_step"] for r in updates]
@@ -218,13 +167,7 @@ def check_exact_resume(
         # ends on the job's last step; the progress bar's total is the steps trained
         assert updates[-1]["fraction"] == 1.0
         assert done["done"] and done["global_step"] == gsteps[-1] == done["max_steps"], done
-    for epoch in range(EPOCHS):
-        ids = [i for rank in range(WORLD) for r in trained[rank] if r["epoch"] == epoch
-               for i in r["ids"]]  # fmt: skip
-        tail = WORLD * math.ceil(case.size / WORLD) - case.size
-        counts = Counter(ids)
-        assert set(counts) == set(range(case.size)), f"epoch {epoch}: samples never trained"
-        assert len(ids) == case.size + tail, f"epoch {epoch}: samples trained twice: {counts}"
+    assert_every_sample_once(trained, case.size)
     # every checkpoint left by the rotation (save_total_limit=2) holds every rank's state
     checkpoints = sorted((out / "hf").glob("checkpoint-*"))
     assert 1 <= len(checkpoints) <= 2, checkpoints

@@ -66,10 +66,9 @@ from accelerate import Accelerator
 
 from odbclient.adapters.hf_checkpoint import (
     ACCELERATE,
-    CheckpointStateError,
     ClientCheckpoint,
     client_state_path,
-    read_client_state,
+    load_client_state,
     write_client_state,
 )
 from odbclient.batch import Batch
@@ -173,17 +172,13 @@ class ODBAccelerate:
                 "accelerator.load_state() before the first `for step in odb` (restart the "
                 "process to resume from it)"
             )
-        state = read_client_state(
-            input_dir, rank=rank, world_size=self.accelerator.num_processes, writer=ACCELERATE
+        state = load_client_state(
+            self.client,
+            input_dir,
+            rank=rank,
+            world_size=self.accelerator.num_processes,
+            writer=ACCELERATE,
         )
-        if state.job_id:
-            try:
-                self.client.expect_job(state.job_id)  # a daemon of another job refuses it
-            except ValueError as error:
-                raise CheckpointStateError(
-                    f"{path} was saved by odbd job {state.job_id!r}: {error}. Nothing was loaded"
-                ) from None
-        self.client.load_state_dict(state.client)
         self.resumed_from = path
         project = self.accelerator.project_configuration
         if project.automatic_checkpoint_naming:

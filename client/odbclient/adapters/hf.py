@@ -53,10 +53,9 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoin
 
 from odbclient.adapters.batches import LOSS_SCALE_KEY, ODBBatches
 from odbclient.adapters.hf_checkpoint import (
-    CheckpointStateError,
     ClientCheckpoint,
     client_state_path,
-    read_client_state,
+    load_client_state,
     write_client_state,
 )
 from odbclient.adapters.schedule import Schedule, lr_factor
@@ -147,19 +146,11 @@ class ODBTrainer(Trainer):
         anything: the client then continues at the step after the checkpoint, so the Trainer
         must not skip batches (`_init_training_state`)."""
         rank = self.args.process_index
-        state = read_client_state(checkpoint, rank=rank, world_size=self.args.world_size)
-        client = self.odb_batches.client
-        path = client_state_path(checkpoint, rank)
-        if state.job_id:
-            try:
-                client.expect_job(state.job_id)  # a daemon of another job refuses at connect
-            except ValueError as error:
-                raise CheckpointStateError(
-                    f"{path} was saved by odbd job {state.job_id!r}: {error}. Nothing was trained"
-                ) from None
-        client.load_state_dict(state.client)
+        state = load_client_state(
+            self.odb_batches.client, checkpoint, rank=rank, world_size=self.args.world_size
+        )
         self.odb_resume_epoch = int(state.client["epoch"])
-        return path
+        return client_state_path(checkpoint, rank)
 
     def _init_training_state(
         self,

@@ -17,7 +17,10 @@ import json
 import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from odbclient.client import ODBClient
 
 FORMAT = "odbd-client-state"
 VERSION = 1
@@ -107,6 +110,29 @@ def read_client_state(
             f"{state.world_size} ranks ({writer.launch.format(world=state.world_size)}) with "
             f"daemons started with --world {state.world_size}, or start this job afresh"
         )
+    return state
+
+
+def load_client_state(
+    client: ODBClient,
+    checkpoint_dir: str | os.PathLike[str],
+    *,
+    rank: int,
+    world_size: int,
+    writer: Writer = HF_TRAINER,
+) -> ClientCheckpoint:
+    """Reads and checks this rank's state, then has `client` resume there: it asks the daemon
+    for the checkpoint's job when it connects (a daemon of another job refuses it)."""
+    state = read_client_state(checkpoint_dir, rank=rank, world_size=world_size, writer=writer)
+    if state.job_id:
+        try:
+            client.expect_job(state.job_id)
+        except ValueError as error:
+            raise CheckpointStateError(
+                f"{client_state_path(checkpoint_dir, rank)} was saved by odbd job "
+                f"{state.job_id!r}: {error}. Nothing was trained or loaded"
+            ) from None
+    client.load_state_dict(state.client)
     return state
 
 
