@@ -18,9 +18,10 @@ the next round's arrivals), if the samples kept back are the ones that pad:
 Groups are still the greedy full groups (each takes as many of the next samples as the budget
 admits), so the budget holds; a round still runs T x G full groups, so an epoch still takes
 O(N / W + D) rounds; nothing waits once a unit is dry (the epoch's last rounds flush everything).
-The programme makes T x G passes over the buffer, which is why only rounds of few groups use it
-(MAX_SELECT_GROUPS): those are the rounds of many short samples per group, where a straddle costs
-the most. Measured in docs/bench/planner.md, fifth pass.
+The programme makes T x G passes over a band of the buffer about as wide as the samples
+skipped, which is why only rounds of few groups use it (MAX_SELECT_GROUPS): those are the
+rounds of many short samples per group, where a straddle costs the most. Measured in
+docs/bench/planner.md, fifth pass.
 """
 
 from __future__ import annotations
@@ -57,9 +58,11 @@ def fullest_groups(
     the greedy full group from its first sample, with the most real tokens (plus `bonus`, per
     sample, for samples that should not wait again); None if fewer than that many fit.
 
-    best[k][i] = the most from k groups among samples i.., so best[k][i] = max over j >= i of
-    gain[j] + best[k - 1][end[j]]: one reversed running maximum per k. The first start that
-    reaches it is taken (ties: longer samples first).
+    A group from sample s ends at end(s) = min(s + floor(L / l_s), n), non-decreasing in s, so
+    the k-th group of any choice starts no earlier than the k-th greedy group from the front
+    (`first`) and no later than leaves room for the rest (`last`): the programme only visits
+    that band, ~ the skipped samples wide. best_k(s) = gain(s) + the most of k - 1 groups
+    ending by s (a prefix maximum over the previous band).
     """
     n = int(lengths.shape[0])
     if num_groups < 1 or n == 0:
@@ -68,18 +71,46 @@ def fullest_groups(
     value = lengths.astype(np.float64) if bonus is None else lengths + bonus
     csum = np.concatenate([[0.0], np.cumsum(value)])
     gain = csum[ends] - csum[:-1]
-    best = [np.zeros(n + 1)]
-    for _ in range(num_groups):
-        reachable = np.empty(n + 1)
-        reachable[n] = -np.inf
-        reachable[:n] = np.maximum.accumulate((gain + best[-1][ends])[::-1])[::-1]
-        best.append(reachable)
-    if not np.isfinite(best[-1][0]):
+    bands = _bands(ends, num_groups)
+    if bands is None:
+        return None
+    first, last = bands
+    best = gain[first[0] : last[0] + 1]
+    back: list[IntArray] = []  # per k >= 1: for each start in band k, its predecessor's start
+    for k in range(1, num_groups):
+        prefix = np.maximum.accumulate(best)
+        rises = np.concatenate([[True], best[1:] > prefix[:-1]])  # ties: the earlier start
+        leader = np.maximum.accumulate(np.where(rises, np.arange(len(best)), 0))
+        before = np.searchsorted(
+            ends[first[k - 1] : last[k - 1] + 1], np.arange(first[k], last[k] + 1), "right"
+        )
+        reach = np.maximum(before - 1, 0)
+        best = np.where(before > 0, gain[first[k] : last[k] + 1] + prefix[reach], -np.inf)
+        back.append(leader[reach] + first[k - 1])
+    if not np.isfinite(best.max()):
         return None
     starts = np.empty(num_groups, dtype=np.int64)
-    i = 0
-    for k in range(num_groups, 0, -1):
-        j = i + int(np.argmax(gain[i:] + best[k - 1][ends[i:]]))
-        starts[num_groups - k] = j
-        i = int(ends[j])
+    starts[-1] = int(np.argmax(best)) + first[-1]
+    for k in range(num_groups - 1, 0, -1):
+        starts[k - 1] = back[k - 1][starts[k] - first[k]]
     return starts, ends[starts].astype(np.int64)
+
+
+def _bands(ends: IntArray, num_groups: int) -> tuple[list[int], list[int]] | None:
+    """Per k, the first and last sample the k-th of `num_groups` groups can start at."""
+    n = int(ends.shape[0])
+    first: list[int] = []
+    s = 0
+    for _ in range(num_groups):
+        if s >= n:
+            return None
+        first.append(s)
+        s = int(ends[s])
+    last = [0] * num_groups
+    limit = n - 1
+    for k in range(num_groups - 1, -1, -1):
+        last[k] = limit
+        limit = int(np.searchsorted(ends, limit, side="right")) - 1  # its end <= the next start
+    if any(lo > hi for lo, hi in zip(first, last, strict=True)):
+        return None
+    return first, last
