@@ -1,7 +1,8 @@
 """Phase 1 of a round (summary.py lists the phases): what every daemon decides from summaries.
 
 Input: one UnitSummary per unit (~40 bytes, 8 KiB with company.py's profile); output: the
-round's step count T, the shared step order, and company.py's cap profile. Cost O(units +
+round's step count T, the shared step order, company.py's cap profile, and whether the round
+selects its fullest groups (selection.py: T lowered by its reserve). Cost O(units +
 min(units, CAP_SAMPLE_UNITS) x PROFILE_DEPTH), no sample is looked at, and every daemon
 computes the same RoundDecision from the same summaries.
 """
