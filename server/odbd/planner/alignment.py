@@ -83,7 +83,7 @@ def fit_groups(groups: Groups, num_slots: int, keep_priority: np.ndarray) -> Fit
     count = len(groups)
     if count >= num_slots:
         keep = np.sort(np.argsort(-keep_priority, kind="stable")[:num_slots])
-        leftover = _rows_of(groups, _others(count, keep))
+        leftover = rows_of(groups, _others(count, keep))
         return FittedGroups(groups.order, groups.starts[keep], groups.ends[keep], leftover, 0)
     starts, ends, num_splits = _split_to(groups, num_slots)
     return FittedGroups(groups.order, starts, ends, np.zeros(0, dtype=np.int64), num_splits)
@@ -101,7 +101,7 @@ def fit_groups_paper(groups: Groups, num_slots: int) -> FittedGroups:
     count = len(groups)
     if count >= num_slots:
         keep = np.sort(np.argsort(-groups.sizes(), kind="stable")[:num_slots])
-        leftover = _rows_of(groups, _others(count, keep))
+        leftover = rows_of(groups, _others(count, keep))
         return FittedGroups(groups.order, groups.starts[keep], groups.ends[keep], leftover, 0)
     starts = groups.starts.tolist()
     ends = groups.ends.tolist()
@@ -153,7 +153,7 @@ def _others(count: int, keep: IntArray) -> IntArray:
     return np.flatnonzero(mask)
 
 
-def _rows_of(groups: Groups, which: IntArray) -> IntArray:
+def rows_of(groups: Groups, which: IntArray) -> IntArray:
     """Table rows of the given groups, concatenated."""
     if which.size == 0:
         return np.zeros(0, dtype=np.int64)

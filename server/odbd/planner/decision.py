@@ -1,7 +1,8 @@
 """Phase 1 of a round (summary.py lists the phases): what every daemon decides from summaries.
 
 Input: one UnitSummary per unit (~40 bytes, 8 KiB with company.py's profile); output: the
-round's step count T, the shared step order, and company.py's cap profile. Cost O(units +
+round's step count T, the shared step order, company.py's cap profile, and whether the round
+selects its fullest groups (selection.py: T lowered by its reserve). Cost O(units +
 min(units, CAP_SAMPLE_UNITS) x PROFILE_DEPTH), no sample is looked at, and every daemon
 computes the same RoundDecision from the same summaries.
 """
@@ -13,8 +14,8 @@ from collections.abc import Sequence
 import numpy as np
 
 from odbd.errors import InvariantError
-from odbd.planner import alignment, assignment, company, windows
-from odbd.planner.config import Grouping, PlannerConfig
+from odbd.planner import alignment, assignment, company, selection, windows
+from odbd.planner.config import Collate, Grouping, PlannerConfig
 from odbd.planner.types import FloatArray, IntArray, RoundDecision, UnitSummary
 
 
@@ -25,11 +26,26 @@ def decide_round(
     _check_summaries(summaries, config)
     all_dry = all(s.dry for s in summaries)
     cap, held = _cap_and_holds(summaries, config)
-    num_steps = windows.round_step_count(
-        _target_steps(summaries, config, held), config.accumulate, all_dry
-    )
+    target = _target_steps(summaries, config, held)
+    reserve = _reserve_steps(summaries, config, target)
+    num_steps = windows.round_step_count(target - reserve, config.accumulate, all_dry)
     order = assignment.step_order(num_steps, config.seed, round_index)
-    return RoundDecision(round_index, num_steps, order, all_dry, cap)
+    return RoundDecision(round_index, num_steps, order, all_dry, cap, reserve > 0)
+
+
+def _reserve_steps(summaries: Sequence[UnitSummary], config: PlannerConfig, target: int) -> int:
+    """selection.py: steps a round of few padded min-time groups gives up while every unit
+    fills and no sample is over the budget (0: the round runs its greedy groups as cut)."""
+    if (
+        config.grouping is Grouping.PAPER
+        or config.collate is Collate.PACKED
+        or config.max_patches > 0
+        or any(s.dry for s in summaries)
+        or any(s.max_length > config.token_budget for s in summaries)
+    ):
+        return 0
+    per_group = min(s.num_samples / max(s.num_groups, 1) for s in summaries)
+    return selection.reserve_steps(target, config.ranks_per_unit, per_group)
 
 
 def _cap_and_holds(

@@ -14,8 +14,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from odbd.planner import alignment, assignment, company
+from odbd.planner import alignment, assignment, company, selection
 from odbd.planner.config import Grouping, LossScaling, PlannerConfig
+from odbd.planner.grouping import sort_longest_first
 from odbd.planner.loss_scaling import step_weights
 from odbd.planner.summary import GroupedUnit, SortedBuffer, range_max
 from odbd.planner.types import (
@@ -50,8 +51,8 @@ def plan_node(
     plans: list[UnitPlan] = []
     parts: list[dict[str, np.ndarray]] = []
     for unit in units:
-        fitted = _fit(unit, num_steps * g, config, decision)
-        slot_stats = unit.buffer.range_stats(fitted.starts, fitted.ends)
+        fitted, buffer = _fit(unit, num_steps * g, config, decision)
+        slot_stats = buffer.range_stats(fitted.starts, fitted.ends)
         if config.grouping is Grouping.PAPER:
             group_of_slot = assignment.slots_in_order(len(fitted.starts))
         else:
@@ -94,17 +95,48 @@ def _step_totals(
 
 def _fit(
     unit: GroupedUnit, num_slots: int, config: PlannerConfig, decision: RoundDecision
-) -> alignment.FittedGroups:
+) -> tuple[alignment.FittedGroups, SortedBuffer]:
+    """The unit's T x G slots, and its buffer in the order their ranges index."""
     if config.grouping is Grouping.PAPER:
-        return alignment.fit_groups_paper(unit.groups, num_slots)
+        return alignment.fit_groups_paper(unit.groups, num_slots), unit.buffer
     priority = _keep_priority(unit.groups, unit.buffer, config)
+    hold = np.zeros(len(unit.groups), dtype=bool)
     if decision.reference is not None:
         hold = company.unit_holds(unit.work, unit.ages, decision.reference, len(unit.profile))
         if hold.any():  # below every keep priority (those are >= 0): recirculated first, and
             # the costliest last should the unit lack room for T steps without them
             rank = unit.work / max(float(unit.work.max()), 1e-300)
             priority = np.where(hold, -1.0 - rank, priority)
-    return alignment.fit_groups(unit.groups, num_slots, priority)
+    if decision.select_fullest and len(unit.groups) > num_slots:
+        fullest = _fullest(unit, num_slots, hold, config)
+        if fullest is not None:
+            return fullest
+    return alignment.fit_groups(unit.groups, num_slots, priority), unit.buffer
+
+
+def _fullest(
+    unit: GroupedUnit, num_slots: int, hold: np.ndarray, config: PlannerConfig
+) -> tuple[alignment.FittedGroups, SortedBuffer] | None:
+    """selection.py: the unit's fullest `num_slots` greedy groups over the exact sort of what
+    company.py does not hold; the rest recirculate. None if they do not fit (then the cut runs)."""
+    samples = unit.offer.samples
+    order = sort_longest_first(samples)
+    if hold.any():
+        waiting = np.zeros(len(samples), dtype=bool)
+        waiting[alignment.rows_of(unit.groups, np.flatnonzero(hold))] = True
+        order = order[~waiting[order]]
+    lengths = samples.lengths[order]
+    # A sample recirculated MAX_HOLD_ROUNDS times outweighs any padding saved: it runs if it can.
+    old = samples.ages[order] >= company.MAX_HOLD_ROUNDS
+    bonus = np.where(old, float(config.token_budget), 0.0) if old.any() else None
+    chosen = selection.fullest_groups(lengths, config.token_budget, num_slots, bonus)
+    if chosen is None:
+        return None
+    starts, ends = chosen
+    run = np.zeros(len(samples), dtype=bool)
+    run[order[alignment.concat_ranges(starts, ends)]] = True
+    fitted = alignment.FittedGroups(order, starts, ends, np.flatnonzero(~run), 0)
+    return fitted, SortedBuffer.of(samples, order, packed=False)
 
 
 def _keep_priority(groups: Groups, buffer: SortedBuffer, config: PlannerConfig) -> FloatArray:

@@ -241,3 +241,5 @@ class RoundDecision:
     all_dry: bool  # every unit is dry: the epoch flushes
     # (<= company.PROFILE_DEPTH,) company.py's cap profile, None when no group waits this round
     reference: FloatArray | None
+    # selection.py: units with surplus run their fullest T x G groups (a round of few groups)
+    select_fullest: bool = False
