@@ -148,3 +148,17 @@ def test_a_buffer_larger_than_the_lanes_is_planned_from_what_they_hold():
     assert_join_coverage(result, size, 1)
     log = result.cluster.log(0)
     assert log.count("filled up") == 1 and "raise --shm-size or lower --buffer" in log, log
+
+
+def test_rounds_of_few_groups_of_many_short_samples_select_and_cover_every_identity():
+    # all-short lengths (32-64 tokens) under a 4,096-token budget: ~85 samples per group and
+    # a few groups per unit per round, so rounds give up 2 steps and run their fullest groups
+    # (planner/selection.py; `odbd simulate --dist all-short --world 4 --nproc-per-node 2
+    # --num-samples 3001 --token-budget 4096 --buffer 256` selects in 14 unit-rounds of an
+    # epoch); the samples kept back must still run exactly once, on equal steps per rank.
+    size = 3001
+    args = [*synthetic_args(size, dist="all-short"), "--buffer", "256", "--token-budget", "4096"]
+    result = run_cluster(nodes=2, ranks_per_node=2, epochs=2, daemon_args=args)
+    assert_ok(result)
+    assert_aligned(result, 2)
+    assert_join_coverage(result, size, 2)
