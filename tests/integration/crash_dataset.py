@@ -2,13 +2,15 @@
 
 `crashing(size, crash_at="5;17", how="exit")`: `__getitem__` of those indices ("*": all) kills the
 process: `exit` calls sys.exit(3), `abort` os.abort() (SIGABRT, as a failed C assertion),
-`segv` dereferences NULL through ctypes (SIGSEGV, as a crash in a C extension). Every other
+`segv` dereferences NULL through ctypes (SIGSEGV, as a crash in a C extension), `hang` never
+returns (a deadlocked tokenizer, a read from a dead mount). Every other
 index is a good 12-token sample. `tuples(size)`: every sample is a tuple, never a dict.
 """
 
 import ctypes
 import os
 import sys
+import threading
 
 import numpy as np
 
@@ -28,6 +30,8 @@ class Crashing:
                 sys.exit(3)
             if self.how == "abort":
                 os.abort()
+            if self.how == "hang":
+                threading.Event().wait()  # forever: only a signal ends this process
             ctypes.string_at(0)  # SIGSEGV
         ids = np.arange(GOOD_LENGTH, dtype=np.int64) + index
         return {"input_ids": ids, "labels": ids}

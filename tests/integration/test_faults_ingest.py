@@ -96,6 +96,26 @@ def test_a_sample_that_kills_its_producer_is_quarantined_and_the_epoch_completes
         assert log.count("restarting it") == 2, log[-3000:]  # one death each, then quarantine
 
 
+def test_a_sample_that_hangs_its_producer_forever_is_quarantined_and_the_epoch_completes():
+    """dataset[77] never returns. Before: its lease expired and went to the other worker, which
+    hung too; the job then waited forever, saying 2 producers were making samples. Now a worker
+    inside one sample for --lease-timeout is killed (a death with that sample in flight)."""
+    size, bad = 160, 77
+    args = [*_dataset("crashing", size, workers=2, crash_at=bad, how="hang"), "--buffer", "8"]
+    args += ["--lease-timeout", "3"]
+    with FaultCluster(nodes=1, ranks_per_node=2, daemon_args=args) as fc:
+        fc.start_trainers()
+        daemon_codes, trainer_codes = fc.wait_done(60)
+        fc.assert_clean_exit(daemon_codes, trainer_codes)
+        fc.assert_aligned()
+        _assert_quarantined(fc, size, {bad})
+        log = fc.log(0)
+        hung = f"inside dataset[i] for sample {bad} (view"
+        assert log.count(hung) == 2 and "it is hung there, so it was killed" in log, log[-3000:]
+        assert "raise --lease-timeout" in log, log[-3000:]
+        assert "exited with status -9; restarting it" in log, log[-3000:]
+
+
 def test_first_and_last_samples_crash_under_one_worker_and_both_are_quarantined():
     """Neighbours: the very first sample a fresh producer makes (--no-shuffle: identity 0),
     the epoch's last one, two crashing ids, and one worker (no other producer to take over)."""

@@ -156,6 +156,8 @@ class Daemon:
             on_rejected=self._on_rejected,
             stats=self.stats,
             on_error=self._on_ingest_error,
+            kill_worker=lambda name: self.supervisor.kill_hung(name) if self.supervisor else None,
+            is_worker=lambda name: self.supervisor is not None and self.supervisor.supervises(name),
         )
         trainer = TrainerService(
             job_id=config.job_id,
