@@ -5,10 +5,14 @@ process: `exit` calls sys.exit(3), `abort` os.abort() (SIGABRT, as a failed C as
 `segv` dereferences NULL through ctypes (SIGSEGV, as a crash in a C extension), `hang` never
 returns (a deadlocked tokenizer, a read from a dead mount). Every other
 index is a good 12-token sample. `tuples(size)`: every sample is a tuple, never a dict.
+`leaking(size, leak_mib, limit_mib)`: every sample leaks `leak_mib` under an address-space limit
+of `limit_mib` over the producer's size at its first sample (as `ulimit -v` would), so each
+producer process runs out of memory after about limit / leak samples.
 """
 
 import ctypes
 import os
+import resource
 import sys
 import threading
 
@@ -58,3 +62,26 @@ class Tuples:
 
 def tuples(size: int = 40) -> Tuples:
     return Tuples(size)
+
+
+_LEAKED: list[bytearray] = []
+
+
+class Leaking(Crashing):
+    def __init__(self, size: int, leak_mib: int, limit_mib: int) -> None:
+        super().__init__(size, frozenset(), "")
+        self.leak_mib, self.limit_mib, self.limited = leak_mib, limit_mib, False
+
+    def __getitem__(self, index: int) -> dict:
+        if not self.limited:  # in the producer only: the daemon calls len(), never [i]
+            with open("/proc/self/status") as f:
+                vm_kib = next(int(line.split()[1]) for line in f if line.startswith("VmSize:"))
+            limit = vm_kib * 1024 + self.limit_mib * 2**20
+            resource.setrlimit(resource.RLIMIT_AS, (limit, resource.RLIM_INFINITY))
+            self.limited = True
+        _LEAKED.append(bytearray(self.leak_mib * 2**20))
+        return super().__getitem__(index)
+
+
+def leaking(size: int = 40, leak_mib: int = 1, limit_mib: int = 64) -> Leaking:
+    return Leaking(size, leak_mib, limit_mib)

@@ -116,6 +116,24 @@ def test_a_sample_that_hangs_its_producer_forever_is_quarantined_and_the_epoch_c
         assert "exited with status -9; restarting it" in log, log[-3000:]
 
 
+def test_a_producer_out_of_memory_is_restarted_and_every_sample_trains():
+    """A dataset that leaks under a memory limit (found by hand on 2026-11-26: 251 of 300
+    samples were rejected as preprocess_error, one MemoryError after another, and the job
+    exited 0). Now MemoryError ends the producer, which is restarted with fresh memory, and
+    the sample it was making is made again: nothing is rejected."""
+    size = 200
+    args = [*_dataset("leaking", size, workers=1, leak_mib=2, limit_mib=80), "--buffer", "8"]
+    with FaultCluster(nodes=1, ranks_per_node=2, daemon_args=args) as fc:
+        fc.start_trainers()
+        daemon_codes, trainer_codes = fc.wait_done(90)
+        fc.assert_clean_exit(daemon_codes, trainer_codes)
+        fc.assert_aligned()
+        fc.assert_exactly_once(size)
+        log = fc.log(0)
+        assert "error: out of memory: the dataset leaks" in log, log[-3000:]
+        assert "restarting it" in log and "preprocess_error" not in log, log[-3000:]
+
+
 def test_first_and_last_samples_crash_under_one_worker_and_both_are_quarantined():
     """Neighbours: the very first sample a fresh producer makes (--no-shuffle: identity 0),
     the epoch's last one, two crashing ids, and one worker (no other producer to take over)."""
