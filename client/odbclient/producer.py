@@ -303,6 +303,7 @@ class Producer:
                 patch_key=welcome.patch_key,
                 patch_count_key=welcome.patch_count_key,
                 concat_keys=tuple(welcome.concat_keys),
+                packed=welcome.packed,
             ),
         )
 

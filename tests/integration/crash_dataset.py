@@ -8,6 +8,8 @@ index is a good 12-token sample. `tuples(size)`: every sample is a tuple, never 
 `leaking(size, leak_mib, limit_mib)`: every sample leaks `leak_mib` under an address-space limit
 of `limit_mib` over the producer's size at its first sample (as `ulimit -v` would), so each
 producer process runs out of memory after about limit / leak samples.
+`short_labels(size, every)`: every `every`-th sample's labels are one entry shorter than its
+input_ids (truncated apart, as a `map` that truncates one column may do).
 """
 
 import ctypes
@@ -85,3 +87,19 @@ class Leaking(Crashing):
 
 def leaking(size: int = 40, leak_mib: int = 1, limit_mib: int = 64) -> Leaking:
     return Leaking(size, leak_mib, limit_mib)
+
+
+class ShortLabels(Crashing):
+    def __init__(self, size: int, every: int) -> None:
+        super().__init__(size, frozenset(), "")
+        self.every = every
+
+    def __getitem__(self, index: int) -> dict:
+        sample = super().__getitem__(index)
+        if index % self.every == 0:
+            sample["labels"] = sample["labels"][:-1]
+        return sample
+
+
+def short_labels(size: int = 40, every: int = 10) -> ShortLabels:
+    return ShortLabels(size, every)

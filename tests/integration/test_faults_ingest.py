@@ -134,6 +134,27 @@ def test_a_producer_out_of_memory_is_restarted_and_every_sample_trains():
         assert "restarting it" in log and "preprocess_error" not in log, log[-3000:]
 
 
+def test_packed_samples_whose_labels_are_shorter_than_input_ids_are_rejected_naming_both():
+    """Found by hand on 2026-11-26: with --collate packed, labels truncated apart from
+    input_ids were joined into a (1, 245) labels row against (1, 254) input_ids, so every later
+    sample's labels were shifted against its tokens. Now such a sample is rejected."""
+    size, every = 120, 10
+    args = [*_dataset("short_labels", size, every=every), "--buffer", "8", "--collate", "packed"]
+    with FaultCluster(nodes=1, ranks_per_node=2, daemon_args=args) as fc:
+        fc.start_trainers()
+        daemon_codes, trainer_codes = fc.wait_done(60)
+        fc.assert_clean_exit(daemon_codes, trainer_codes)
+        fc.assert_aligned()
+        bad = set(range(0, size, every))
+        ids = fc.emitted_ids(0)
+        assert set(ids) == set(range(size)) - bad and len(ids) == len(set(ids)), fc.describe()
+        for rank in range(fc.world):
+            summary = [r for r in fc.records(rank) if "epoch_end" in r][-1]["summary"]
+            assert summary["rejected_by_reason"] == {"packed_length_mismatch": len(bad)}, summary
+        log = fc.log(0)
+        assert "key 'labels' has 11 entries but length key 'input_ids' has 12" in log, log[-3000:]
+
+
 def test_first_and_last_samples_crash_under_one_worker_and_both_are_quarantined():
     """Neighbours: the very first sample a fresh producer makes (--no-shuffle: identity 0),
     the epoch's last one, two crashing ids, and one worker (no other producer to take over)."""
