@@ -128,6 +128,9 @@ def _import_file(path_text: str) -> ModuleType:
 
 
 def _check_map_style(spec: str, dataset: Any) -> None:
+    refusal = _not_rows(spec, dataset)
+    if refusal is not None:
+        raise DatasetLoadError(refusal)
     try:
         len(dataset)
         has_getitem = hasattr(dataset, "__getitem__")
@@ -135,10 +138,43 @@ def _check_map_style(spec: str, dataset: Any) -> None:
         has_getitem = False
     if not has_getitem:
         raise DatasetLoadError(
-            f"--dataset {spec} returned a {type(dataset).__name__}, which is not a map-style "
+            f"--dataset {spec} returned {_a(type(dataset).__name__)}, which is not a map-style "
             "dataset (len(ds) and ds[i]); samples are leased by index, so an iterable-only "
-            "dataset cannot be served; wrap it in a map-style one"
+            "dataset cannot be served; wrap it in a map-style one (a streamed Hugging Face "
+            "dataset: load it without streaming=True, or Dataset.from_generator)"
         )
+
+
+def _not_rows(spec: str, dataset: Any) -> str | None:
+    """Why a result with len() and [] is still not indexable by sample: a mapping (a
+    DatasetDict of splits, a dict of columns), whose len() counts its keys and whose ds[0]
+    raises KeyError; or a torch IterableDataset, whose inherited __getitem__ raises. Either
+    used to start a job in which every sample was rejected as preprocess_error."""
+    kind = type(dataset).__name__
+    if isinstance(dataset, Mapping):
+        keys = [str(k) for k in list(dataset.keys())[:6]]
+        return (
+            f"--dataset {spec} returned {_a(kind)} with keys {keys}, a mapping (of splits or "
+            "columns), not a dataset of rows: len() would count its keys and ds[i] fail for "
+            "every sample; return one split (e.g. ds['train'], or load_dataset(..., "
+            "split='train')) or a datasets.Dataset of the rows"
+        )
+    if any(
+        c.__name__ == "IterableDataset" and c.__module__.startswith("torch.utils.data")
+        for c in type(dataset).__mro__
+    ):
+        return (
+            f"--dataset {spec} returned {_a(kind)}, a torch IterableDataset: it is read by "
+            "iteration only (its ds[i] raises NotImplementedError, even with a __len__), but "
+            "samples are leased by index; subclass torch.utils.data.Dataset with __getitem__ "
+            "instead (a streamed Hugging Face dataset: load it without streaming=True, or "
+            "build a datasets.Dataset with Dataset.from_generator)"
+        )
+    return None
+
+
+def _a(noun: str) -> str:
+    return f"{'an' if noun[:1].lower() in 'aeiou' else 'a'} {noun}"
 
 
 def _call_text(spec: str, args: Mapping[str, Any]) -> str:

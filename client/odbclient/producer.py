@@ -201,6 +201,8 @@ class ProducerCore:
         try:
             where = self._lane_buffer[offset : offset + facts.nbytes]
             self._planner.encode(where, sample, plan)
+        except MemoryError:
+            raise  # the process is out of memory, not the sample bad (see fetch_sample)
         except Exception as exc:  # e.g. a tensor whose copy fails; inspect_sample passed it
             self.lane.free(offset)
             rejected = SampleRejected(RejectReason.PREPROCESS_ERROR, f"encoding raised {exc!r}")
@@ -301,6 +303,7 @@ class Producer:
                 patch_key=welcome.patch_key,
                 patch_count_key=welcome.patch_count_key,
                 concat_keys=tuple(welcome.concat_keys),
+                packed=welcome.packed,
             ),
         )
 

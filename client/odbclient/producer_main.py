@@ -85,9 +85,20 @@ def main(argv: list[str] | None = None) -> int:
     except (ODBClientError, ShmAttachError) as exc:
         print(f"{name}: error: {exc}", file=sys.stderr)
         return 1
+    except MemoryError as exc:
+        print(f"{name}: error: {_OUT_OF_MEMORY} ({type(exc).__name__}: {exc})", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         return 130
     return 0
+
+
+_OUT_OF_MEMORY = (
+    "out of memory: the dataset leaks or this process has a memory limit (ulimit -v, a "
+    "cgroup); this producer exits so that its daemon restarts it with fresh memory (the sample "
+    "it was making is made again, and quarantined as producer_crash if a fresh producer runs "
+    "out of memory on it too); an external producer: restart it, and look for the leak"
+)
 
 
 if __name__ == "__main__":

@@ -56,6 +56,7 @@ class RejectReason(enum.StrEnum):
     LENGTH_KEY_NOT_1D = "length_key_not_1d"  # e.g. (1, L) from return_tensors="pt"
     BAD_CONCAT_KEY = "bad_concat_key"  # a --concat key is missing or has no first dimension
     BAD_PATCH_COUNT = "bad_patch_count"  # the patch key / count key is missing or not a count
+    PACKED_LENGTH_MISMATCH = "packed_length_mismatch"  # packed: a 1-D key of another length
 
 
 class SampleRejected(Exception):
@@ -80,9 +81,15 @@ class SampleFacts:
 
 def fetch_sample(dataset: Any, identity: int) -> Any:
     """`dataset[identity]` with its values as arrays (`as_arrays`); whatever the user's
-    preprocessing raises becomes a rejection."""
+    preprocessing raises becomes a rejection, but MemoryError, which ends the producer."""
     try:
         sample = dataset[identity]
+    except MemoryError:
+        # The process, not the sample: a leak in the dataset or a memory limit (ulimit -v, a
+        # cgroup) would fail every later sample too. Rejecting them lost the rest of the epoch
+        # (251 of 300 in one run); the producer exits instead, odbd restarts it with fresh
+        # memory and makes the sample again (quarantined if a fresh producer fails on it too).
+        raise
     except Exception as exc:
         raise SampleRejected(
             RejectReason.PREPROCESS_ERROR,
@@ -212,6 +219,7 @@ class SampleForm:
     patch_key: str = ""  # patch count = this key's first dimension
     patch_count_key: str = ""  # or the integer value of this key
     concat_keys: tuple[str, ...] = ()  # must be present with a first dimension
+    packed: bool = False  # --collate packed: 1-D keys must have the length key's length
 
 
 PLAIN_SAMPLES = SampleForm()  # no --concat, no patch budget
@@ -236,6 +244,8 @@ def inspect_sample(
     labels = sample.get(labels_key) if labels_key else None
     loss_tokens = length if labels is None else count_loss_tokens(labels)
     _check_concat_keys(sample, form.concat_keys)
+    if form.packed:
+        _check_packed_lengths(sample, length_key, length, form.concat_keys)
     patches = _patch_count(sample, form)
     return SampleFacts(nbytes, length, loss_tokens, schema_hash(sample), patches)
 
@@ -250,6 +260,27 @@ def _check_concat_keys(sample: Mapping[str, Any], concat_keys: tuple[str, ...]) 
                 f"--concat {key}: the sample has {what} (keys {sorted(sample)[:8]}); every "
                 f"sample needs {key} with a first dimension (a sample without images: an "
                 f"empty array of shape [0, ...]), or drop --concat {key}",
+            )
+
+
+def _check_packed_lengths(
+    sample: Mapping[str, Any], length_key: str, length: int, concat_keys: tuple[str, ...]
+) -> None:
+    """--collate packed joins every 1-D key into one row that position_ids and cu_seq_lens cut
+    by the length key's lengths; a 1-D key of another length (labels truncated apart from
+    input_ids) shifted every later sample's entries against its tokens, silently, or failed in
+    the model on a shape mismatch."""
+    for key, value in sample.items():
+        if key == length_key or key in concat_keys or len(value.shape) != 1:
+            continue
+        if int(value.shape[0]) != length:
+            raise SampleRejected(
+                RejectReason.PACKED_LENGTH_MISMATCH,
+                f"key {key!r} has {int(value.shape[0])} entries but length key {length_key!r} "
+                f"has {length}: --collate packed joins every 1-D key into one row aligned token "
+                f"by token with {length_key!r}; make them equal in preprocessing (truncate "
+                f"{key!r} with {length_key!r}), pass a per-sample vector with --concat {key}, "
+                "or use --collate padded, which pads each key on its own",
             )
 
 

@@ -278,7 +278,8 @@ def daemon_parser() -> flags.OneLineParser:
         type=seconds(allow_zero=False),
         default=60.0,
         metavar="S",
-        help="a producer's lease expires after S without a commit",
+        help="a producer's lease expires after S without a commit; a --workers process "
+        "inside one dataset[i] for S is killed as hung",
     )
     safety.add_argument(
         "--round-timeout",

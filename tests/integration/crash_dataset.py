@@ -2,13 +2,21 @@
 
 `crashing(size, crash_at="5;17", how="exit")`: `__getitem__` of those indices ("*": all) kills the
 process: `exit` calls sys.exit(3), `abort` os.abort() (SIGABRT, as a failed C assertion),
-`segv` dereferences NULL through ctypes (SIGSEGV, as a crash in a C extension). Every other
+`segv` dereferences NULL through ctypes (SIGSEGV, as a crash in a C extension), `hang` never
+returns (a deadlocked tokenizer, a read from a dead mount). Every other
 index is a good 12-token sample. `tuples(size)`: every sample is a tuple, never a dict.
+`leaking(size, leak_mib, limit_mib)`: every sample leaks `leak_mib` under an address-space limit
+of `limit_mib` over the producer's size at its first sample (as `ulimit -v` would), so each
+producer process runs out of memory after about limit / leak samples.
+`short_labels(size, every)`: every `every`-th sample's labels are one entry shorter than its
+input_ids (truncated apart, as a `map` that truncates one column may do).
 """
 
 import ctypes
 import os
+import resource
 import sys
+import threading
 
 import numpy as np
 
@@ -28,6 +36,8 @@ class Crashing:
                 sys.exit(3)
             if self.how == "abort":
                 os.abort()
+            if self.how == "hang":
+                threading.Event().wait()  # forever: only a signal ends this process
             ctypes.string_at(0)  # SIGSEGV
         ids = np.arange(GOOD_LENGTH, dtype=np.int64) + index
         return {"input_ids": ids, "labels": ids}
@@ -54,3 +64,42 @@ class Tuples:
 
 def tuples(size: int = 40) -> Tuples:
     return Tuples(size)
+
+
+_LEAKED: list[bytearray] = []
+
+
+class Leaking(Crashing):
+    def __init__(self, size: int, leak_mib: int, limit_mib: int) -> None:
+        super().__init__(size, frozenset(), "")
+        self.leak_mib, self.limit_mib, self.limited = leak_mib, limit_mib, False
+
+    def __getitem__(self, index: int) -> dict:
+        if not self.limited:  # in the producer only: the daemon calls len(), never [i]
+            with open("/proc/self/status") as f:
+                vm_kib = next(int(line.split()[1]) for line in f if line.startswith("VmSize:"))
+            limit = vm_kib * 1024 + self.limit_mib * 2**20
+            resource.setrlimit(resource.RLIMIT_AS, (limit, resource.RLIM_INFINITY))
+            self.limited = True
+        _LEAKED.append(bytearray(self.leak_mib * 2**20))
+        return super().__getitem__(index)
+
+
+def leaking(size: int = 40, leak_mib: int = 1, limit_mib: int = 64) -> Leaking:
+    return Leaking(size, leak_mib, limit_mib)
+
+
+class ShortLabels(Crashing):
+    def __init__(self, size: int, every: int) -> None:
+        super().__init__(size, frozenset(), "")
+        self.every = every
+
+    def __getitem__(self, index: int) -> dict:
+        sample = super().__getitem__(index)
+        if index % self.every == 0:
+            sample["labels"] = sample["labels"][:-1]
+        return sample
+
+
+def short_labels(size: int = 40, every: int = 10) -> ShortLabels:
+    return ShortLabels(size, every)

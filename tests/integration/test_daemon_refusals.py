@@ -83,3 +83,63 @@ def test_bad_flags_exit_2_with_one_line(args, message, tmp_path):
     assert message in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     assert not list(tmp_path.iterdir())  # refused before the socket was made
+
+
+NOT_ROWS_SOURCE = """
+import datasets
+import torch
+
+ROWS = {"input_ids": [[1, 2, 3], [4, 5]]}
+
+
+def split_dict():
+    ds = datasets.Dataset.from_dict(ROWS)
+    return datasets.DatasetDict({"train": ds, "test": ds})
+
+
+def columns():
+    return dict(ROWS)
+
+
+def streamed():
+    return datasets.Dataset.from_dict(ROWS).to_iterable_dataset()
+
+
+class Stream(torch.utils.data.IterableDataset):
+    def __len__(self):
+        return 2
+
+    def __iter__(self):
+        return iter([{"input_ids": ids} for ids in ROWS["input_ids"]])
+
+
+def torch_stream():
+    return Stream()
+"""
+
+
+@pytest.mark.parametrize(
+    ("factory", "message"),
+    [
+        ("split_dict", "returned a DatasetDict with keys ['train', 'test'], a mapping"),
+        ("columns", "returned a dict with keys ['input_ids'], a mapping"),
+        ("streamed", "returned an IterableDataset, a torch IterableDataset"),
+        ("torch_stream", "returned a Stream, a torch IterableDataset"),
+    ],
+)
+def test_a_dataset_that_is_not_rows_by_index_exits_2_naming_what_it_is(factory, message, tmp_path):
+    """Before, a DatasetDict (len() = its 2 splits) or a torch IterableDataset with __len__
+    started a job in which every ds[i] raised and every sample was a preprocess_error."""
+    path = tmp_path / "data.py"
+    path.write_text(NOT_ROWS_SOURCE)
+    args = ["--world", "1", "--nproc-per-node", "1", "--dataset", f"{path}:{factory}"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "odbd", "--socket", str(tmp_path / "s.sock"), *args],
+        capture_output=True,
+        text=True,
+        timeout=scaled(120),
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert message in proc.stderr, proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert not (tmp_path / "s.sock").exists()

@@ -96,6 +96,65 @@ def test_a_sample_that_kills_its_producer_is_quarantined_and_the_epoch_completes
         assert log.count("restarting it") == 2, log[-3000:]  # one death each, then quarantine
 
 
+def test_a_sample_that_hangs_its_producer_forever_is_quarantined_and_the_epoch_completes():
+    """dataset[77] never returns. Before: its lease expired and went to the other worker, which
+    hung too; the job then waited forever, saying 2 producers were making samples. Now a worker
+    inside one sample for --lease-timeout is killed (a death with that sample in flight)."""
+    size, bad = 160, 77
+    args = [*_dataset("crashing", size, workers=2, crash_at=bad, how="hang"), "--buffer", "8"]
+    args += ["--lease-timeout", "3"]
+    with FaultCluster(nodes=1, ranks_per_node=2, daemon_args=args) as fc:
+        fc.start_trainers()
+        daemon_codes, trainer_codes = fc.wait_done(60)
+        fc.assert_clean_exit(daemon_codes, trainer_codes)
+        fc.assert_aligned()
+        _assert_quarantined(fc, size, {bad})
+        log = fc.log(0)
+        hung = f"inside dataset[i] for sample {bad} (view"
+        assert log.count(hung) == 2 and "it is hung there, so it was killed" in log, log[-3000:]
+        assert "raise --lease-timeout" in log, log[-3000:]
+        assert "exited with status -9; restarting it" in log, log[-3000:]
+
+
+def test_a_producer_out_of_memory_is_restarted_and_every_sample_trains():
+    """A dataset that leaks under a memory limit (found by hand on 2026-11-26: 251 of 300
+    samples were rejected as preprocess_error, one MemoryError after another, and the job
+    exited 0). Now MemoryError ends the producer, which is restarted with fresh memory, and
+    the sample it was making is made again: nothing is rejected."""
+    size = 200
+    args = [*_dataset("leaking", size, workers=1, leak_mib=2, limit_mib=80), "--buffer", "8"]
+    with FaultCluster(nodes=1, ranks_per_node=2, daemon_args=args) as fc:
+        fc.start_trainers()
+        daemon_codes, trainer_codes = fc.wait_done(90)
+        fc.assert_clean_exit(daemon_codes, trainer_codes)
+        fc.assert_aligned()
+        fc.assert_exactly_once(size)
+        log = fc.log(0)
+        assert "error: out of memory: the dataset leaks" in log, log[-3000:]
+        assert "restarting it" in log and "preprocess_error" not in log, log[-3000:]
+
+
+def test_packed_samples_whose_labels_are_shorter_than_input_ids_are_rejected_naming_both():
+    """Found by hand on 2026-11-26: with --collate packed, labels truncated apart from
+    input_ids were joined into a (1, 245) labels row against (1, 254) input_ids, so every later
+    sample's labels were shifted against its tokens. Now such a sample is rejected."""
+    size, every = 120, 10
+    args = [*_dataset("short_labels", size, every=every), "--buffer", "8", "--collate", "packed"]
+    with FaultCluster(nodes=1, ranks_per_node=2, daemon_args=args) as fc:
+        fc.start_trainers()
+        daemon_codes, trainer_codes = fc.wait_done(60)
+        fc.assert_clean_exit(daemon_codes, trainer_codes)
+        fc.assert_aligned()
+        bad = set(range(0, size, every))
+        ids = fc.emitted_ids(0)
+        assert set(ids) == set(range(size)) - bad and len(ids) == len(set(ids)), fc.describe()
+        for rank in range(fc.world):
+            summary = [r for r in fc.records(rank) if "epoch_end" in r][-1]["summary"]
+            assert summary["rejected_by_reason"] == {"packed_length_mismatch": len(bad)}, summary
+        log = fc.log(0)
+        assert "key 'labels' has 11 entries but length key 'input_ids' has 12" in log, log[-3000:]
+
+
 def test_first_and_last_samples_crash_under_one_worker_and_both_are_quarantined():
     """Neighbours: the very first sample a fresh producer makes (--no-shuffle: identity 0),
     the epoch's last one, two crashing ids, and one worker (no other producer to take over)."""

@@ -472,3 +472,49 @@ def test_a_producer_stuck_in_the_dataset_dies_with_a_sigkilled_daemon() -> None:
         )
     for name in cluster.leftover_segments():  # a SIGKILLed daemon cannot unlink its arena
         os.unlink(f"/dev/shm/{name}")
+
+
+@pytest.mark.timeout(300)
+def test_two_daemons_started_at_once_with_one_node_rank_leave_one_running_and_one_clear_error(
+    tmp_path: Path,
+) -> None:
+    """Found by hand on 2026-11-26: two daemons of one job started at the same moment with the
+    same --node-rank (a NODE_RANK typo) each unlinked the other's half-created segment as
+    stale, and both died with `internal error (a bug in odbd ...)` and a traceback. Now the
+    second finds the first's segment being created (or taken) and exits 1 in one line; the
+    first serves on. 256 MiB each: reserving it takes long enough for the two to overlap."""
+    job_id = f"same-rank-{os.getpid()}"
+    command = [sys.executable, "-m", "odbd", "--world", "1", "--nproc-per-node", "1"]
+    command += ["--node-rank", "0", "--job-id", job_id, "--dataset-size", "10", "--epochs", "0"]
+    command += ["--shm-size", "256M"]
+    procs = [
+        subprocess.Popen(
+            [*command, "--socket", str(tmp_path / f"d{i}.sock")],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for i in range(2)
+    ]
+    try:
+        deadline = time.monotonic() + scaled(90)
+        while all(p.poll() is None for p in procs) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        failed = [p for p in procs if p.poll() is not None]
+        assert len(failed) == 1, [p.returncode for p in procs]
+        survivor = procs[1 - procs.index(failed[0])]
+        output = failed[0].communicate(timeout=scaled(30))[0]
+        assert failed[0].returncode == 1, output
+        assert "cannot share a node's arena" in output and "own --node-rank" in output, output
+        assert "Traceback" not in output and "internal error" not in output, output
+        sock = str(tmp_path / f"d{procs.index(survivor)}.sock")
+        wait_until("the survivor serves its socket", lambda: os.path.exists(sock), 60)
+        assert status(sock).job_id == job_id
+        survivor.send_signal(signal.SIGTERM)
+        survivor.communicate(timeout=scaled(60))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+    assert not [n for n in os.listdir("/dev/shm") if n.startswith(f"odbd-{job_id}-")]

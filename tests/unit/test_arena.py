@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -278,8 +279,26 @@ def test_half_created_segments_are_reclaimed_and_other_jobs_untouched(job_id: st
     longer_job = Path(SHM_DIR, f"odbd-{job_id}-1-0-0")  # job "<job_id>-1", node 0
     half.write_bytes(b"\x00" * 100)
     longer_job.write_bytes(b"\x00" * 100)
+    an_hour_ago = time.time() - 3600  # left half-made by a daemon that died creating it
+    os.utime(half, (an_hour_ago, an_hour_ago))
     assert reclaim_stale(job_id) == [half.name]
     assert longer_job.exists()
+
+
+def test_a_segment_being_created_by_a_daemon_of_the_same_node_rank_is_refused_not_unlinked(
+    job_id: str,
+) -> None:
+    """Two daemons started at once with one job and node rank (a NODE_RANK typo): each once
+    unlinked the other's header-less segment as stale, and both died with a traceback."""
+    creating = Path(SHM_DIR, f"odbd-{job_id}-0-0")
+    creating.write_bytes(b"\x00" * 100)  # reserved, header not written yet
+    try:
+        with pytest.raises(ArenaInUseError, match="is being created right now.*own --node-rank"):
+            Arena.create(job_id, 0, 1 << 16)
+        assert reclaim_stale(job_id) == []  # another node rank's start-up leaves it alone
+        assert creating.exists()
+    finally:
+        creating.unlink()
 
 
 LEAVE_ARENA = """

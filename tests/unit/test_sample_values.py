@@ -12,6 +12,7 @@ import torch
 
 from odbclient.samples import (
     RejectReason,
+    SampleForm,
     SampleRejected,
     as_arrays,
     fetch_sample,
@@ -155,3 +156,35 @@ def test_a_hf_dataset_row_with_its_text_column_is_refused_naming_the_column() ->
     assert "dataset.remove_columns(['text'])" in info.value.detail
     accepted = fetch_sample(ds.remove_columns(["text"]), 0)
     assert accepted["input_ids"].dtype == np.int64
+
+
+PACKED = SampleForm(packed=True, concat_keys=("pixel_values",))
+
+
+def test_packed_refuses_a_1d_key_of_another_length_than_the_length_key() -> None:
+    sample = fetch_sample([{"input_ids": np.arange(12), "labels": np.arange(11)}], 0)
+    with pytest.raises(SampleRejected) as caught:
+        inspect_sample(
+            sample, length_key="input_ids", labels_key="labels", form=SampleForm(packed=True)
+        )
+    assert caught.value.reason is RejectReason.PACKED_LENGTH_MISMATCH
+    assert "key 'labels' has 11 entries but length key 'input_ids' has 12" in caught.value.detail
+    # padded batches pad each key on its own: the same sample is accepted there
+    inspect_sample(sample, length_key="input_ids", labels_key="labels")
+
+
+def test_packed_accepts_equal_lengths_concat_keys_and_keys_that_are_not_1d() -> None:
+    sample = fetch_sample(
+        [
+            {
+                "input_ids": np.arange(12),
+                "labels": np.arange(12),
+                "pixel_values": np.zeros(3, dtype=np.float32),  # --concat: rows of its own
+                "image": np.zeros((2, 2), dtype=np.float32),
+                "score": 0.5,
+            }
+        ],
+        0,
+    )
+    facts = inspect_sample(sample, length_key="input_ids", labels_key="labels", form=PACKED)
+    assert facts.length == 12

@@ -67,6 +67,7 @@ from odbd.ingest.service import IngestService, LegacyProduceRefusal
 from odbd.ingest.supervisor import ProducerSupervisor, SupervisorConfig
 from odbd.metrics.collector import DaemonCollector
 from odbd.metrics.stats import DaemonStats
+from odbd.planner.config import Collate
 from odbd.round import RoundBarrier, RoundConfig
 from odbd.serve.admin_service import AdminService
 from odbd.serve.rank_queue import QueuedItem, RankQueue
@@ -156,6 +157,8 @@ class Daemon:
             on_rejected=self._on_rejected,
             stats=self.stats,
             on_error=self._on_ingest_error,
+            kill_worker=lambda name: self.supervisor.kill_hung(name) if self.supervisor else None,
+            is_worker=lambda name: self.supervisor is not None and self.supervisor.supervises(name),
         )
         trainer = TrainerService(
             job_id=config.job_id,
@@ -227,6 +230,7 @@ class Daemon:
             patch_key=self.config.patch_source[0] if self.config.max_patches else "",
             patch_count_key=self.config.patch_source[1] if self.config.max_patches else "",
             concat_keys=list(self.config.concat),
+            packed=self.config.collate is Collate.PACKED,
         )
 
     def _trainer_welcome(self) -> trainer_pb2.TrainerWelcome:

@@ -9,6 +9,7 @@ producer killed mid-write can only leave garbage sample bytes, which `free` neve
 from __future__ import annotations
 
 import errno
+import mmap
 import os
 import re
 import time
@@ -23,11 +24,17 @@ from odbclient.shm import (
     SegmentHeader,
     ShmLayoutError,
     align_up,
-    map_segment,
 )
 from odbd.errors import ConfigError, InvariantError, OdbdError
 
 _JOB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+# A segment without a header younger than this is being created by a daemon starting now (it
+# reserves every page before it writes the header), not left half-made by a dead one.
+_CREATING_S = 30.0
+_ONE_DAEMON = (
+    "two daemons cannot share a node's arena: give each daemon of a job its own --node-rank "
+    "(NODE_RANK), or this one another --job-id"
+)
 
 
 class ArenaInUseError(OdbdError):
@@ -195,6 +202,13 @@ def reclaim_stale(
             owner = _live_owner(str(path))
         except PermissionError:
             owner = -1  # another user's segment: we can neither read nor unlink it
+        if owner is None and _being_created(path):
+            if node_rank is not None:
+                raise ArenaInUseError(
+                    f"shm segment {path.name} is being created right now by another odbd of "
+                    f"job {job_id!r}, node rank {node_rank}; {_ONE_DAEMON}"
+                )
+            continue
         if owner is None:
             _unlink_quietly(str(path))
             reclaimed.append(path.name)
@@ -202,10 +216,23 @@ def reclaim_stale(
             raise ArenaInUseError(
                 f"shm segment {path.name} belongs to a running odbd "
                 f"({'of another user' if owner < 0 else f'pid {owner}'}) of job "
-                f"{job_id!r}, node rank {node_rank}; two daemons cannot share a node's arena; "
-                "stop that daemon or give this one another --job-id or --node-rank"
+                f"{job_id!r}, node rank {node_rank}; stop that daemon, or: {_ONE_DAEMON}"
             )
     return reclaimed
+
+
+def _being_created(path: Path) -> bool:
+    """No readable header yet, and younger than _CREATING_S: a daemon is creating it now.
+    Before, such a segment was unlinked as stale, so two daemons started at once with the same
+    job and node rank unlinked each other's segments and both failed with a traceback."""
+    try:
+        with open(path, "rb") as f:
+            SegmentHeader.unpack(f.read(SEGMENT_HEADER_BYTES), name=path.name)
+        return False
+    except FileNotFoundError:
+        return False
+    except ShmLayoutError:
+        return time.time() - path.stat().st_mtime < _CREATING_S
 
 
 def _live_owner(path: str) -> int | None:
@@ -297,15 +324,15 @@ def _create_segment(shm_dir: str, name: str, header: SegmentHeader) -> _Segment:
     except FileExistsError:
         raise ArenaInUseError(
             f"shm segment {name} appeared while this daemon started: another odbd of the same "
-            "job and node rank is starting; run one daemon per node and job"
+            f"job and node rank is starting; {_ONE_DAEMON}"
         ) from None
     try:
         os.fchmod(fd, 0o600)  # the umask could only remove bits; make the mode exact anyway
         _reserve(fd, name, header.capacity_bytes, shm_dir)
-        buf = map_segment(path, name=name)
+        buf = memoryview(mmap.mmap(fd, header.capacity_bytes))  # the file we made, not the path
         header.pack_into(buf)
     except BaseException:
-        _unlink_quietly(path)
+        _unlink_if_ours(path, fd)
         raise
     finally:
         os.close(fd)
@@ -392,6 +419,16 @@ def _owner_text(holder: ShmHolder) -> str:
 
 def _mib(nbytes: int) -> str:
     return f"{nbytes / (1 << 20):.1f} MiB"
+
+
+def _unlink_if_ours(path: str, fd: int) -> None:
+    """Unlinks `path` only if it is still the file open as `fd` (another daemon's file may have
+    taken the name)."""
+    try:
+        if os.stat(path).st_ino == os.fstat(fd).st_ino:
+            os.unlink(path)
+    except FileNotFoundError:
+        pass
 
 
 def _unlink_quietly(path: str) -> None:

@@ -31,6 +31,8 @@ REJECT_FIXES: Mapping[str, str] = {
     "rows for a sample without images), or drop the --concat flag",
     "bad_patch_count": "every sample must hold the --patch-key array (patches = its first "
     "dimension) or the --patch-count-key integer; check the daemon's flags",
+    "packed_length_mismatch": "with --collate packed, give every 1-D key as many entries as the "
+    "--length-key array (truncate labels with input_ids), or --concat a per-sample vector",
     PRODUCER_CRASH: "__getitem__ kills the process on the sample named (sys.exit, abort, a "
     "crash in a C extension); run it by hand on that sample",
 }

@@ -17,6 +17,7 @@ import numpy as np
 from odbclient.connect import PROTOCOL_VERSION
 from odbclient.wire.odbd.v1 import ingest_pb2, ingest_pb2_grpc
 from odbd.daemon.node_state import Locations, NodeState, Rejected
+from odbd.ingest.hung import InFlight, hung, track
 from odbd.ingest.lanes import Lane, Lanes
 from odbd.ingest.validate import check_rejections, decode_commit
 from odbd.metrics.stats import DaemonStats
@@ -49,6 +50,8 @@ class IngestService:
         on_rejected: Callable[[Rejected], None],
         stats: DaemonStats,
         on_error: Callable[[str], None] = lambda message: None,
+        kill_worker: Callable[[str], int | None] = lambda name: None,
+        is_worker: Callable[[str], bool] = lambda name: False,
     ) -> None:
         self._state = state
         self._lanes = lanes
@@ -58,6 +61,12 @@ class IngestService:
         self._on_rejected = on_rejected
         self._stats = stats
         self._on_error = on_error  # the daemon's last_error, shown by `odbd status`
+        # The daemon's own --workers, by name: a hung one is killed (its pid), others named.
+        self._kill_worker = kill_worker
+        self._is_worker = is_worker
+        self._in_flight: dict[int, InFlight] = {}  # producer -> the key in its lane header
+        self._warned_hung: set[tuple[int, int]] = set()  # (producer, key) said once
+        self._killed: set[int] = set()  # hung workers killed, whose stream has not ended yet
         self.sessions: dict[int, ProducerSession] = {}
         self._next_producer = 0
         self.closing = False
@@ -196,14 +205,64 @@ class IngestService:
         return bool(holders) and holders <= waiting
 
     def expire_leases(self) -> int:
+        """The periodic sweep: producers hung in one sample for --lease-timeout are dealt with
+        (`_end_hung`), then expired leases go back to the pool, except a sample its supervised
+        worker is still making (its death, should it hang, must count against that sample)."""
         now = asyncio.get_running_loop().time()
-        expired = self._state.expired(now)
+        self._end_hung(now)
+        kept = {
+            f.key
+            for producer, f in self._in_flight.items()
+            if self._holds(producer, f.key) and self._is_worker(self.sessions[producer].name)
+        }
+        expired = [key for key in self._state.expired(now) if key not in kept]
         if expired:
             log.warning("%d leases expired without a commit; re-leasing them", len(expired))
             self._stats.expired_leases += len(expired)
             self._state.release(expired)
             self.pump_leases()
         return len(expired)
+
+    def _holds(self, producer: int, key: int) -> bool:
+        return producer in self.sessions and self._state.leases.holder(key) == producer
+
+    def _end_hung(self, now: float) -> None:
+        """Reads every lane header; a producer in one sample for --lease-timeout is hung:
+        a supervised worker is killed (its stream's end re-leases the sample, a second death on
+        it quarantines it), an external producer is named once."""
+        headers = {p: self._lanes.in_flight(s.lane.lane_id) for p, s in self.sessions.items()}
+        self._in_flight = track(self._in_flight, headers, now)
+        for producer, stuck in hung(self._in_flight, now, self._lease_timeout_s).items():
+            if producer in self._killed:
+                continue  # its lease stays until its stream's end counts the death
+            name = self.sessions[producer].name
+            identity = int(self._state.identities_of(np.asarray([stuck.key]))[0])
+            where = (
+                f"producer {name} has been inside dataset[i] for sample {identity} (view "
+                f"{stuck.key}) for {now - stuck.since_s:.0f} s, past --lease-timeout "
+                f"{self._lease_timeout_s:g} s"
+            )
+            pid = self._kill_worker(name) if self._holds(producer, stuck.key) else None
+            if pid is not None:
+                self._killed.add(producer)
+                log.warning(
+                    "%s: it is hung there, so it was killed (pid %d) and is restarted; the "
+                    "sample is re-leased once and quarantined (rejected as producer_crash) if a "
+                    "producer dies or hangs on it again. If dataset[%d] legitimately takes this "
+                    "long, raise --lease-timeout",
+                    where,
+                    pid,
+                    identity,
+                )
+            elif (producer, stuck.key) not in self._warned_hung:
+                self._warned_hung.add((producer, stuck.key))
+                log.warning(
+                    "%s: it looks hung there; its leases are re-leased to other producers, but "
+                    "odbd does not kill a producer it did not start: stop it (a sample in flight "
+                    "at a producer's second death is quarantined) and run dataset[%d] by hand",
+                    where,
+                    identity,
+                )
 
     def shutdown(self, reason: str) -> None:
         self.closing, self._closed_for = True, reason

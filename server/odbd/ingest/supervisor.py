@@ -171,6 +171,24 @@ class ProducerSupervisor:
     def pids(self) -> list[int]:
         return [w.process.pid for w in self._workers if w.process and w.process.returncode is None]
 
+    def supervises(self, name: str) -> bool:
+        """Whether `name` is one of this daemon's --workers (external producers are not)."""
+        return any(w.name == name for w in self._workers)
+
+    def kill_hung(self, name: str) -> int | None:
+        """SIGKILLs worker `name`, hung in the user's dataset[i], with whatever it spawned (it
+        leads its own session); `_keep_running` restarts it as after any death. Its pid, or
+        None if it is not a live worker."""
+        worker = next((w for w in self._workers if w.name == name), None)
+        if worker is None or worker.process is None or worker.process.returncode is not None:
+            return None
+        pid = worker.process.pid
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            return None
+        return pid
+
     def stop_restarting(self) -> None:
         """The daemon is stopping: a worker that exits from now on stays down."""
         self._stopping = True
