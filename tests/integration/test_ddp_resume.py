@@ -10,6 +10,8 @@ twice, nothing skipped.
 
 from __future__ import annotations
 
+import os
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -21,6 +23,12 @@ pytestmark = pytest.mark.timeout(240)
 
 DATA = {"size": 96, "seed": 5}
 WORLD, EPOCHS, STOP = 4, 2, 1  # stop after step 1 of epoch 1
+
+
+def cluster_job_id() -> str:
+    """One job id for both phases, of the form ClusterSpec gives (t<pid>x<n>), so conftest
+    removes the phases' cluster directories once the test passed."""
+    return f"t{os.getpid()}x{time.monotonic_ns() % 10**9}"
 
 
 def run_phase(
@@ -51,7 +59,7 @@ def run_phase(
 
 
 def test_restart_in_the_middle_continues_the_epoch_without_duplicates_or_gaps(tmp_path: Path):
-    job_id = f"resume{tmp_path.name[-12:]}"
+    job_id = cluster_job_id()
     first, _ = run_phase(tmp_path, job_id, ["--stop-at", f"1:{STOP}"])
     before = {rank: len(first.steps(rank)) for rank in range(WORLD)}
     assert all(first.steps(rank)[-1]["epoch"] == 1 for rank in range(WORLD))
@@ -70,7 +78,7 @@ def test_restart_with_accumulate_resumes_at_an_update_boundary(tmp_path: Path):
     """--accumulate 2: the checkpoint after step 3 of epoch 1 closes update 1, and the restarted
     daemons number the updates on from 2 (the trainers' state_dict carries it), so epoch 1's
     updates stay contiguous and no update is split between the two runs."""
-    job_id = f"resumeacc{tmp_path.name[-9:]}"
+    job_id = cluster_job_id()
     accumulate = ("--accumulate", "2")
     first, _ = run_phase(tmp_path, job_id, ["--stop-at", "1:3"], accumulate)
     before = {rank: len(first.steps(rank)) for rank in range(WORLD)}
