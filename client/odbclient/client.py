@@ -37,6 +37,7 @@ from odbclient.batch import Batch
 from odbclient.connect import (
     DEFAULT_PREFETCH,
     DEFAULT_SOCKET,
+    JOB_ID_ENV,
     Failure,
     StreamEnd,
     resolve_socket,
@@ -90,6 +91,9 @@ class ODBClient:
     """The batches of one trainer rank, one epoch per iteration.
 
     `socket`: the daemon's unix socket; else $ODBD_SOCKET, else `DEFAULT_SOCKET`.
+    `job_id`: the job this rank belongs to; a daemon of another --job-id refuses it
+        (JobMismatchError). Default: $ODBD_JOB_ID (which the daemons' --job-id also reads),
+        else "" (any job).
     `prefetch`: batches the daemon may push ahead of the one the trainer is on. Raise it for
         very short steps (8 KiB samples, no compute: 24k samples/s at 8, 27-28k at 32); each
         prefetched batch costs trainer memory, and a rank may train that many batches after a
@@ -125,7 +129,7 @@ class ODBClient:
         rank: int,
         socket: str | None = None,
         *,
-        job_id: str = "",
+        job_id: str | None = None,
         prefetch: int = DEFAULT_PREFETCH,
         connect_timeout_s: float = 60.0,
         deadline_s: float = 600.0,
@@ -147,7 +151,7 @@ class ODBClient:
         self.rank = rank
         self.reader = reader
         self.socket = resolve_socket(socket)
-        self._job_id = job_id
+        self._job_id = job_id if job_id is not None else os.environ.get(JOB_ID_ENV, "")
         self._prefetch = prefetch
         self._report_every = max(1, prefetch // 2)  # unsent reports: flush (odbclient.reports)
         self._connect_timeout_s = connect_timeout_s

@@ -49,6 +49,9 @@ PROTOCOL_VERSION = 7
 # still train on up to this many batches before JobFailedError.
 DEFAULT_PREFETCH = 8
 SOCKET_ENV = "ODBD_SOCKET"
+# The daemons' --job-id reads it too: one variable in the job's environment names the job for
+# both, so a trainer pointed at another job's socket is refused instead of training its data.
+JOB_ID_ENV = "ODBD_JOB_ID"
 DEFAULT_SOCKET = f"/tmp/odbd-{os.getuid()}.sock"
 
 _Refusal = tuple[type[ODBClientError], str]  # error class, the fix to append

@@ -834,3 +834,28 @@ def test_only_the_reader_thread_runs_beside_the_trainer(daemon: FakeDaemon) -> N
         started = [t.name for t in threading.enumerate() if t.ident not in before]
         # the fake daemon's own threads live in this process too
         assert sorted(started) == ["fake-steps", "fake-steps-drain", "odbclient-rank0"], started
+
+
+@pytest.mark.timeout(60)
+def test_the_job_id_defaults_to_odbd_job_id_as_the_daemons_do(
+    daemon: FakeDaemon, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by a probe: a trainer pointed at another job's socket (same world) trained that
+    job's data, since ODBClient asked for no job. $ODBD_JOB_ID, which the daemons' --job-id
+    reads too, now names the job in the hello; an explicit job_id wins."""
+
+    def script(hello: Any, context: Any) -> Iterator[Event]:
+        yield daemon.welcome()
+        yield epoch_end(0, num_steps=0)
+        yield job_end()
+
+    daemon.script = script
+    monkeypatch.setenv("ODBD_JOB_ID", "job-a")
+    with client_for(daemon) as client:
+        list(client)
+    with client_for(daemon, job_id="") as client:
+        list(client)
+    monkeypatch.delenv("ODBD_JOB_ID")
+    with client_for(daemon) as client:
+        list(client)
+    assert [h.job_id for h in daemon.hellos] == ["job-a", "", ""]
