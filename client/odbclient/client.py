@@ -228,7 +228,12 @@ class ODBClient:
                 self._fail(
                     DaemonConnectionError(
                         f"odbd on unix:{self.socket} closed the stream of rank {self.rank} "
-                        "without ending the job; check the daemon log, then restart the trainer"
+                        "without ending the job (it stopped, crashed or was killed); check the "
+                        "daemon log. To continue exactly, start the daemon again with the same "
+                        "flags (with --state-dir it resumes the job) and restart the trainers "
+                        "from their last checkpoint, loading its odbd state (client."
+                        "load_state_dict, resume_from_checkpoint, accelerator.load_state; "
+                        "docs/training.md, Checkpoint and resume)"
                     )
                 )
 
