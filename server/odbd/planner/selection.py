@@ -92,24 +92,25 @@ def fullest_groups(
     if bands is None:
         return None
     first, last = bands
+    # ends is non-decreasing, so the starts in band k - 1 whose group ends by s are a prefix of
+    # it: (starts ending by s) - first[k - 1], clipped to the band; one search for every k.
+    ending_by = np.searchsorted(ends, np.arange(n), "right")
     best = gain[first[0] : last[0] + 1]
-    back: list[IntArray] = []  # per k >= 1: for each start in band k, its predecessor's start
+    bests = [best]  # per k: the most tokens of k + 1 groups, the last starting at each of band k
     for k in range(1, num_groups):
         prefix = np.maximum.accumulate(best)
-        rises = np.concatenate([[True], best[1:] > prefix[:-1]])  # ties: the earlier start
-        leader = np.maximum.accumulate(np.where(rises, np.arange(len(best)), 0))
-        before = np.searchsorted(
-            ends[first[k - 1] : last[k - 1] + 1], np.arange(first[k], last[k] + 1), "right"
-        )
+        before = np.clip(ending_by[first[k] : last[k] + 1] - first[k - 1], 0, len(best))
         reach = np.maximum(before - 1, 0)
         best = np.where(before > 0, gain[first[k] : last[k] + 1] + prefix[reach], -np.inf)
-        back.append(leader[reach] + first[k - 1])
+        bests.append(best)
     if not np.isfinite(best.max()):
         return None
     starts = np.empty(num_groups, dtype=np.int64)
     starts[-1] = int(np.argmax(best)) + first[-1]
     for k in range(num_groups - 1, 0, -1):
-        starts[k - 1] = back[k - 1][starts[k] - first[k]]
+        # its predecessor: the best start of band k - 1 it can follow (argmax: ties, the earlier)
+        reach_k = int(ending_by[starts[k]]) - first[k - 1]
+        starts[k - 1] = int(np.argmax(bests[k - 1][:reach_k])) + first[k - 1]
     return starts, ends[starts].astype(np.int64)
 
 
