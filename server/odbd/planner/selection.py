@@ -12,7 +12,7 @@ the next round's arrivals), if the samples kept back are the ones that pad:
    MIN_GROUP_SAMPLES samples on average, T is lowered by RESERVE_STEPS (at least one
    step is left) and the round is marked `select_fullest` (`reserve_steps`); rounds of up to
    WIDE_MAX_SELECT_GROUPS groups of at least WIDE_MIN_GROUP_SAMPLES give up WIDE_RESERVE_STEPS
-   (longtail: groups of ~40-60 samples, ~23 steps a round at W=16);
+   (longtail: groups of ~42 samples, ~23 steps a round);
 2. select (each unit on its node): of every way to run T x G greedy full groups over the exact
    longest-first sort, skipping samples between them, the one with the most real tokens
    (`fullest_groups`, an exact dynamic programme); the skipped samples recirculate.
@@ -46,10 +46,10 @@ MIN_GROUP_SAMPLES = 64
 
 
 # The wider band (sixth pass): rounds of up to WIDE_MAX_SELECT_GROUPS groups of at least
-# WIDE_MIN_GROUP_SAMPLES samples give up WIDE_RESERVE_STEPS. Groups of 32-64 samples pad less
-# per straddle and such rounds run more steps, so one step's worth of samples kept back is
-# enough to choose from; giving up 2 (the narrow band's) lowered longtail at W=1024, 1 raised it
-# (0.97721 -> 0.97714 / 0.97916).
+# WIDE_MIN_GROUP_SAMPLES samples give up WIDE_RESERVE_STEPS (longtail: ~42 samples a group,
+# ~23 steps a round). One step's worth of samples kept back is enough to choose from there:
+# giving up 2 (the narrow band's) lowered longtail at W=1024, 1 raised every longtail row
+# (W=1024: 0.97721 -> 0.97714 / 0.97916 of the oracle).
 WIDE_RESERVE_STEPS = 1
 WIDE_MAX_SELECT_GROUPS = 256
 WIDE_MIN_GROUP_SAMPLES = 32
