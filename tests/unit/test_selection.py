@@ -85,9 +85,18 @@ def test_reserve_steps_only_in_rounds_of_few_large_groups_and_always_leaves_a_st
     assert selection.reserve_steps(4, g, large) == selection.RESERVE_STEPS
     assert selection.reserve_steps(2, g, large) == 1
     assert selection.reserve_steps(1, g, large) == 0
-    too_many = selection.MAX_SELECT_GROUPS // g + 1
+    assert selection.reserve_steps(4, g, large - 1) == selection.WIDE_RESERVE_STEPS
+    wide, too_many = (
+        selection.WIDE_MAX_SELECT_GROUPS // g,
+        selection.WIDE_MAX_SELECT_GROUPS // g + 1,
+    )
+    assert selection.reserve_steps(selection.MAX_SELECT_GROUPS // g + 1, g, large) == 1
+    assert selection.reserve_steps(wide, g, selection.WIDE_MIN_GROUP_SAMPLES) == 1
     assert selection.reserve_steps(too_many, g, large) == 0
-    assert selection.reserve_steps(4, g, large - 1) == 0  # groups of few samples pad little
+    assert selection.reserve_steps(2, g, selection.WIDE_MIN_GROUP_SAMPLES) == 1
+    assert selection.reserve_steps(1, g, selection.WIDE_MIN_GROUP_SAMPLES) == 0
+    # groups of few samples pad little
+    assert selection.reserve_steps(4, g, selection.WIDE_MIN_GROUP_SAMPLES - 1) == 0
 
 
 def _short_samples(seed: int, count: int) -> list[int]:
@@ -118,6 +127,27 @@ def test_a_round_of_few_groups_runs_fewer_steps_of_fuller_groups_and_loses_nothi
         assert sorted(ran) == sorted(unit.offer.samples.views.tolist())  # nothing lost or doubled
 
 
+def test_a_round_of_more_smaller_groups_gives_up_one_step_and_pads_less():
+    # The wide band: budget 2048 (~42 samples a group), 6,000 samples a unit: ~143 greedy groups,
+    # 71 full steps; the round gives up one and runs the fullest 70 x 2 groups.
+    config = replace(make_config(world=4, per_node=2, budget=2048, buffer=6000), fresh_groups=False)
+    offers = make_offers(config, [_short_samples(2, 6000), _short_samples(3, 6000)])
+    units = [group_unit(o, config, 0) for o in offers]
+    decision = decide_round([summarize(u, config.num_units) for u in units], config, 0)
+    assert decision.select_fullest
+    assert (
+        decision.num_steps == min(len(u.groups) for u in units) // 2 - selection.WIDE_RESERVE_STEPS
+    )
+    for node, unit in enumerate(units):
+        selected = plan_node(node, [unit], decision, config)
+        as_cut = plan_node(node, [unit], replace(decision, select_fullest=False), config)
+        assert (selected.columns["padded_tokens"] <= config.token_budget).all()
+        assert _padding(selected) < 0.8 * _padding(as_cut)  # 0.11 % vs 0.17 % on node 0
+        plan = selected.units[0]
+        ran = plan.emitted.views.tolist() + plan.leftover.views.tolist()
+        assert sorted(ran) == sorted(unit.offer.samples.views.tolist())  # nothing lost or doubled
+
+
 def _selects(config, offers) -> bool:
     summaries = [summarize(group_unit(o, config, 0), config.num_units) for o in offers]
     return decide_round(summaries, config, 0).select_fullest
@@ -129,10 +159,20 @@ def test_no_selection_with_a_giant_a_dry_unit_many_groups_or_small_ones():
     assert _selects(config, make_offers(config, short))
     assert not _selects(config, make_offers(config, [short[0][:-1] + [5000], short[1]]))
     assert not _selects(config, make_offers(config, short, dry=True))
-    many = [_short_samples(0, 6000), _short_samples(1, 6000)]  # ~70 groups a unit
-    assert not _selects(config, make_offers(config, many))
+    many = [_short_samples(0, 6000), _short_samples(1, 6000)]  # ~70 groups a unit: the wide band
+    units = [group_unit(o, config, 0) for o in make_offers(config, many)]
+    decision = decide_round([summarize(u, config.num_units) for u in units], config, 0)
+    assert decision.select_fullest
+    assert (
+        decision.num_steps == min(len(u.groups) for u in units) // 2 - selection.WIDE_RESERVE_STEPS
+    )
     small = replace(config, token_budget=1024)  # ~21 samples a group
     assert not _selects(small, make_offers(small, short))
+    too_many = replace(config, token_budget=2048, buffer_size=12000)  # ~42 a group, ~290 groups
+    lots = [_short_samples(0, 12000), _short_samples(1, 12000)]
+    assert not _selects(too_many, make_offers(too_many, lots))
+    fewer = [lots[0][:6000], lots[1][:6000]]  # ~143 groups of ~42: the wide band selects
+    assert _selects(too_many, make_offers(too_many, fewer))
 
 
 def test_a_sample_that_waited_max_hold_rounds_runs():
