@@ -210,6 +210,14 @@ class FaultCluster:
             first = first or lengths.pop()
         return first
 
+    def train_to_the_end(self, timeout_s: float) -> None:
+        """Starts every trainer and waits for the job's end: every process exits 0, nothing is
+        left in /dev/shm, and every rank got the same steps of every epoch."""
+        self.start_trainers()
+        daemon_codes, trainer_codes = self.wait_done(timeout_s)
+        self.assert_clean_exit(daemon_codes, trainer_codes)
+        self.assert_aligned()
+
     def assert_exactly_once(self, size: int) -> None:
         """Join mode: every identity of every epoch once, plus DistributedSampler tail padding."""
         tail = self.world * math.ceil(size / self.world) - size

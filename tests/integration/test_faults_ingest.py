@@ -86,10 +86,7 @@ def test_a_sample_that_kills_its_producer_is_quarantined_and_the_epoch_completes
     size, bad = 160, 77
     args = [*_dataset("crashing", size, workers=2, crash_at=bad, how=how), "--buffer", "8"]
     with FaultCluster(nodes=1, ranks_per_node=2, daemon_args=args) as fc:
-        fc.start_trainers()
-        daemon_codes, trainer_codes = fc.wait_done(60)
-        fc.assert_clean_exit(daemon_codes, trainer_codes)
-        fc.assert_aligned()
+        fc.train_to_the_end(60)
         _assert_quarantined(fc, size, {bad})
         log = fc.log(0)
         assert f"ended while making sample {bad} " in log, log[-3000:]
@@ -104,10 +101,7 @@ def test_a_sample_that_hangs_its_producer_forever_is_quarantined_and_the_epoch_c
     args = [*_dataset("crashing", size, workers=2, crash_at=bad, how="hang"), "--buffer", "8"]
     args += ["--lease-timeout", "3"]
     with FaultCluster(nodes=1, ranks_per_node=2, daemon_args=args) as fc:
-        fc.start_trainers()
-        daemon_codes, trainer_codes = fc.wait_done(60)
-        fc.assert_clean_exit(daemon_codes, trainer_codes)
-        fc.assert_aligned()
+        fc.train_to_the_end(60)
         _assert_quarantined(fc, size, {bad})
         log = fc.log(0)
         hung = f"inside dataset[i] for sample {bad} (view"
@@ -124,10 +118,7 @@ def test_a_producer_out_of_memory_is_restarted_and_every_sample_trains():
     size = 200
     args = [*_dataset("leaking", size, workers=1, leak_mib=2, limit_mib=80), "--buffer", "8"]
     with FaultCluster(nodes=1, ranks_per_node=2, daemon_args=args) as fc:
-        fc.start_trainers()
-        daemon_codes, trainer_codes = fc.wait_done(90)
-        fc.assert_clean_exit(daemon_codes, trainer_codes)
-        fc.assert_aligned()
+        fc.train_to_the_end(90)
         fc.assert_exactly_once(size)
         log = fc.log(0)
         assert "error: out of memory: the dataset leaks" in log, log[-3000:]
@@ -141,10 +132,7 @@ def test_packed_samples_whose_labels_are_shorter_than_input_ids_are_rejected_nam
     size, every = 120, 10
     args = [*_dataset("short_labels", size, every=every), "--buffer", "8", "--collate", "packed"]
     with FaultCluster(nodes=1, ranks_per_node=2, daemon_args=args) as fc:
-        fc.start_trainers()
-        daemon_codes, trainer_codes = fc.wait_done(60)
-        fc.assert_clean_exit(daemon_codes, trainer_codes)
-        fc.assert_aligned()
+        fc.train_to_the_end(60)
         bad = set(range(0, size, every))
         ids = fc.emitted_ids(0)
         assert set(ids) == set(range(size)) - bad and len(ids) == len(set(ids)), fc.describe()
@@ -163,10 +151,7 @@ def test_first_and_last_samples_crash_under_one_worker_and_both_are_quarantined(
     args = [*_dataset("crashing", size, workers=1, crash_at=f"0;{size - 1}", how="exit")]
     args += ["--buffer", "8", "--no-shuffle"]
     with FaultCluster(nodes=2, ranks_per_node=1, daemon_args=args) as fc:
-        fc.start_trainers()
-        daemon_codes, trainer_codes = fc.wait_done(60)
-        fc.assert_clean_exit(daemon_codes, trainer_codes)
-        fc.assert_aligned()
+        fc.train_to_the_end(60)
         _assert_quarantined(fc, size, crash)
 
 

@@ -71,10 +71,7 @@ def test_mtls_job_completes_an_epoch(tmp_path):
     per_node = [tls_args(make_leaf(tmp_path, ca, f"node{n}")) for n in range(2)]
     args = [*synthetic(SIZE), "--buffer", "4"]
     with FaultCluster(nodes=2, ranks_per_node=1, daemon_args=args, per_node_args=per_node) as fc:
-        fc.start_trainers()
-        daemon_codes, trainer_codes = fc.wait_done(90)
-        fc.assert_clean_exit(daemon_codes, trainer_codes)
-        fc.assert_aligned()
+        fc.train_to_the_end(90)
         fc.assert_exactly_once(SIZE)
 
 
