@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from odbclient import ODBClient
 from odbclient.errors import RankRefusedError
-from odbd.demo.cluster import ClusterSpec, LocalCluster
+from odbd.demo.cluster import ClusterSpec, LocalCluster, free_ports
 from tests.integration.ddp_launch import REPO, Reports, odbd_cluster, rank_environment
 
 pytestmark = pytest.mark.timeout(180)
@@ -80,7 +80,9 @@ def accelerate_launch(
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
                 "MASTER_ADDR", "MASTER_PORT"):  # fmt: skip
         env.pop(key)  # accelerate launch sets what it starts
+    # A free port per launch, not accelerate's default 29500, which another job may hold.
     cmd = [ACCELERATE, "launch", *flags, "--num_machines", "1", "--mixed_precision", "no",
+           "--main_process_ip", "127.0.0.1", "--main_process_port", str(free_ports(1)[0]),
            "--dynamo_backend", "no", "-m", "tests.integration.ddp_hf_trainer",
            "--framework", "accelerate", "--out-dir", str(out_dir), *script_args]  # fmt: skip
     out_dir.mkdir(parents=True, exist_ok=True)
