@@ -261,7 +261,10 @@ def test_ctrl_c_with_no_trainer_attached_exits_within_2_s_without_restarting_pro
 def test_a_second_signal_exits_at_once_and_still_releases_shm_socket_and_producers(
     tmp_path: Path, first: signal.Signals, second: signal.Signals
 ) -> None:
-    args = [*SMALL_JOB, "--epochs", "0", "--steps-ahead", "8", "--drain-timeout", "60"]
+    # --steps-ahead 32 over the trainers' prefetch 8: a stopped trainer leaves queued steps the
+    # daemon cannot send, so the drain must wait. With 8 (= the prefetch) every queued step and
+    # the job's end could already sit in the socket (CI, 2026-11-26: the drain ended at once).
+    args = [*SMALL_JOB, "--epochs", "0", "--steps-ahead", "32", "--drain-timeout", "60"]
     cluster = own_group_cluster(ClusterSpec(nodes=1, ranks_per_node=2, daemon_args=args))
     trainers: list[subprocess.Popen[bytes]] = []
     try:
