@@ -66,7 +66,7 @@ class IngestService:
         self._is_worker = is_worker
         self._in_flight: dict[int, InFlight] = {}  # producer -> the key in its lane header
         self._warned_hung: set[tuple[int, int]] = set()  # (producer, key) said once
-        self._killed: set[int] = set()  # hung workers killed, whose stream has not ended yet
+        self._killed: set[int] = set()  # hung workers killed (ids are never reused)
         self.sessions: dict[int, ProducerSession] = {}
         self._next_producer = 0
         self.closing = False
