@@ -833,7 +833,7 @@ def is_serving(*, phase: str, peers_joined: bool, producers: int, external_produ
 def _claim_socket_path(path: str) -> None:
     """Removes a stale socket file of a dead daemon; refuses one a live daemon answers on."""
     if not os.path.exists(path):
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         return
     probe = socketlib.socket(socketlib.AF_UNIX, socketlib.SOCK_STREAM)
     try:
