@@ -21,7 +21,7 @@ from odbclient.wire.odbd.v1 import ingest_pb2, trainer_pb2
 from odbd.framed_socket import HELLO_MAX_BYTES
 from tests.integration import faults_wire as wire
 from tests.integration.faults_cluster import FaultCluster
-from tests.integration.harness import scaled
+from tests.integration.harness import poll_until, scaled
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -363,3 +363,48 @@ def test_a_daemon_with_a_symlinked_journal_refuses_it_and_creates_nothing(tmp_pa
     assert sorted(os.listdir(state)) == ["node0.journal"]
     assert not socket_path.exists()
     assert not [n for n in os.listdir("/dev/shm") if n.startswith(f"odbd-{job_id}-")]
+
+
+def test_the_default_socket_lives_in_a_private_directory_and_a_squatted_one_is_refused(
+    tmp_path, monkeypatch
+):
+    """Issue 29 item 4: not bare /tmp/odbd-$UID.sock, which another user could bind first.
+    The daemon creates $XDG_RUNTIME_DIR/odbd mode 0700 (or /tmp/odbd-$UID), refuses one that
+    someone else owns, and a trainer given no socket finds the daemon there."""
+    from odbclient import ODBClient
+
+    runtime = tmp_path / "run"
+    runtime.mkdir(mode=0o700)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(runtime))
+    monkeypatch.delenv("ODBD_SOCKET", raising=False)
+    job_id = "default-socket"
+    command = [sys.executable, "-m", "odbd", "--world", "1", "--nproc-per-node", "1"]
+    command += ["--dataset-size", "5", "--job-id", job_id, "--epochs", "0"]
+    private = runtime / "odbd"
+    private.mkdir(mode=0o700)
+    os.chown(private, NOBODY, NOBODY)  # another user made it first
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=scaled(60))
+    assert proc.returncode == 2, proc.stderr
+    assert f"--socket: directory {private} is owned by another user" in proc.stderr
+    assert f"owner uid {NOBODY}" in proc.stderr and f"chmod 700 {private}" in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert os.listdir(private) == []
+    private.rmdir()
+    log = open(tmp_path / "daemon.log", "wb")  # noqa: SIM115
+    daemon = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+    log.close()
+    try:
+        poll_until(lambda: (private / "odbd.sock").exists(), "the daemon bound its socket")
+        assert stat.S_IMODE(private.stat().st_mode) == 0o700
+        assert private.stat().st_uid == os.getuid()
+        client = ODBClient(rank=0, connect_timeout_s=scaled(30))  # no socket: the default
+        try:
+            iter(client)  # welcomed (no producers run, so no batch)
+            assert client.socket == str(private / "odbd.sock")
+        finally:
+            client.close()
+    finally:
+        daemon.terminate()
+        daemon.wait(timeout=scaled(60))
+    assert daemon.returncode == 0, (tmp_path / "daemon.log").read_text()
+    assert not (private / "odbd.sock").exists()
