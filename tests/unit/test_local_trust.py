@@ -146,3 +146,20 @@ def test_journal_directory_check_runs_at_the_cli(tmp_path: Path):
     with pytest.raises(ConfigError, match=r"--state-dir: directory .* writable by group or others"):
         flag_files.check_state_dir(shared)
     flag_files.check_state_dir(tmp_path / "absent")  # created 0700 by the journal
+
+
+def test_odbd_status_probes_the_listener_before_its_grpc_request(tmp_path, capsys):
+    """gRPC shows no peer credentials: `odbd status` checks the socket's owner first."""
+    from odbd import status
+
+    path = tmp_path / "odbd.sock"
+    server = socket.socket(socket.AF_UNIX)
+    server.bind(str(path))
+    server.listen(1)
+    with server:
+        local_trust.probe_daemon(str(path), who="odbd status")  # ours: nothing to say
+        os.chown(path, 65534, 65534)
+        assert status.main(["--socket", str(path)], environ={}) == 1
+    err = capsys.readouterr().err
+    assert f"the socket {path} belongs to uid 65534" in err, err
+    assert "odbd status sent nothing" in err
