@@ -188,11 +188,12 @@ def _python_for_nobody() -> str:
     pytest.skip("no world-executable python3 to run a process as another user")
 
 
-@pytest.mark.parametrize("case", ["socket-owner", "listener-uid"])
+@pytest.mark.parametrize("case", ["socket-owner", "listener-uid", "listener-uid-reader-process"])
 def test_a_trainer_and_a_producer_refuse_a_socket_of_another_user_before_sending_anything(case):
     """Issue 29 item 4: another user binds the daemon's path first. The trainer and the
     producer refuse it, naming the path and the uid, and the squatter receives 0 bytes.
-    "listener-uid": the socket file is root's (as if chowned), so only SO_PEERCRED shows it."""
+    "listener-uid": the socket file is root's (as if chowned), so only SO_PEERCRED shows it;
+    with reader="process" the reader process connects, and its refusal reaches the trainer."""
     from odbclient import ODBClient, Producer
     from odbclient.errors import UntrustedDaemonError
 
@@ -210,11 +211,12 @@ def test_a_trainer_and_a_producer_refuse_a_socket_of_another_user_before_sending
     try:
         assert squatter.stdout is not None and squatter.stdin is not None
         assert squatter.stdout.readline().split() == ["ready", str(NOBODY)]
-        if case == "listener-uid":
+        if case.startswith("listener-uid"):
             for name in (steps_socket_path(path), ingest_socket_path(path)):
                 os.chown(name, 0, 0)
         expected = rf"{path}\.steps .*uid {NOBODY}.*sent nothing"
-        client = ODBClient(rank=0, socket=path, connect_timeout_s=scaled(10))
+        reader = "process" if case.endswith("reader-process") else "thread"
+        client = ODBClient(rank=0, socket=path, connect_timeout_s=scaled(10), reader=reader)
         with pytest.raises(UntrustedDaemonError, match=expected):
             iter(client)
         client.close()
@@ -231,7 +233,7 @@ def test_a_trainer_and_a_producer_refuse_a_socket_of_another_user_before_sending
             if pipe is not None:
                 pipe.close()
         shutil.rmtree(home, ignore_errors=True)
-    connections = 2 if case == "listener-uid" else 0  # the socket-owner case never connects
+    connections = 0 if case == "socket-owner" else 2  # a file of theirs: never connected
     assert counts == [f"connections={connections}", "bytes=0"]
 
 
