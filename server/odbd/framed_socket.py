@@ -27,8 +27,9 @@ from odbd.serve.hello import Refusal
 HELLO_TIMEOUT_S = 30.0  # a connection that says nothing must not hold a socket forever
 # Before its hello a peer is nobody: it may make the daemon buffer at most one hello frame
 # (a hello is under 200 bytes; the usual 64 MiB frame bound let 8 silent connections hold
-# +474 MB), and at most this many connections of a server may wait for their hello at once
-# (a node runs a few ranks and producers; reconnects come one at a time).
+# +505 MB: tests/bench/prehello_rss.py), and at most this many connections of a server may
+# wait for their hello at once (a node runs a few ranks and producers; reconnects come one at
+# a time).
 HELLO_MAX_BYTES = 64 << 10
 MAX_UNGREETED = 64
 _CLOSE_WAIT_S = 1.0  # shutdown: how long closing connections may take (like gRPC's grace)
