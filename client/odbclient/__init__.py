@@ -27,6 +27,7 @@ from odbclient.errors import (
     RankRefusedError,
     ReaderProcessError,
     StateDictError,
+    UntrustedDaemonError,
 )
 
 if TYPE_CHECKING:
@@ -63,6 +64,7 @@ __all__ = [
     "ReaderProcessError",
     "RejectReason",
     "StateDictError",
+    "UntrustedDaemonError",
 ]
 
 

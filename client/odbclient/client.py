@@ -90,7 +90,10 @@ def launcher_world(environ: Mapping[str, str] = os.environ) -> TrainerWorld:
 class ODBClient:
     """The batches of one trainer rank, one epoch per iteration.
 
-    `socket`: the daemon's unix socket; else $ODBD_SOCKET, else `DEFAULT_SOCKET`.
+    `socket`: the daemon's unix socket; else $ODBD_SOCKET, else the per-user default
+        ($XDG_RUNTIME_DIR/odbd/odbd.sock or /tmp/odbd-$UID/odbd.sock, odbclient.local_trust).
+        The socket and the daemon behind it must be this user's or root's
+        (UntrustedDaemonError otherwise, before anything is sent).
     `job_id`: the job this rank belongs to; a daemon of another --job-id refuses it
         (JobMismatchError). Default: $ODBD_JOB_ID (which the daemons' --job-id also reads),
         else "" (any job).

@@ -27,7 +27,9 @@ from odbclient.errors import (
     ProtocolError,
     RankInUseError,
     RankRefusedError,
+    UntrustedDaemonError,
 )
+from odbclient.local_trust import check_daemon_peer, check_socket_owner, default_socket
 
 # The odbd.v1 trainer and ingest services; the daemon refuses other versions. 2: steps may come
 # as StepBatches and a Delivered may cover several steps (a version 1 client would drop them).
@@ -52,7 +54,9 @@ SOCKET_ENV = "ODBD_SOCKET"
 # The daemons' --job-id reads it too: one variable in the job's environment names the job for
 # both, so a trainer pointed at another job's socket is refused instead of training its data.
 JOB_ID_ENV = "ODBD_JOB_ID"
-DEFAULT_SOCKET = f"/tmp/odbd-{os.getuid()}.sock"
+# $XDG_RUNTIME_DIR/odbd/odbd.sock or /tmp/odbd-$UID/odbd.sock (odbclient.local_trust): a
+# directory only this user can write, as of import; resolve_socket computes it afresh.
+DEFAULT_SOCKET = default_socket()
 
 _Refusal = tuple[type[ODBClientError], str]  # error class, the fix to append
 
@@ -88,7 +92,7 @@ PRODUCER_REFUSALS: Mapping[grpc.StatusCode, _Refusal] = {
 
 def resolve_socket(socket: str | None) -> str:
     """The socket argument, else $ODBD_SOCKET, else the per-user default."""
-    return socket or os.environ.get(SOCKET_ENV) or DEFAULT_SOCKET
+    return socket or os.environ.get(SOCKET_ENV) or default_socket()
 
 
 def open_channel(socket: str, *, timeout_s: float) -> grpc.Channel:
@@ -129,12 +133,16 @@ def _connect_framed(socket: str, path: str, *, who: str, timeout_s: float) -> so
 
     A daemon binds its framed sockets before its gRPC socket, so a gRPC socket that answers
     with none at `path` is a daemon older than this odbclient: that fails at once, by name.
+    Before the caller sends a byte, the socket file's owner and the listener's SO_PEERCRED uid
+    must be this user or root (odbclient.local_trust), else UntrustedDaemonError.
     """
     deadline_s = time.monotonic() + timeout_s
     while True:
+        check_socket_owner(path, who=who)
         sock = socketlib.socket(socketlib.AF_UNIX, socketlib.SOCK_STREAM)
         try:
             sock.connect(path)
+            check_daemon_peer(sock, path, who=who)
             return sock
         except (FileNotFoundError, ConnectionRefusedError) as error:
             sock.close()
@@ -144,6 +152,9 @@ def _connect_framed(socket: str, path: str, *, who: str, timeout_s: float) -> so
                     f"than this odbclient ({who} protocol {PROTOCOL_VERSION}), or it is "
                     f"shutting down; install the same odbd release for the daemon and its {who}s"
                 ) from None
+        except UntrustedDaemonError:
+            sock.close()
+            raise
         except PermissionError:
             sock.close()
             raise DaemonUnavailableError(

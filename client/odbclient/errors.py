@@ -11,6 +11,10 @@ class DaemonUnavailableError(ODBClientError, ConnectionError):
     """No odbd daemon answers on the socket (not started, crashed, or another path)."""
 
 
+class UntrustedDaemonError(ODBClientError, PermissionError):
+    """The daemon's socket or shm segment belongs to another user: nothing was sent to it."""
+
+
 class RankRefusedError(ODBClientError, ValueError):
     """The daemon refused the hello: the rank is not on this node or the resume point is bad."""
 

@@ -45,8 +45,13 @@ def frame(payload: bytes) -> bytes:
 class FrameBuffer:
     """Bytes received so far; `feed` returns the payloads of every frame they complete."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, first_frame_limit: int | None = None, first_frame: str = "") -> None:
+        """`first_frame_limit`: a smaller bound for the first frame only (the daemon's for a
+        peer's hello: a peer must not make it buffer megabytes before saying who it is);
+        `first_frame` names that message in the error."""
         self._pending = bytearray()
+        self._first_limit = first_frame_limit
+        self._first_name = first_frame
 
     def feed(self, data: bytes | bytearray | memoryview) -> list[bytes]:
         pending = self._pending
@@ -54,6 +59,16 @@ class FrameBuffer:
         payloads, pos, end = [], 0, len(pending)
         while end - pos >= 4:
             (length,) = _LENGTH.unpack_from(pending, pos)
+            if self._first_limit is not None:
+                if length > self._first_limit:
+                    raise FrameError(
+                        f"the first frame ({self._first_name}) announces {length} bytes (at "
+                        f"most {self._first_limit} before the peer's hello): the peer is not "
+                        "an odbd client of this protocol, or the stream is corrupt"
+                    )
+                if end - pos - 4 < length:
+                    break
+                self._first_limit = None  # the first frame is complete: the usual bound follows
             if length > MAX_FRAME_BYTES:
                 raise FrameError(
                     f"a frame announces {length} bytes (at most {MAX_FRAME_BYTES}): the peer "

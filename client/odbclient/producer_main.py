@@ -30,7 +30,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Lease sample ids from the local odbd, preprocess them with the user's "
         "dataset, and write the samples into shared memory.",
     )
-    parser.add_argument("--socket", help="daemon unix socket (default: $ODBD_SOCKET, then /tmp)")
+    parser.add_argument(
+        "--socket", help="daemon unix socket (default: $ODBD_SOCKET, else the per-user one)"
+    )
     parser.add_argument("--dataset", required=True, help="MODULE:FACTORY (MODULE may be a .py)")
     parser.add_argument(
         "--dataset-arg",

@@ -175,9 +175,14 @@ class ArenaView:
 
 
 def map_segment(path: str, *, name: str) -> memoryview:
-    """Maps a whole segment file read-write; the fd is closed, the mapping stays."""
+    """Maps a whole segment file read-write; the fd is closed, the mapping stays. The file
+    must be a regular file of this user (or root) that group and others cannot access
+    (odbclient.local_trust.check_segment): another user's file could feed forged samples."""
+    from odbclient.local_trust import check_segment
+
     try:
-        fd = os.open(path, os.O_RDWR)
+        # O_NOFOLLOW: a symlink planted under the segment's name is refused (ELOOP), not mapped.
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
     except FileNotFoundError:
         raise ShmAttachError(
             f"shm segment {name} does not exist: the daemon that advertised it exited or "
@@ -188,7 +193,14 @@ def map_segment(path: str, *, name: str) -> memoryview:
             f"shm segment {name} belongs to another user (mode 0600); run producers and "
             "trainers as the user of the odbd daemon"
         ) from None
+    except OSError as error:
+        raise ShmAttachError(
+            f"shm segment {name} cannot be opened ({path}): {os.strerror(error.errno or 0)}; "
+            "it must be a regular file the daemon made (not a symbolic link); restart the "
+            "daemon to recreate its segments"
+        ) from None
     try:
+        check_segment(fd, name)
         return memoryview(mmap.mmap(fd, os.fstat(fd).st_size))
     finally:
         os.close(fd)

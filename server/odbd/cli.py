@@ -236,7 +236,9 @@ def daemon_parser() -> flags.OneLineParser:
         type=flags.socket_path,
         default=default_socket(),
         metavar="PATH",
-        help="unix socket of trainers and producers (mode 0600); its directory must exist",
+        help="unix socket of trainers and producers (mode 0600); its directory must exist "
+        "(the default's is created mode 0700, and refused if another user owns it or others "
+        "can write it)",
     )
     net.add_argument(
         "--peers",
@@ -376,7 +378,7 @@ def _default_text(action: argparse.Action) -> str:
     if action.default is None or action.default in ("", (), []):
         return "-"
     if action.default == default_socket():
-        return "`/tmp/odbd-$UID.sock`"
+        return "`$XDG_RUNTIME_DIR/odbd/odbd.sock`, else `/tmp/odbd-$UID/odbd.sock`"
     return f"`{action.default}`"
 
 

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from odbclient import local_trust
 from odbd.errors import ConfigError
 from odbd.planner.config import Balance, Collate, Grouping, LossScaling, PlannerConfig
 from odbd.planner.cost_fit import CostModelMode
@@ -21,8 +22,9 @@ DEFAULT_PADS = {"labels": -100.0}
 
 
 def default_socket() -> str:
-    """Where trainers and producers find the daemon unless told otherwise (matches odbclient)."""
-    return f"/tmp/odbd-{os.getuid()}.sock"
+    """Where trainers and producers find the daemon unless told otherwise (matches odbclient):
+    odbd.sock in $XDG_RUNTIME_DIR/odbd or /tmp/odbd-$UID, a directory only this user writes."""
+    return local_trust.default_socket()
 
 
 def node_rank_from_environment(environ: Mapping[str, str] | None = None) -> int:

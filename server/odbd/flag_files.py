@@ -6,10 +6,13 @@ prints it as one line and exits 2.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import stat
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from odbclient import local_trust
 from odbd.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -18,8 +21,13 @@ if TYPE_CHECKING:
 
 def check_socket_directory(socket: str) -> None:
     """The socket's directory must exist and be writable: odbd does not create it, so a typo
-    in the path is an error here rather than a directory made somewhere unexpected."""
+    in the path is an error here rather than a directory made somewhere unexpected. The
+    default socket's directory is the exception: created mode 0700, and refused when another
+    user owns it or others can write it (another user could take the path first)."""
     directory = Path(socket).parent
+    if str(directory) == local_trust.default_socket_dir():
+        fix = "or pass --socket in a directory only you can write"
+        ensure_private_dir(directory, flag="--socket", fix=fix)
     if not directory.is_dir():
         raise ConfigError(
             f"--socket {socket}: directory {directory} does not exist; create it (mode 0700) "
@@ -36,8 +44,47 @@ def check_socket_directory(socket: str) -> None:
         )
 
 
+def ensure_private_dir(directory: Path, *, flag: str, fix: str) -> None:
+    """Creates `directory` mode 0700 if absent (its parent must exist); refuses one another
+    user owns or others can write (ConfigError with the fix): another user could plant files
+    there for odbd to follow, or replace what odbd keeps."""
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(directory, 0o700)
+    check_private_dir(directory, flag=flag, fix=fix)
+
+
+def check_private_dir(directory: Path, *, flag: str, fix: str) -> None:
+    """`directory` (or, through a symbolic link this user or root owns, its target) is a
+    directory of this user or root that group and others cannot write; else ConfigError."""
+    problem = private_dir_problem(directory)
+    if problem:
+        uid = os.getuid()
+        raise ConfigError(
+            f"{flag}: directory {directory} {problem}, so another user could plant or replace "
+            f"files odbd uses there. Fix: `chown {uid} {directory} && chmod 700 {directory}` "
+            f"(as root), or remove it so odbd creates it mode 0700, {fix}"
+        )
+
+
+def private_dir_problem(directory: Path) -> str:
+    """Why `directory` may not hold odbd's sockets or journal ("" when it may)."""
+    uid = os.getuid()
+    try:
+        link = os.lstat(directory)
+        if stat.S_ISLNK(link.st_mode) and not local_trust.trusted_uid(link.st_uid, uid):
+            return f"is a symbolic link owned by uid {link.st_uid}, not by this user (uid {uid})"
+        info = os.stat(directory)
+    except OSError as error:
+        return f"cannot be inspected ({error.strerror})"
+    problem = local_trust.private_dir_problem(info, uid)
+    if not problem:
+        return ""
+    return f"{problem} (owner uid {info.st_uid}, mode {stat.S_IMODE(info.st_mode):04o})"
+
+
 def check_state_dir(state_dir: Path) -> None:
-    """--state-dir is a writable directory, or can be created under one (the journal does)."""
+    """--state-dir is a writable directory, or can be created under one (the journal does,
+    mode 0700: odbd.daemon.journal checks its owner and mode when it opens it)."""
     existing = state_dir
     while not existing.exists() and existing != existing.parent:
         existing = existing.parent
@@ -50,6 +97,10 @@ def check_state_dir(state_dir: Path) -> None:
         raise ConfigError(
             f"--state-dir {state_dir}: {existing} is not writable by this user, so the restart "
             "journal cannot be written; pass a directory you can write"
+        )
+    if existing == state_dir:
+        check_private_dir(
+            state_dir, flag="--state-dir", fix="or pass a --state-dir only you can write"
         )
 
 

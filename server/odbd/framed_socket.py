@@ -21,9 +21,17 @@ from typing import Any, cast
 from google.protobuf.message import DecodeError, Message
 
 from odbclient.framing import FrameBuffer, FrameError, frame
+from odbclient.local_trust import peer_credentials, trusted_uid
 from odbd.serve.hello import Refusal
 
 HELLO_TIMEOUT_S = 30.0  # a connection that says nothing must not hold a socket forever
+# Before its hello a peer is nobody: it may make the daemon buffer at most one hello frame
+# (a hello is under 200 bytes; the usual 64 MiB frame bound let 8 silent connections hold
+# +505 MB: tests/bench/prehello_rss.py), and at most this many connections of a server may
+# wait for their hello at once (a node runs a few ranks and producers; reconnects come one at
+# a time).
+HELLO_MAX_BYTES = 64 << 10
+MAX_UNGREETED = 64
 _CLOSE_WAIT_S = 1.0  # shutdown: how long closing connections may take (like gRPC's grace)
 
 
@@ -39,7 +47,8 @@ class FramedConnection(asyncio.Protocol):
 
     def __init__(self, connections: set[FramedConnection]) -> None:
         self._connections = connections
-        self._frames = FrameBuffer()
+        self._frames = FrameBuffer(first_frame_limit=HELLO_MAX_BYTES, first_frame=self.hello_name)
+        self._greeted = False  # the hello arrived (hello_done)
         self._transport: asyncio.Transport | None = None
         self._sender: asyncio.Task[None] | None = None
         self._writable = asyncio.Event()
@@ -69,11 +78,50 @@ class FramedConnection(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
+        ungreeted = sum(1 for c in self._connections if not c._greeted)
         self._connections.add(self)
+        refusal = self._peer_refusal(transport)
+        if refusal is None and ungreeted >= MAX_UNGREETED:
+            refusal = Refusal(
+                "RESOURCE_EXHAUSTED",
+                f"{ungreeted} connections of the {self.socket_name} are waiting for their "
+                f"{self.hello_name} (at most {MAX_UNGREETED}); retry once they said it or left",
+            )
+        if refusal is not None:
+            self.refuse(refusal)
+            return
         self._hello_timer = asyncio.get_running_loop().call_later(
             HELLO_TIMEOUT_S,
             self.refuse,
             Refusal("INVALID_ARGUMENT", f"no {self.hello_name} within {HELLO_TIMEOUT_S:g} s"),
+        )
+
+    def _peer_refusal(self, transport: asyncio.BaseTransport) -> Refusal | None:
+        """A peer of another user than the daemon's (or root) is refused before it sends a
+        byte: the socket is 0600, so one only gets here through a file-mode mistake."""
+        sock = transport.get_extra_info("socket")
+        if sock is None:  # not a unix socket (unit tests' fake transports)
+            return None
+        try:
+            peer = peer_credentials(sock)
+        except OSError as error:
+            return Refusal("PERMISSION_DENIED", f"the peer's credentials are unreadable: {error}")
+        own = os.getuid()
+        if trusted_uid(peer.uid, own):
+            return None
+        self.log.warning(
+            "%s refused: pid %d runs as uid %d, not as the daemon's user (uid %d) or root; "
+            "check the modes of %s and of its directory",
+            self.peer,
+            peer.pid,
+            peer.uid,
+            own,
+            self.socket_name,
+        )
+        return Refusal(
+            "PERMISSION_DENIED",
+            f"uid {peer.uid} may not use this daemon (it serves uid {own} and root); run the "
+            f"{self.peer} as the daemon's user",
         )
 
     def data_received(self, data: bytes) -> None:
@@ -118,6 +166,7 @@ class FramedConnection(asyncio.Protocol):
             self._transport.close()
 
     def hello_done(self) -> None:
+        self._greeted = True
         if self._hello_timer is not None:
             self._hello_timer.cancel()
 

@@ -15,6 +15,8 @@ from collections.abc import Mapping
 import grpc
 
 from odbclient.connect import accepts_connections
+from odbclient.errors import UntrustedDaemonError
+from odbclient.local_trust import probe_daemon
 from odbclient.wire.odbd.v1 import admin_pb2, admin_pb2_grpc
 from odbd import flags
 from odbd.config import default_socket
@@ -117,6 +119,11 @@ def main(argv: list[str] | None = None, environ: Mapping[str, str] | None = None
         flags.socket_path(socket)
     except argparse.ArgumentTypeError as error:
         p.error(f"{source}: {error}")
+    try:  # gRPC shows no peer credentials: check the listener's uid before it gets a byte
+        probe_daemon(socket, who="odbd status")
+    except UntrustedDaemonError as error:
+        print(f"odbd status: error: {error}", file=sys.stderr)
+        return 1
     with grpc.insecure_channel(f"unix:{socket}") as channel:
         stub = admin_pb2_grpc.AdminStub(channel)
         while True:

@@ -393,7 +393,8 @@ def test_a_full_state_dir_fails_the_job_cleanly_and_still_releases_shm_and_socke
     state.mkdir()
     args = [*SMALL_JOB, "--epochs", "0", "--state-dir", str(state)]
     cluster = LocalCluster(ClusterSpec(nodes=1, ranks_per_node=2, daemon_args=args))
-    mount = f'mount -t tmpfs -o size=16k tmpfs "{state}" && exec "$@"'
+    # mode=0700: a tmpfs root is 1777 by default, which --state-dir refuses (issue 29).
+    mount = f'mount -t tmpfs -o size=16k,mode=0700 tmpfs "{state}" && exec "$@"'
     log = open(cluster.log_dir / "daemon0.log", "ab")  # noqa: SIM115 (closed below)
     command = ["unshare", "-rm", "sh", "-c", mount, "sh", *cluster.command(0)]
     cluster.processes.append(subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT))

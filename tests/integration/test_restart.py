@@ -65,18 +65,26 @@ def _tear(journal: Path) -> None:
 
 
 def test_a_journal_on_a_full_device_stops_the_daemon_with_the_fix(tmp_path):
-    """ENOSPC from the kernel: the journal path is a symlink to /dev/full."""
+    """ENOSPC from the kernel at the journal's first write: --state-dir is a full 4 KiB tmpfs
+    in the daemon's own mount namespace (a symlink to /dev/full did it before issue 29; the
+    journal now refuses symlinks)."""
     state = tmp_path / "state"
     state.mkdir()
-    (state / "node0.journal").symlink_to("/dev/full")
     spec = ClusterSpec(
         nodes=1,
         ranks_per_node=1,
         daemon_args=[*synthetic_args(20), "--shm-size", "16M", "--state-dir", str(state)],
     )
     cluster = LocalCluster(spec)
+    fill = (
+        f'mount -t tmpfs -o size=4k,mode=0700 tmpfs "{state}" && '
+        f'head -c 4096 /dev/zero > "{state}/filler"; exec "$@"'
+    )
+    log_file = open(cluster.log_dir / "daemon0.log", "ab")  # noqa: SIM115 (closed below)
+    command = ["unshare", "-rm", "sh", "-c", fill, "sh", *cluster.command(0)]
+    cluster.processes.append(subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT))
+    log_file.close()
     try:
-        cluster.start()
         (code,) = cluster.wait(60)
     finally:
         cluster.stop()

@@ -710,7 +710,12 @@ def test_socket_comes_from_argument_then_environment_then_default(
     assert ODBClient(rank=0, socket="/arg.sock").socket == "/arg.sock"
     assert ODBClient(rank=0).socket == "/run/odbd/env.sock"
     monkeypatch.delenv("ODBD_SOCKET")
-    assert ODBClient(rank=0).socket == DEFAULT_SOCKET == f"/tmp/odbd-{os.getuid()}.sock"
+    monkeypatch.delenv("XDG_RUNTIME_DIR", raising=False)
+    # In a directory only this user can write (issue 29), not bare /tmp.
+    assert ODBClient(rank=0).socket == f"/tmp/odbd-{os.getuid()}/odbd.sock"
+    monkeypatch.setenv("XDG_RUNTIME_DIR", "/nonexistent-runtime-dir")  # stale: falls back
+    assert ODBClient(rank=0).socket == f"/tmp/odbd-{os.getuid()}/odbd.sock"
+    assert DEFAULT_SOCKET.endswith("/odbd.sock")
 
 
 def test_invalid_constructor_arguments_are_refused() -> None:

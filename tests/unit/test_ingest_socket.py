@@ -194,7 +194,7 @@ def test_shutdown_ends_the_stream_and_a_late_producer_is_told_the_same(
         (hello(dataset_size=10), "FAILED_PRECONDITION", "dataset has 10 samples"),
         (lease(1), "INVALID_ARGUMENT", "first message must be a ProducerHello"),
         (frame(b"\xff\xff"), "INVALID_ARGUMENT", "unreadable message on the ingest socket"),
-        (struct.pack("<I", MAX_FRAME_BYTES + 1), "INVALID_ARGUMENT", "a frame announces"),
+        (struct.pack("<I", MAX_FRAME_BYTES + 1), "INVALID_ARGUMENT", "(ProducerHello) announces"),
     ],
     ids=["protocol", "job", "dataset-size", "no-hello", "garbage", "huge-frame"],
 )

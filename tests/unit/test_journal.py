@@ -1,3 +1,4 @@
+import errno
 import os
 import tempfile
 from pathlib import Path
@@ -7,6 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from odbd.daemon import journal as journal_module
 from odbd.daemon.journal import FILE_HEADER, Journal, JournalError, check_header, replay
 from odbd.errors import ConfigError
 
@@ -16,13 +18,13 @@ FINGERPRINT = {"world": "2", "token_budget": "100"}
 @pytest.fixture(autouse=True)
 def _close_journals(monkeypatch):
     opened = []
-    original = Journal.open
+    original = Journal.__init__
 
-    def tracking_open(self, *args):
-        opened.append(self)
+    def tracking_init(self, *args):
+        opened.append(self)  # a journal holds its directory's fd from construction
         original(self, *args)
 
-    monkeypatch.setattr(Journal, "open", tracking_open)
+    monkeypatch.setattr(Journal, "__init__", tracking_init)
     yield
     for journal in opened:
         journal.close()
@@ -177,13 +179,65 @@ def test_a_full_disk_fails_the_append_with_the_fix(tmp_path):
     journal.close()  # twice: still no error
 
 
-def test_a_journal_on_a_full_device_fails_at_open(tmp_path):
-    (tmp_path / "node0.journal").symlink_to("/dev/full")
+def test_a_journal_on_a_full_device_fails_at_open(tmp_path, monkeypatch):
+    def full(fd, data):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
     journal = Journal(tmp_path, 0)
     assert not journal.exists()
+    monkeypatch.setattr(journal_module.os, "write", full)
     with pytest.raises(JournalError, match="cannot write the --state-dir journal .*ENOSPC"):
         journal.open(FINGERPRINT, 10)
+    monkeypatch.undo()
     journal.close()
+
+
+@pytest.mark.parametrize("target", ["missing", "empty", "/dev/full"])
+def test_a_symlinked_journal_is_refused_and_nothing_is_created_or_changed(tmp_path, target):
+    """Issue 29: another user plants node0.journal -> a file for a root daemon to create or
+    overwrite (and fchmod); the daemon refuses the link and touches nothing through it."""
+    state, elsewhere = tmp_path / "state", tmp_path / "elsewhere"
+    state.mkdir(mode=0o700)
+    elsewhere.mkdir(mode=0o700)
+    if target == "/dev/full":
+        pointed = Path(target)
+    else:
+        pointed = elsewhere / "victim"
+        if target == "empty":
+            pointed.write_bytes(b"")
+            pointed.chmod(0o644)
+    (state / "node0.journal").symlink_to(pointed)
+    before = sorted(os.listdir(elsewhere)), (pointed.stat() if pointed.exists() else None)
+    journal = Journal(state, 0)
+    with pytest.raises(JournalError, match="is a symbolic link; odbd never follows one") as err:
+        journal.exists()  # the daemon's first look at it
+    assert str(state / "node0.journal") in str(err.value)
+    with pytest.raises(JournalError, match="is a symbolic link"):
+        journal.open(FINGERPRINT, 10)
+    after = sorted(os.listdir(elsewhere)), (pointed.stat() if pointed.exists() else None)
+    assert after == before  # nothing created; the empty file kept its size, mode and times
+    assert sorted(os.listdir(state)) == ["node0.journal"]
+
+
+def test_a_state_dir_of_another_user_or_writable_by_others_is_refused(tmp_path):
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    with pytest.raises(ConfigError, match=r"is writable by group or others .*mode 0777.*chmod 700"):
+        Journal(shared, 0)
+    theirs = tmp_path / "theirs"
+    theirs.mkdir(mode=0o700)
+    os.chown(theirs, 65534, 65534)
+    with pytest.raises(ConfigError, match=r"owned by another user.*owner uid 65534"):
+        Journal(theirs, 0)
+    assert os.listdir(shared) == [] and os.listdir(theirs) == []
+
+
+def test_an_absent_state_dir_is_created_0700(tmp_path):
+    journal = Journal(tmp_path / "a" / "state", 0)
+    journal.open(FINGERPRINT, 10)
+    assert (tmp_path / "a" / "state").stat().st_mode & 0o777 == 0o700
+    assert journal.path.stat().st_mode & 0o777 == 0o600
 
 
 def test_close_logs_rather_than_raises_when_the_descriptor_is_gone(tmp_path, caplog):

@@ -142,6 +142,8 @@ class Daemon:
         check_offer_fits(config.buffer, world.ranks_per_node, world.num_nodes)
         # First, before anything is created: a live daemon on this socket refuses the start.
         _claim_socket_path(config.socket)
+        # Then the journal: one that is refused (a planted symlink) leaves nothing created.
+        self._open_journal()
         self.arena = Arena.create(config.job_id, config.node_rank, config.shm_size)
         lanes = Lanes(self.arena, self._lane_bytes())
         # Read only for the first sample and mismatches: a schema_mismatch then names the key.
@@ -168,7 +170,6 @@ class Daemon:
             on_delivered=self._on_delivered,
             on_hello=self._on_trainer_hello,
         )
-        self._open_journal()
         await self._serve_socket(trainer)
         self.barrier = RoundBarrier(self._round_config())
         await self.barrier.start()
@@ -833,7 +834,7 @@ def is_serving(*, phase: str, peers_joined: bool, producers: int, external_produ
 def _claim_socket_path(path: str) -> None:
     """Removes a stale socket file of a dead daemon; refuses one a live daemon answers on."""
     if not os.path.exists(path):
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         return
     probe = socketlib.socket(socketlib.AF_UNIX, socketlib.SOCK_STREAM)
     try:

@@ -37,7 +37,9 @@ from pathlib import Path
 
 import numpy as np
 
+from odbclient.local_trust import private_dir_problem
 from odbd.errors import ConfigError, OdbdError
+from odbd.flag_files import ensure_private_dir
 
 log = logging.getLogger(__name__)
 
@@ -163,10 +165,34 @@ def _decode_body(body: bytes) -> Record:
 
 
 class Journal:
+    """One node's journal file in --state-dir, reached only through the directory's fd.
+
+    Another local user must not be able to steer the daemon's writes (issue 29): the directory
+    must be this user's (or root's) and not writable by others (created 0700 when absent), and
+    the file is opened relative to the directory's fd with O_NOFOLLOW, so a symbolic link
+    planted under the journal's name is refused, and nothing is created or changed through it.
+    """
+
     def __init__(self, directory: Path, node_rank: int) -> None:
-        directory.mkdir(parents=True, exist_ok=True, mode=0o700)
         self.path = directory / f"node{node_rank}.journal"
+        self._name = self.path.name
         self._fd: int | None = None
+        self._dir_fd: int | None = None
+        directory.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        fix = "or pass a --state-dir only you can write"
+        ensure_private_dir(directory, flag="--state-dir", fix=fix)
+        try:
+            dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except OSError as error:
+            raise self._error("open the directory of", error) from None
+        # Checked again on what was opened: the path could have been swapped since.
+        problem = private_dir_problem(os.fstat(dir_fd), os.getuid())
+        if problem:
+            os.close(dir_fd)
+            raise ConfigError(
+                f"--state-dir {directory} {problem}; pass a --state-dir only you can write"
+            )
+        self._dir_fd = dir_fd
 
     def exists(self) -> bool:
         """True if the journal holds a job's header: a restart, not a fresh start."""
@@ -174,17 +200,37 @@ class Journal:
 
     def open(self, fingerprint: dict[str, str], views_per_iteration: int) -> None:
         """Opens for appending: cuts a torn or corrupt tail first, starts a fresh file if empty."""
-        valid = self._cut_torn_tail()
+        flags = os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
         try:
-            self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
-            if stat.S_ISREG(os.fstat(self._fd).st_mode):  # an older file may have other modes
-                os.fchmod(self._fd, 0o600)
+            fd = os.open(self._name, flags, 0o600, dir_fd=self._dir_fd)
         except OSError as error:
             raise self._error("open", error) from None
+        try:
+            self._check_file(fd)
+            os.fchmod(fd, 0o600)  # an older file may have other modes
+        except BaseException:
+            os.close(fd)
+            raise
+        self._fd = fd
+        valid = self._cut_torn_tail()
         if valid == 0:
             header = {"kind": "header", "version": VERSION, "fingerprint": fingerprint}
             header["views_per_iteration"] = views_per_iteration
             self._write(FILE_HEADER + encode_frame(header, []), "write")
+
+    def _check_file(self, fd: int) -> None:
+        """The opened journal is a regular file of this user (or root) with one name: not a
+        device or a hard link to a file elsewhere that another user placed here."""
+        info = os.fstat(fd)
+        own = os.getuid()
+        if not stat.S_ISREG(info.st_mode) or info.st_uid not in (own, 0) or info.st_nlink != 1:
+            raise JournalError(
+                f"the --state-dir journal {self.path} is not a regular file of this user with "
+                f"one name (owner uid {info.st_uid}, {info.st_nlink} links, mode "
+                f"{stat.S_IMODE(info.st_mode):04o}); someone else placed it there. The daemon "
+                "does not start: remove it (the job then starts afresh) or restore the "
+                "journal this daemon wrote"
+            )
 
     def _cut_torn_tail(self) -> int:
         """Truncates the file to its intact records; returns the bytes kept (0: start afresh)."""
@@ -202,21 +248,22 @@ class Journal:
                 found.valid_bytes,
                 len(data) - keep,
             )
+            assert self._fd is not None
             try:
-                os.truncate(self.path, keep)
+                os.ftruncate(self._fd, keep)
             except OSError as error:
                 raise self._error("truncate", error) from None
         return keep
 
     def close(self) -> None:
         """Closes the file; never raises (a failed close only means nothing more is recorded)."""
-        if self._fd is None:
-            return
-        fd, self._fd = self._fd, None
-        try:
-            os.close(fd)
-        except OSError as error:
-            log.warning("%s", self._error("close", error))
+        fds = [fd for fd in (self._fd, self._dir_fd) if fd is not None]
+        self._fd = self._dir_fd = None
+        for fd in fds:
+            try:
+                os.close(fd)
+            except OSError as error:
+                log.warning("%s", self._error("close", error))
 
     def append_round(
         self,
@@ -246,6 +293,13 @@ class Journal:
             raise self._error("fsync" if not view else what, error) from None
 
     def _error(self, what: str, error: OSError) -> JournalError:
+        if error.errno == errno.ELOOP:
+            return JournalError(
+                f"the --state-dir journal {self.path} is a symbolic link; odbd never follows "
+                "one there (another user could point it at a file for the daemon to create or "
+                "overwrite), so nothing was opened or created. The daemon does not start: "
+                f"remove the link (`rm {self.path}`) and check who made it"
+            )
         cause = os.strerror(error.errno) if error.errno else str(error)
         fix = (
             "free space on that file system or point --state-dir at one with room"
@@ -264,11 +318,31 @@ class Journal:
         return scan(self._read(), self.path).records
 
     def _read(self) -> bytes:
-        """The file's bytes; b"" if it does not exist or is not a regular file (a device)."""
+        """The file's bytes; b"" if it does not exist or is not a regular file (a device).
+        Read through the open journal, else opened without following a symbolic link."""
+        fd = self._fd
         try:
-            if not stat.S_ISREG(self.path.stat().st_mode):
-                return b""
-            return self.path.read_bytes()
+            if fd is None:
+                flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
+                if self._dir_fd is None:  # closed: by path, still never through a link
+                    fd = os.open(self.path, flags)
+                else:
+                    fd = os.open(self._name, flags, dir_fd=self._dir_fd)
+            try:
+                info = os.fstat(fd)
+                if not stat.S_ISREG(info.st_mode):
+                    return b""
+                chunks, at = [], 0
+                while at < info.st_size:  # one pread returns at most ~2 GiB
+                    chunk = os.pread(fd, info.st_size - at, at)
+                    if not chunk:
+                        break
+                    chunks.append(chunk)
+                    at += len(chunk)
+                return b"".join(chunks)
+            finally:
+                if fd != self._fd:
+                    os.close(fd)
         except FileNotFoundError:
             return b""
         except OSError as error:
