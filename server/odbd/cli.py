@@ -338,6 +338,13 @@ def daemon_parser() -> flags.OneLineParser:
         "--tls-ca", type=Path, metavar="PEM", help="peer mTLS: CA that signs every daemon"
     )
     safety.add_argument(
+        "--insecure",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="let a multi-node daemon on a non-loopback address run without a job token or "
+        "mTLS (only on an isolated network where every host is trusted)",
+    )
+    safety.add_argument(
         "--shm-size",
         type=flags.size_bytes,
         default="1G",
@@ -470,6 +477,7 @@ def config_from_args(
         job_id=args.job_id,
         job_token=flag_files.read_job_token(args.job_token_file),
         peer_tls=flag_files.read_peer_tls(args.tls_cert, args.tls_key, args.tls_ca),
+        insecure=args.insecure,
         shm_size=args.shm_size,
         lease_timeout_s=args.lease_timeout,
         round_timeout_s=args.round_timeout,

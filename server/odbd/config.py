@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from odbd.errors import ConfigError
+from odbd.exposure import unprotected_reason
 from odbd.planner.config import Balance, Collate, Grouping, LossScaling, PlannerConfig
 from odbd.planner.cost_fit import CostModelMode
 from odbd.world import World
@@ -84,6 +85,7 @@ class DaemonConfig:
     job_id: str = "odbd"
     job_token: bytes = b""
     peer_tls: PeerTls | None = None  # --tls-cert/--tls-key/--tls-ca: mTLS between daemons
+    insecure: bool = False  # --insecure: no peer authentication on a non-loopback address
     shm_size: int = 1 << 30
     lease_timeout_s: float = 60.0
     round_timeout_s: float = 300.0
@@ -118,6 +120,17 @@ class DaemonConfig:
                 f"{nodes} nodes need --peers with {nodes} addresses in node-rank order, "
                 f"got {len(self.peers)}"
             )
+        exposed = unprotected_reason(
+            num_nodes=nodes,
+            node_rank=self.node_rank,
+            listen=self.listen,
+            peers=self.peers,
+            has_token=bool(self.job_token),
+            has_tls=self.peer_tls is not None,
+            insecure=self.insecure,
+        )
+        if exposed is not None:
+            raise ConfigError(exposed)
         if (self.dataset is None) == (self.dataset_size is None):
             raise ConfigError(
                 "pass exactly one of --dataset MODULE:FACTORY (daemon-spawned producers) or "

@@ -53,10 +53,10 @@ def hub(tmp_path):
             job_id=spec.job_id,
             node_rank=1,
             fingerprint={"num_nodes": "2", **config.fingerprint(SIZE)},
-            job_token=TOKEN,
         )
-        session.send(peer_pb2.PeerMessage(hello=hello))
-        welcome = peer_pb2.HubMessage.FromString(session.read())
+        reply = wire.peer_join(session, hello, TOKEN)
+        assert not isinstance(reply, wire.Answer), reply
+        welcome = peer_pb2.HubMessage.FromString(reply)
         assert welcome.HasField("welcome"), welcome
         return cluster, session
 
@@ -107,12 +107,17 @@ def test_garbage_round_payload_fails_the_job_naming_the_node(hub, payload):
 def test_late_hello_of_another_version_never_stops_a_formed_job(hub):
     cluster, session = hub("--dataset-size", str(SIZE))
     channel = grpc.insecure_channel(f"127.0.0.1:{cluster.peer_ports[0]}")
-    hello = peer_pb2.Hello(
-        protocol_version=2, job_id=cluster.spec.job_id, node_rank=1, job_token=TOKEN
-    )
+    hello = peer_pb2.Hello(protocol_version=3, job_id=cluster.spec.job_id, node_rank=1)
     answer = wire.stream(channel, wire.JOIN, [peer_pb2.PeerMessage(hello=hello)])
     assert answer.code is grpc.StatusCode.FAILED_PRECONDITION, answer
+    assert "protocol 3" in answer.details
+    late = wire.Session(channel, wire.JOIN)  # one of us, with the token: the job formed already
+    hello = peer_pb2.Hello(protocol_version=2, job_id=cluster.spec.job_id, node_rank=1)
+    answer = wire.peer_join(late, hello, TOKEN)
+    assert isinstance(answer, wire.Answer), answer
+    assert answer.code is grpc.StatusCode.FAILED_PRECONDITION, answer
     assert "already formed" in answer.details
+    late.cancel()
     time.sleep(scaled(1.0))  # no event to poll for: a fatal refusal would abort the job at once
     assert cluster.processes[0].poll() is None, cluster.log(0)
     check = wire.unary(channel, wire.HEALTH, health_pb2.HealthCheckRequest())

@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 from odbclient.connect import PROTOCOL_VERSION
 from odbclient.framing import ingest_socket_path, steps_socket_path
 from odbclient.wire.odbd.v1 import admin_pb2, ingest_pb2, peer_pb2, trainer_pb2
+from odbd.round import PROTOCOL_VERSION as PEER_PROTOCOL
 from tests.integration import faults_wire as wire
 from tests.integration.faults_cluster import FaultCluster
 
@@ -291,12 +292,15 @@ def test_fuzz_admin_and_health(job, request, check, target):
 
 peer_hellos = st.builds(
     peer_pb2.Hello,
-    protocol_version=versions,
+    protocol_version=st.sampled_from([PEER_PROTOCOL, 0, 1, 3, 2**32 - 1]),
     job_id=job_ids,
     node_rank=st.sampled_from([0, 1, 2]) | u32,
     fingerprint=st.dictionaries(st.text(max_size=10), st.text(max_size=10), max_size=3),
-    job_token=st.sampled_from([TOKEN.encode(), b"", b"wrong"]) | st.binary(max_size=16),
     listen_address=st.text(max_size=20),
+    nonce=st.binary(max_size=40),
+)
+proofs = st.builds(
+    peer_pb2.PeerMessage, proof=st.builds(peer_pb2.Proof, spoke_proof=st.binary(max_size=40))
 )
 contributions = st.builds(
     peer_pb2.PeerMessage,
@@ -310,11 +314,12 @@ leaves = st.builds(peer_pb2.PeerMessage, leave=st.builds(peer_pb2.Leave, reason=
 @FUZZ
 @given(
     first=st.one_of(st.builds(peer_pb2.PeerMessage, hello=peer_hellos), contributions, garbage),
-    rest=st.lists(contributions | leaves | garbage, max_size=3),
+    rest=st.lists(proofs | contributions | leaves | garbage, max_size=3),
 )
 def test_fuzz_peer_join(job, first, rest):
-    """Strangers, wrong tokens, other jobs and late or duplicate nodes are all refused without
-    disturbing the formed job (replayed rounds from a real member: test_fuzz_peer_protocol)."""
+    """Strangers, wrong proofs, other jobs and late or duplicate nodes are all refused without
+    disturbing the formed job (replayed rounds from a real member: test_fuzz_peer_protocol;
+    a late member that holds the token: test_fuzz_peer_protocol too)."""
     fc, channels = job
     if isinstance(first, peer_pb2.PeerMessage) and first.HasField("hello"):
         first.hello.job_id = _job(first.hello.job_id, fc)
@@ -322,12 +327,19 @@ def test_fuzz_peer_join(job, first, rest):
     hello = wire.parses(wire.as_bytes(first), peer_pb2.PeerMessage)
     if hello is None or not hello.HasField("hello"):
         _check(answer, {Code.INVALID_ARGUMENT})
-    elif hello.hello.job_token != TOKEN.encode():
+    elif hello.hello.protocol_version != PEER_PROTOCOL:
+        _check(answer, {Code.FAILED_PRECONDITION})
+    elif not rest or not _is_proof(rest[0]):
+        _check(answer, {Code.INVALID_ARGUMENT})  # the Challenge must be answered with a Proof
+    else:  # a made-up proof never matches the token
         _check(answer, {Code.UNAUTHENTICATED})
-    else:  # one of us, but the job formed with every node already
-        _check(answer, {Code.FAILED_PRECONDITION, Code.INVALID_ARGUMENT})
     spoke = wire.stream(channels["spoke"], wire.JOIN, [first, *rest])
     _check(spoke, {Code.FAILED_PRECONDITION, Code.INVALID_ARGUMENT})  # node 1 is not the hub
+
+
+def _is_proof(message: peer_pb2.PeerMessage | bytes) -> bool:
+    parsed = wire.parses(wire.as_bytes(message), peer_pb2.PeerMessage)
+    return parsed is not None and parsed.WhichOneof("kind") == "proof"
 
 
 # -- afterwards ------------------------------------------------------------------------------
