@@ -12,12 +12,16 @@ import struct
 import time
 
 import grpc
+import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2
 
 from odbclient.wire.odbd.v1 import peer_pb2
 from odbd.cli import config_from_args, daemon_parser
+from odbd.daemon import offer_codec
 from odbd.demo.cluster import ClusterSpec, LocalCluster
+from odbd.planner.types import SampleTable, UnitOffer
+from odbd.round import PROTOCOL_VERSION
 from tests.integration import faults_wire as wire
 from tests.integration.faults_cluster import synthetic
 from tests.integration.harness import scaled
@@ -49,7 +53,7 @@ def hub(tmp_path):
         grpc.channel_ready_future(channel).result(timeout=scaled(30))
         session = wire.Session(channel, wire.JOIN)
         hello = peer_pb2.Hello(
-            protocol_version=1,
+            protocol_version=PROTOCOL_VERSION,
             job_id=spec.job_id,
             node_rank=1,
             fingerprint={"num_nodes": "2", **config.fingerprint(SIZE)},
@@ -100,6 +104,36 @@ def test_garbage_round_payload_fails_the_job_naming_the_node(hub, payload):
     log = cluster.log(0)
     assert "Traceback" not in log, log
     assert "node 1 sent a round 0 payload that is not an odbd offer" in log, log
+    session.cancel()
+    assert cluster.leftover_segments() == []
+
+
+@pytest.mark.parametrize(
+    ("rejected", "observations", "needle"),
+    [
+        ({"preprocess_error": "x"}, [], "count of preprocess_error rejections, 'x'"),
+        ({}, [[1e308, 1.0, 1.0]], "padded tokens is outside"),
+        ({}, [[float("nan"), 1.0, 1.0]], "not a finite number"),
+    ],
+    ids=["string-count", "1e308", "nan"],
+)
+def test_out_of_range_offer_fails_the_job_naming_the_node(hub, rejected, observations, needle):
+    """Issue 29: these crashed every daemon with TypeError / OverflowError, reported as an
+    internal error (a bug in odbd)."""
+    cluster, session = hub(*synthetic(SIZE), "--buffer", "4")
+    offer = offer_codec.NodeOffer(
+        1,
+        0,
+        (UnitOffer(1, SampleTable.empty(), False),),
+        rejected,
+        None,
+        np.array(observations, dtype=np.float64).reshape(-1, 3),
+    )
+    session.send(_contribution(0, offer_codec.encode(offer)))
+    assert cluster.wait(scaled(60)) == [1], cluster.log(0)
+    log = cluster.log(0)
+    assert "Traceback" not in log and "internal error" not in log, log
+    assert "node 1 sent a round 0 offer with a value out of range" in log and needle in log, log
     session.cancel()
     assert cluster.leftover_segments() == []
 

@@ -101,8 +101,10 @@ class Spoke:
             if not auth.proof_matches(expected, challenge.hub_proof):
                 # An empty proof tells a real hub why this node quits (its join-timeout error
                 # names it) and gives an impostor nothing to guess the token from.
-                with contextlib.suppress(grpc.aio.AioRpcError, grpc.aio.UsageError):
-                    await self._call.write(peer_pb2.PeerMessage(proof=peer_pb2.Proof()))
+                with contextlib.suppress(Exception):
+                    async with asyncio.timeout(1.0):
+                        await self._call.write(peer_pb2.PeerMessage(proof=peer_pb2.Proof()))
+                        await self._call.read()  # the hub's refusal: the proof arrived
                 self._call.cancel()
                 raise HandshakeError(
                     f"{self._hub} could not prove it holds this job's token, so node "
