@@ -10,7 +10,9 @@ daemons are still SERVING and a normal epoch completes with every identity exact
 
 from __future__ import annotations
 
+import math
 import os
+from datetime import datetime
 
 import grpc
 import pytest
@@ -342,6 +344,20 @@ def _is_proof(message: peer_pb2.PeerMessage | bytes) -> bool:
     return parsed is not None and parsed.WhichOneof("kind") == "proof"
 
 
+def _assert_refusals_logged_within_budget(fc: FaultCluster) -> None:
+    """Refusals are logged, at most LogBudget's 5 lines per 10 s (issue 29: a stranger wrote
+    3,000 lines in 2 s); the lines left out are counted in the next one."""
+    text = (fc.cluster.log_dir / "daemon0.log").read_text(errors="replace")
+    stamps = [
+        datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f").timestamp()
+        for line in text.splitlines()
+        if "refused a peer from" in line
+    ]
+    assert stamps, text[-3000:]
+    windows = math.floor((stamps[-1] - stamps[0]) / 10.0) + 1
+    assert len(stamps) <= 5 * windows, (len(stamps), windows)
+
+
 # -- afterwards ------------------------------------------------------------------------------
 
 
@@ -353,7 +369,7 @@ def test_after_the_fuzz_the_job_is_healthy_and_an_epoch_completes(job):
     assert status.leased_samples == 0 and status.buffered_samples == 0, status
     log = fc.log(0)
     assert "Traceback" not in log, log[-3000:]
-    assert "refused a peer" in log and "wrong job token" in log  # refusals are logged
+    _assert_refusals_logged_within_budget(fc)
     for node in range(2):
         fc.start_producer(node, f"size={SIZE}", "dist=llava")
     fc.start_trainers()
