@@ -17,6 +17,7 @@ from odbd.round.config import MAX_MESSAGE_BYTES
 from tests.integration import faults_wire as wire
 from tests.integration.faults_certs import make_ca, make_leaf, tls_args
 from tests.integration.faults_cluster import FaultCluster, synthetic
+from tests.integration.harness import scaled
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -65,6 +66,40 @@ def test_daemon_of_another_job_is_refused_and_logged(tmp_path):
     hub, spoke = cluster.log(0), cluster.log(1)
     assert "node 1 belongs to job 'someone-elses-job'" in hub, hub
     assert "refused node 1 (FAILED_PRECONDITION)" in spoke, spoke
+
+
+def test_a_strangers_bad_hellos_never_stop_a_tokenless_loopback_job(tmp_path):
+    """Issue 29's must-show: a hub with no token on loopback; a stranger's Hello of another
+    protocol (the hub used to exit in 5 ms) or of empty settings (it used to tell the
+    stranger the hub's settings one by one) is refused on its own stream; node 1 then joins
+    and the job trains its epoch."""
+    fc = FaultCluster(nodes=2, ranks_per_node=1, daemon_args=[*synthetic(SIZE), "--buffer", "4"])
+    try:
+        fc.cluster.start_node(0)  # node 1 comes after the stranger
+        channel = grpc.insecure_channel(f"127.0.0.1:{fc.cluster.peer_ports[0]}")
+        grpc.channel_ready_future(channel).result(timeout=scaled(30))
+        job = fc.cluster.spec.job_id
+        version = peer_pb2.Hello(protocol_version=99, job_id=job, node_rank=1)
+        answer = wire.stream(channel, wire.JOIN, [peer_pb2.PeerMessage(hello=version)])
+        assert answer.code is grpc.StatusCode.FAILED_PRECONDITION, answer
+        session = wire.Session(channel, wire.JOIN)  # the (empty-key) proof right, settings not
+        empty = peer_pb2.Hello(protocol_version=PROTOCOL_VERSION, job_id=job, node_rank=1)
+        answer = wire.peer_join(session, empty, b"")
+        assert isinstance(answer, wire.Answer), answer
+        assert answer.code is grpc.StatusCode.FAILED_PRECONDITION, answer
+        assert "differ from the hub's" in answer.details and "balance" not in answer.details
+        session.cancel()
+        channel.close()
+        assert fc.daemons[0].poll() is None, fc.log(0)
+        fc.cluster.start_node(1)
+        fc.cluster.wait_sockets(scaled(60))
+        fc.train_to_the_end(90)
+        fc.assert_exactly_once(SIZE)
+        hub = (fc.cluster.log_dir / "daemon0.log").read_text()
+        assert "refused a peer from" in hub and "speaks odbd peer protocol 99" in hub, hub
+        assert "setting balance differs" in hub  # the operator still sees the detail
+    finally:
+        fc.stop()
 
 
 def test_mtls_job_completes_an_epoch(tmp_path):
