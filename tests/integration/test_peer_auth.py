@@ -61,7 +61,7 @@ def test_a_replayed_hello_and_proof_are_refused_and_the_real_node_joins() -> Non
         call.cancel()  # the restart: before the job formed, node 1's slot is free again
         while 1 in hub._hub._spokes:  # type: ignore[union-attr]
             await asyncio.sleep(0.01)
-        _, replay = await open_raw_stream(hub.listen_address)
+        replay_channel, replay = await open_raw_stream(hub.listen_address)
         await replay.write(hello)
         fresh = (await replay.read()).challenge
         assert fresh.nonce != challenge.nonce
@@ -75,6 +75,7 @@ def test_a_replayed_hello_and_proof_are_refused_and_the_real_node_joins() -> Non
             *(b.exchange(0, b"%d" % i) for i, b in enumerate([hub, *spokes]))
         )
         await channel.close()
+        await replay_channel.close()
         await close_all([hub, *spokes])
 
     run(scenario())
@@ -149,13 +150,14 @@ def test_a_stream_without_a_hello_is_closed_at_the_deadline() -> None:
         refused = await _refusal(call)  # sent nothing at all
         assert refused.code() is grpc.StatusCode.DEADLINE_EXCEEDED, refused
         assert "no Hello" in (refused.details() or "")
-        _, half = await open_raw_stream(hub.listen_address)
+        half_channel, half = await open_raw_stream(hub.listen_address)
         await half.write(raw_hello(1, 2))  # a Hello, but never the Proof
         assert (await half.read()).WhichOneof("kind") == "challenge"
         assert (await _refusal(half)).code() is grpc.StatusCode.DEADLINE_EXCEEDED
         spoke = RoundBarrier(make_config(1, 2, hub.listen_address))
         await asyncio.gather(starting, spoke.start())
         await channel.close()
+        await half_channel.close()
         await close_all([hub, spoke])
 
     run(scenario())
@@ -193,3 +195,19 @@ def test_handshakes_are_capped_and_a_real_spoke_retries_past_the_strangers() -> 
         await close_all([hub, spoke])
 
     run(scenario(), timeout_s=40.0)
+
+
+def test_a_huge_hello_is_refused_before_its_strings_reach_the_log() -> None:
+    async def scenario() -> None:
+        hub, starting = await _start_hub(2)
+        channel, call = await open_raw_stream(hub.listen_address)
+        await call.write(raw_hello(1, 2, job_id="x" * 100_000))
+        refused = await _refusal(call)
+        assert refused.code() is grpc.StatusCode.INVALID_ARGUMENT, refused
+        assert "over the 65536 allowed" in (refused.details() or "")
+        await channel.close()
+        spoke = RoundBarrier(make_config(1, 2, hub.listen_address))
+        await asyncio.gather(starting, spoke.start())
+        await close_all([hub, spoke])
+
+    run(scenario())

@@ -32,6 +32,7 @@ log = logging.getLogger(__name__)
 # Streams between their start and admission or refusal, at most: a real spoke handshakes in one
 # round trip, so these are nearly always strangers (a refused spoke retries, spoke.py).
 MAX_HANDSHAKES = 64
+MAX_HELLO_BYTES = 64 * 1024  # a real one is ~1 KiB: a few dozen settings
 _ABORT_RETURNED = InvariantError("grpc's context.abort returned instead of raising")
 
 
@@ -131,6 +132,10 @@ class Hub:
                 grpc.StatusCode.INVALID_ARGUMENT, "the first message of a Join must be a Hello"
             )
         hello = first.hello
+        if first.ByteSize() > MAX_HELLO_BYTES:  # its strings end up in log lines and errors
+            why = f"its Hello has {first.ByteSize()} bytes, over the {MAX_HELLO_BYTES} allowed"
+            self._log_refusal(context, why)
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, why)
         version = check_version(hello)
         if version is not None:
             await self._refuse(context, hello, version, authenticated=False)
