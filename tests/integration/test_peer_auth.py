@@ -4,6 +4,7 @@ both directions), strangers that never stop or learn a job, the handshake deadli
 from __future__ import annotations
 
 import asyncio
+import socket
 from typing import Any
 
 import grpc
@@ -211,3 +212,37 @@ def test_a_huge_hello_is_refused_before_its_strings_reach_the_log() -> None:
         await close_all([hub, spoke])
 
     run(scenario())
+
+
+def test_connections_are_capped_and_the_real_spoke_joins_after_them() -> None:
+    """300 raw TCP connections that never speak HTTP/2: the hub keeps num_nodes + 256 and
+    closes the rest at once (each would otherwise hold its buffers until the 10 s HTTP/2
+    handshake deadline); the real spoke reconnects and joins once they are gone."""
+
+    async def scenario() -> None:
+        hub, starting = await _start_hub(2)
+        host, port = hub.listen_address.rsplit(":", 1)
+        strangers = [socket.create_connection((host, int(port))) for _ in range(300)]
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 20
+        while (closed := sum(map(_closed_by_peer, strangers))) < 300 - 258:
+            assert loop.time() < deadline, closed
+            await asyncio.sleep(0.05)
+        assert closed == 300 - 258, closed
+        for stranger in strangers:
+            stranger.close()
+        spoke = RoundBarrier(make_config(1, 2, hub.listen_address))
+        await asyncio.gather(starting, spoke.start())
+        await close_all([hub, spoke])
+
+    run(scenario())
+
+
+def _closed_by_peer(sock: socket.socket) -> bool:
+    sock.setblocking(False)
+    try:
+        return sock.recv(1) == b""
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True
