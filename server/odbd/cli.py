@@ -328,7 +328,8 @@ def daemon_parser() -> flags.OneLineParser:
         "--job-token-file",
         type=Path,
         metavar="FILE",
-        help="shared secret of the job's daemons (non-empty)",
+        help="shared secret of the job's daemons (non-empty, e.g. openssl rand -hex 32); "
+        "peers prove it by challenge-response, it never crosses the network",
     )
     safety.add_argument(
         "--tls-cert", type=Path, metavar="PEM", help="peer mTLS: this daemon's certificate"
