@@ -30,6 +30,7 @@ MAX_PADDED_TOKENS = 2.0**48  # one observation's padded tokens
 MAX_SUM_SQUARES = 2.0**96  # one observation's sum of squared lengths
 MAX_SECONDS = 1e6  # one observation's step time (11 days)
 ITERATIONS_AHEAD = 4
+_OBSERVATION_MAX = np.array([MAX_PADDED_TOKENS, MAX_SUM_SQUARES, MAX_SECONDS])
 
 
 class BadPayloadError(OdbdError):
@@ -121,22 +122,24 @@ def _units_problem(offer: NodeOffer, expected: Sequence[int], view_keys: int) ->
         return f"it offers units {units[:8]}, but its units are {list(expected)[:8]}"
     for unit in offer.units:
         t = unit.samples
-        columns = {
-            "views": (t.views, 0, view_keys - 1),
-            "lengths": (t.lengths, 0, MAX_SAMPLE_TOKENS),
-            "tokens": (t.tokens, 0, MAX_SAMPLE_TOKENS),
-            "ages": (t.ages, 0, MAX_AGE),
-            "patches": (t.patches, 0, MAX_SAMPLE_TOKENS),
-        }
-        rows = {name: int(column.shape[0]) for name, (column, _, _) in columns.items()}
-        if len(set(rows.values())) != 1:
-            return f"unit {unit.unit}'s columns have different row counts {rows}"
-        for name, (column, low, high) in columns.items():
-            if column.size and (int(column.min()) < low or int(column.max()) > high):
-                bad = column[(column < low) | (column > high)][0]
-                return (
-                    f"unit {unit.unit} has a sample {name} value {int(bad)} outside {low}..{high}"
-                )
+        rows = {len(c) for c in (t.views, t.lengths, t.tokens, t.ages, t.patches)}
+        if len(rows) != 1:
+            return f"unit {unit.unit}'s sample columns have different row counts {sorted(rows)}"
+    if not offer.units:
+        return None
+    # One reduction per column over every unit: a daemon checks every node's offer each round.
+    for name, low, high in (
+        ("views", 0, view_keys - 1),
+        ("lengths", 0, MAX_SAMPLE_TOKENS),
+        ("tokens", 0, MAX_SAMPLE_TOKENS),
+        ("ages", 0, MAX_AGE),
+        ("patches", 0, MAX_SAMPLE_TOKENS),
+    ):
+        parts = [getattr(u.samples, name) for u in offer.units]
+        column = parts[0] if len(parts) == 1 else np.concatenate(parts)
+        if column.size and (int(column.min()) < low or int(column.max()) > high):
+            bad = int(column[(column < low) | (column > high)][0])
+            return f"a sample's {name} value {bad} is outside {low}..{high}"
     return None
 
 
@@ -148,14 +151,13 @@ def _observations_problem(observations: np.ndarray) -> str | None:
             f"it sends {observations.shape[0]} cost observations, over the {MAX_OBSERVATIONS} "
             "a round carries"
         )
-    if observations.size and not np.isfinite(observations).all():
+    if not observations.size:
+        return None
+    if not np.isfinite(observations).all():
         return "a cost observation is not a finite number (NaN or infinity)"
-    for column, what, high in (
-        (0, "padded tokens", MAX_PADDED_TOKENS),
-        (1, "sum of squared lengths", MAX_SUM_SQUARES),
-        (2, "seconds", MAX_SECONDS),
-    ):
-        values = observations[:, column]
-        if values.size and (values.min() < 0 or values.max() > high):
-            return f"a cost observation's {what} is outside 0..{high:g}"
+    if observations.min() < 0 or (observations.max(axis=0) > _OBSERVATION_MAX).any():
+        for column, what in enumerate(("padded tokens", "sum of squared lengths", "seconds")):
+            values, high = observations[:, column], _OBSERVATION_MAX[column]
+            if values.min() < 0 or values.max() > high:
+                return f"a cost observation's {what} is outside 0..{high:g}"
     return None
