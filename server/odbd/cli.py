@@ -330,7 +330,8 @@ def daemon_parser() -> flags.OneLineParser:
         "--job-token-file",
         type=Path,
         metavar="FILE",
-        help="shared secret of the job's daemons (non-empty)",
+        help="shared secret of the job's daemons (non-empty, e.g. openssl rand -hex 32); "
+        "peers prove it by challenge-response, it never crosses the network",
     )
     safety.add_argument(
         "--tls-cert", type=Path, metavar="PEM", help="peer mTLS: this daemon's certificate"
@@ -338,6 +339,13 @@ def daemon_parser() -> flags.OneLineParser:
     safety.add_argument("--tls-key", type=Path, metavar="PEM", help="peer mTLS: its private key")
     safety.add_argument(
         "--tls-ca", type=Path, metavar="PEM", help="peer mTLS: CA that signs every daemon"
+    )
+    safety.add_argument(
+        "--insecure",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="let a multi-node daemon on a non-loopback address run without a job token or "
+        "mTLS (only on an isolated network where every host is trusted)",
     )
     safety.add_argument(
         "--shm-size",
@@ -472,6 +480,7 @@ def config_from_args(
         job_id=args.job_id,
         job_token=flag_files.read_job_token(args.job_token_file),
         peer_tls=flag_files.read_peer_tls(args.tls_cert, args.tls_key, args.tls_ca),
+        insecure=args.insecure,
         shm_size=args.shm_size,
         lease_timeout_s=args.lease_timeout,
         round_timeout_s=args.round_timeout,

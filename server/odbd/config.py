@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 from odbclient import local_trust
 from odbd.errors import ConfigError
+from odbd.exposure import unprotected_reason
 from odbd.planner.config import Balance, Collate, Grouping, LossScaling, PlannerConfig
 from odbd.planner.cost_fit import CostModelMode
 from odbd.world import World
@@ -86,6 +87,7 @@ class DaemonConfig:
     job_id: str = "odbd"
     job_token: bytes = b""
     peer_tls: PeerTls | None = None  # --tls-cert/--tls-key/--tls-ca: mTLS between daemons
+    insecure: bool = False  # --insecure: no peer authentication on a non-loopback address
     shm_size: int = 1 << 30
     lease_timeout_s: float = 60.0
     round_timeout_s: float = 300.0
@@ -120,6 +122,17 @@ class DaemonConfig:
                 f"{nodes} nodes need --peers with {nodes} addresses in node-rank order, "
                 f"got {len(self.peers)}"
             )
+        exposed = unprotected_reason(
+            num_nodes=nodes,
+            node_rank=self.node_rank,
+            listen=self.listen,
+            peers=self.peers,
+            has_token=bool(self.job_token),
+            has_tls=self.peer_tls is not None,
+            insecure=self.insecure,
+        )
+        if exposed is not None:
+            raise ConfigError(exposed)
         if (self.dataset is None) == (self.dataset_size is None):
             raise ConfigError(
                 "pass exactly one of --dataset MODULE:FACTORY (daemon-spawned producers) or "

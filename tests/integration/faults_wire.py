@@ -203,3 +203,26 @@ class FramedSession:
                 refusal = event.refusal  # type: ignore[attr-defined]
                 return Answer(grpc.StatusCode[refusal.code], refusal.message, self._all)
         return Answer(grpc.StatusCode.OK, "", self._all)
+
+
+def peer_join(session: Session, hello: Message, token: bytes) -> bytes | Answer:
+    """Joins a hub as a spoke would: Hello, then the Proof answering its Challenge (auth.py).
+
+    Returns the hub's next message (the Welcome once the job forms) or the Answer that ended
+    the stream. A Hello without a nonce gets a fresh one.
+    """
+    from odbclient.wire.odbd.v1 import peer_pb2
+    from odbd.round import auth
+
+    assert isinstance(hello, peer_pb2.Hello)
+    if not hello.nonce:
+        hello.nonce = auth.new_nonce()
+    session.send(peer_pb2.PeerMessage(hello=hello))
+    reply = session.read()
+    if isinstance(reply, Answer):
+        return reply
+    challenge = peer_pb2.HubMessage.FromString(reply)
+    assert challenge.HasField("challenge"), challenge
+    proof = auth.spoke_proof(token, hello, challenge.challenge.nonce)
+    session.send(peer_pb2.PeerMessage(proof=peer_pb2.Proof(spoke_proof=proof)))
+    return session.read()

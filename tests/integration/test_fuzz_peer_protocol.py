@@ -12,12 +12,16 @@ import struct
 import time
 
 import grpc
+import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2
 
 from odbclient.wire.odbd.v1 import peer_pb2
 from odbd.cli import config_from_args, daemon_parser
+from odbd.daemon import offer_codec
 from odbd.demo.cluster import ClusterSpec, LocalCluster
+from odbd.planner.types import SampleTable, UnitOffer
+from odbd.round import PROTOCOL_VERSION
 from tests.integration import faults_wire as wire
 from tests.integration.faults_cluster import synthetic
 from tests.integration.harness import scaled
@@ -49,14 +53,14 @@ def hub(tmp_path):
         grpc.channel_ready_future(channel).result(timeout=scaled(30))
         session = wire.Session(channel, wire.JOIN)
         hello = peer_pb2.Hello(
-            protocol_version=1,
+            protocol_version=PROTOCOL_VERSION,
             job_id=spec.job_id,
             node_rank=1,
             fingerprint={"num_nodes": "2", **config.fingerprint(SIZE)},
-            job_token=TOKEN,
         )
-        session.send(peer_pb2.PeerMessage(hello=hello))
-        welcome = peer_pb2.HubMessage.FromString(session.read())
+        reply = wire.peer_join(session, hello, TOKEN)
+        assert not isinstance(reply, wire.Answer), reply
+        welcome = peer_pb2.HubMessage.FromString(reply)
         assert welcome.HasField("welcome"), welcome
         return cluster, session
 
@@ -104,15 +108,50 @@ def test_garbage_round_payload_fails_the_job_naming_the_node(hub, payload):
     assert cluster.leftover_segments() == []
 
 
+@pytest.mark.parametrize(
+    ("rejected", "observations", "needle"),
+    [
+        ({"preprocess_error": "x"}, [], "count of preprocess_error rejections, 'x'"),
+        ({}, [[1e308, 1.0, 1.0]], "padded tokens is outside"),
+        ({}, [[float("nan"), 1.0, 1.0]], "not a finite number"),
+    ],
+    ids=["string-count", "1e308", "nan"],
+)
+def test_out_of_range_offer_fails_the_job_naming_the_node(hub, rejected, observations, needle):
+    """Issue 29: these crashed every daemon with TypeError / OverflowError, reported as an
+    internal error (a bug in odbd)."""
+    cluster, session = hub(*synthetic(SIZE), "--buffer", "4")
+    offer = offer_codec.NodeOffer(
+        1,
+        0,
+        (UnitOffer(1, SampleTable.empty(), False),),
+        rejected,
+        None,
+        np.array(observations, dtype=np.float64).reshape(-1, 3),
+    )
+    session.send(_contribution(0, offer_codec.encode(offer)))
+    assert cluster.wait(scaled(60)) == [1], cluster.log(0)
+    log = cluster.log(0)
+    assert "Traceback" not in log and "internal error" not in log, log
+    assert "node 1 sent a round 0 offer with a value out of range" in log and needle in log, log
+    session.cancel()
+    assert cluster.leftover_segments() == []
+
+
 def test_late_hello_of_another_version_never_stops_a_formed_job(hub):
     cluster, session = hub("--dataset-size", str(SIZE))
     channel = grpc.insecure_channel(f"127.0.0.1:{cluster.peer_ports[0]}")
-    hello = peer_pb2.Hello(
-        protocol_version=2, job_id=cluster.spec.job_id, node_rank=1, job_token=TOKEN
-    )
+    hello = peer_pb2.Hello(protocol_version=3, job_id=cluster.spec.job_id, node_rank=1)
     answer = wire.stream(channel, wire.JOIN, [peer_pb2.PeerMessage(hello=hello)])
     assert answer.code is grpc.StatusCode.FAILED_PRECONDITION, answer
+    assert "protocol 3" in answer.details
+    late = wire.Session(channel, wire.JOIN)  # one of us, with the token: the job formed already
+    hello = peer_pb2.Hello(protocol_version=2, job_id=cluster.spec.job_id, node_rank=1)
+    answer = wire.peer_join(late, hello, TOKEN)
+    assert isinstance(answer, wire.Answer), answer
+    assert answer.code is grpc.StatusCode.FAILED_PRECONDITION, answer
     assert "already formed" in answer.details
+    late.cancel()
     time.sleep(scaled(1.0))  # no event to poll for: a fatal refusal would abort the job at once
     assert cluster.processes[0].poll() is None, cluster.log(0)
     check = wire.unary(channel, wire.HEALTH, health_pb2.HealthCheckRequest())

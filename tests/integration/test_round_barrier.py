@@ -28,6 +28,7 @@ from odbd.round import (
     RoundBarrier,
     RoundConfig,
     RoundTimeoutError,
+    auth,
 )
 
 SETTINGS = {"world": "16", "ranks_per_node": "4", "token_budget": "12288", "seed": "7"}
@@ -204,10 +205,10 @@ def test_wrong_token_is_refused() -> None:
     plans = [Plan(2, config={"join_timeout_s": 10.0}), Plan(2, config={"job_token": b"guess"})]
     outcomes = run_job(plans)
     assert outcomes[1][0] == "HandshakeError"
-    assert "UNAUTHENTICATED" in outcomes[1][1] and "wrong job token" in outcomes[1][1]
+    assert "could not prove it holds this job's token" in outcomes[1][1], outcomes
     # A stranger cannot stop the hub; it times out naming the node and why it was refused.
     assert outcomes[0][0] == "HandshakeError"
-    assert "node 1" in outcomes[0][1] and "wrong job token" in outcomes[0][1]
+    assert "node 1 failed the job-token challenge" in outcomes[0][1], outcomes
 
 
 @pytest.mark.timeout(60)
@@ -282,10 +283,19 @@ def raw_hello(node: int, num_nodes: int, **overrides: Any) -> peer_pb2.PeerMessa
         "job_id": config.job_id,
         "node_rank": node,
         "fingerprint": config.settings,
-        "job_token": TOKEN,
+        "nonce": auth.new_nonce(),
     }
     fields.update(overrides)
     return peer_pb2.PeerMessage(hello=peer_pb2.Hello(**fields))
+
+
+async def raw_join(call: Any, hello: peer_pb2.PeerMessage, token: bytes = TOKEN) -> None:
+    """Hello and the Proof answering the hub's Challenge, as a spoke would (auth.py)."""
+    await call.write(hello)
+    reply = await call.read()
+    assert reply.WhichOneof("kind") == "challenge", reply
+    proof = auth.spoke_proof(token, hello.hello, reply.challenge.nonce)
+    await call.write(peer_pb2.PeerMessage(proof=peer_pb2.Proof(spoke_proof=proof)))
 
 
 @pytest.mark.timeout(30)
@@ -385,7 +395,7 @@ def test_replayed_or_skipped_round_is_invalid_argument_and_fails_the_job(bad_rou
         while not hub.listen_address:
             await asyncio.sleep(0.01)
         channel, call = await open_raw_stream(hub.listen_address)
-        await call.write(raw_hello(1, 2))
+        await raw_join(call, raw_hello(1, 2))
         await starting
         assert (await call.read()).WhichOneof("kind") == "welcome"
         contribution = peer_pb2.Contribution(round=0, node_rank=1, payload=b"x")
@@ -408,15 +418,15 @@ def test_replayed_or_skipped_round_is_invalid_argument_and_fails_the_job(bad_rou
 
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize(
-    ("overrides", "code", "needle"),
+    ("overrides", "token", "code", "needle"),
     [
-        ({"node_rank": 3}, grpc.StatusCode.INVALID_ARGUMENT, "outside 1..2"),
-        ({"protocol_version": 99}, grpc.StatusCode.FAILED_PRECONDITION, "protocol_version"),
-        ({"job_token": b""}, grpc.StatusCode.UNAUTHENTICATED, "wrong job token"),
+        ({"node_rank": 3}, TOKEN, grpc.StatusCode.INVALID_ARGUMENT, "outside 1..2"),
+        ({"protocol_version": 99}, TOKEN, grpc.StatusCode.FAILED_PRECONDITION, "protocol 99"),
+        ({}, b"", grpc.StatusCode.UNAUTHENTICATED, "job-token challenge"),
     ],
 )
 def test_bad_hellos_are_refused_with_their_status(
-    overrides: dict[str, Any], code: grpc.StatusCode, needle: str
+    overrides: dict[str, Any], token: bytes, code: grpc.StatusCode, needle: str
 ) -> None:
     async def scenario() -> None:
         hub = RoundBarrier(make_config(0, 3, "", join_timeout_s=1.0))
@@ -424,8 +434,8 @@ def test_bad_hellos_are_refused_with_their_status(
         while not hub.listen_address:
             await asyncio.sleep(0.01)
         channel, call = await open_raw_stream(hub.listen_address)
-        await call.write(raw_hello(1, 3, **overrides))
         with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await raw_join(call, raw_hello(1, 3, **overrides), token)
             await call.read()
         assert refused.value.code() is code and needle in (refused.value.details() or "")
         await channel.close()

@@ -12,10 +12,12 @@ import pytest
 from odbclient.wire.odbd.v1 import peer_pb2
 from odbd.cli import config_from_args, daemon_parser
 from odbd.demo.cluster import ClusterSpec, LocalCluster
+from odbd.round import PROTOCOL_VERSION
 from odbd.round.config import MAX_MESSAGE_BYTES
 from tests.integration import faults_wire as wire
 from tests.integration.faults_certs import make_ca, make_leaf, tls_args
 from tests.integration.faults_cluster import FaultCluster, synthetic
+from tests.integration.harness import scaled
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -52,9 +54,9 @@ def test_daemon_with_a_wrong_token_is_refused_and_logged(tmp_path):
     bad = _token(tmp_path, "bad", "another-secret")
     cluster = _refused_job(tmp_path, ["--job-token-file", str(bad)], good)
     hub, spoke = cluster.log(0), cluster.log(1)
-    assert "refused a peer from" in hub and "node 1 presented a wrong job token" in hub, hub
+    assert "refused a peer from" in hub and "node 1 failed the job-token challenge" in hub, hub
     assert "never joined the hub" in hub, hub
-    assert "refused node 1 (UNAUTHENTICATED)" in spoke, spoke
+    assert "could not prove it holds this job's token" in spoke, spoke
     assert "the-job-secret" not in hub + spoke and "another-secret" not in hub + spoke
 
 
@@ -64,6 +66,40 @@ def test_daemon_of_another_job_is_refused_and_logged(tmp_path):
     hub, spoke = cluster.log(0), cluster.log(1)
     assert "node 1 belongs to job 'someone-elses-job'" in hub, hub
     assert "refused node 1 (FAILED_PRECONDITION)" in spoke, spoke
+
+
+def test_a_strangers_bad_hellos_never_stop_a_tokenless_loopback_job(tmp_path):
+    """Issue 29's must-show: a hub with no token on loopback; a stranger's Hello of another
+    protocol (the hub used to exit in 5 ms) or of empty settings (it used to tell the
+    stranger the hub's settings one by one) is refused on its own stream; node 1 then joins
+    and the job trains its epoch."""
+    fc = FaultCluster(nodes=2, ranks_per_node=1, daemon_args=[*synthetic(SIZE), "--buffer", "4"])
+    try:
+        fc.cluster.start_node(0)  # node 1 comes after the stranger
+        channel = grpc.insecure_channel(f"127.0.0.1:{fc.cluster.peer_ports[0]}")
+        grpc.channel_ready_future(channel).result(timeout=scaled(30))
+        job = fc.cluster.spec.job_id
+        version = peer_pb2.Hello(protocol_version=99, job_id=job, node_rank=1)
+        answer = wire.stream(channel, wire.JOIN, [peer_pb2.PeerMessage(hello=version)])
+        assert answer.code is grpc.StatusCode.FAILED_PRECONDITION, answer
+        session = wire.Session(channel, wire.JOIN)  # the (empty-key) proof right, settings not
+        empty = peer_pb2.Hello(protocol_version=PROTOCOL_VERSION, job_id=job, node_rank=1)
+        answer = wire.peer_join(session, empty, b"")
+        assert isinstance(answer, wire.Answer), answer
+        assert answer.code is grpc.StatusCode.FAILED_PRECONDITION, answer
+        assert "differ from the hub's" in answer.details and "balance" not in answer.details
+        session.cancel()
+        channel.close()
+        assert fc.daemons[0].poll() is None, fc.log(0)
+        fc.cluster.start_node(1)
+        fc.cluster.wait_sockets(scaled(60))
+        fc.train_to_the_end(90)
+        fc.assert_exactly_once(SIZE)
+        hub = (fc.cluster.log_dir / "daemon0.log").read_text()
+        assert "refused a peer from" in hub and "speaks odbd peer protocol 99" in hub, hub
+        assert "setting balance differs" in hub  # the operator still sees the detail
+    finally:
+        fc.stop()
 
 
 def test_mtls_job_completes_an_epoch(tmp_path):
@@ -91,13 +127,11 @@ def test_peers_without_a_certificate_of_the_job_ca_cannot_join(tmp_path):
         cluster.start_node(1)  # a real daemon, with a certificate of another CA
         address = f"127.0.0.1:{cluster.peer_ports[0]}"
         config = config_from_args(daemon_parser().parse_args(cluster.command(1)[3:]))
-        hello = peer_pb2.PeerMessage(
-            hello=peer_pb2.Hello(
-                protocol_version=1,
-                job_id=spec.job_id,
-                node_rank=1,
-                fingerprint={"num_nodes": "2", **config.fingerprint(10)},
-            )
+        hello = peer_pb2.Hello(
+            protocol_version=PROTOCOL_VERSION,
+            job_id=spec.job_id,
+            node_rank=1,
+            fingerprint={"num_nodes": "2", **config.fingerprint(10)},
         )
         attempts = {
             "plaintext": grpc.insecure_channel(address),
@@ -105,7 +139,7 @@ def test_peers_without_a_certificate_of_the_job_ca_cannot_join(tmp_path):
             "foreign CA": _tls_channel(address, ca.path.read_bytes(), stranger),
         }
         for what, channel in attempts.items():
-            answer = wire.stream(channel, wire.JOIN, [hello])
+            answer = wire.stream(channel, wire.JOIN, [peer_pb2.PeerMessage(hello=hello)])
             assert answer.code is grpc.StatusCode.UNAVAILABLE, (what, answer)
             channel.close()
         assert cluster.processes[1].wait(timeout=30) == 1, cluster.log(1)
@@ -113,8 +147,7 @@ def test_peers_without_a_certificate_of_the_job_ca_cannot_join(tmp_path):
         # Positive control: a certificate of the job's CA gets through and forms the job.
         channel = _tls_channel(address, ca.path.read_bytes(), good)
         session = wire.Session(channel, wire.JOIN)
-        session.send(hello)
-        reply = session.read()
+        reply = wire.peer_join(session, hello, b"")  # no token: mTLS alone authenticates
         assert not isinstance(reply, wire.Answer), reply
         assert peer_pb2.HubMessage.FromString(reply).HasField("welcome")
         session.cancel()
@@ -143,7 +176,7 @@ def test_oversized_peer_message_is_refused_and_the_hub_stays_up(tmp_path):
         cluster.start_node(0)
         channel = grpc.insecure_channel(f"127.0.0.1:{cluster.peer_ports[0]}")
         grpc.channel_ready_future(channel).result(timeout=30)
-        hello = peer_pb2.Hello(protocol_version=1, job_id=spec.job_id, node_rank=1)
+        hello = peer_pb2.Hello(protocol_version=PROTOCOL_VERSION, job_id=spec.job_id, node_rank=1)
         hello.listen_address = "x" * (MAX_MESSAGE_BYTES + 1024)
         answer = wire.stream(channel, wire.JOIN, [peer_pb2.PeerMessage(hello=hello)])
         assert answer.code is grpc.StatusCode.RESOURCE_EXHAUSTED, answer

@@ -51,19 +51,20 @@ def test_every_flag_reads_its_odbd_variable(tmp_path):
         ["--dataset-size", "10"],
         {"ODBD_WORLD": "16", "ODBD_NPROC_PER_NODE": "8", "ODBD_NODE_RANK": "1",
          "ODBD_PEERS": "a:1,b:2", "ODBD_JOIN": "false", "ODBD_SHM_SIZE": "512M",
-         "ODBD_PAD": "input_ids=7", "ODBD_SOCKET": str(tmp_path / "s.sock")},
+         "ODBD_PAD": "input_ids=7", "ODBD_SOCKET": str(tmp_path / "s.sock"),
+         "ODBD_INSECURE": "true"},  # peers a and b are not loopback: protected mode
     )  # fmt: skip
     assert config.world.world_size == 16 and config.world.ranks_per_node == 8
     assert config.node_rank == 1 and config.peers == ("a:1", "b:2")
     assert config.join is False and config.shm_size == 512 << 20
     assert dict(config.pads)["input_ids"] == 7.0
-    assert config.socket == str(tmp_path / "s.sock")
+    assert config.socket == str(tmp_path / "s.sock") and config.insecure
 
 
 def test_the_command_line_wins_over_the_environment(tmp_path):
     config = parse(
         ["--world", "4", "--nproc-per-node", "2", "--dataset-size", "3", "--peers", "x:1,y:2",
-         "--socket", str(tmp_path / "s.sock")],
+         "--socket", str(tmp_path / "s.sock"), "--insecure"],
         {"ODBD_WORLD": "16", "ODBD_NPROC_PER_NODE": "8"},
     )  # fmt: skip
     assert config.world.world_size == 4

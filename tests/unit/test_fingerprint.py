@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 
 from odbclient.wire.odbd.v1 import peer_pb2
 from odbd.errors import ConfigError
-from odbd.round import PROTOCOL_VERSION, RoundConfig, fingerprint_mismatch, fingerprint_of
-from odbd.round.handshake import check_hello
+from odbd.round import PROTOCOL_VERSION, RoundConfig, auth, fingerprint_mismatch, fingerprint_of
+from odbd.round.handshake import check_hello, check_version
 from odbd.round.table import ProtocolViolation, RoundTable
 
 SETTINGS = {"world": "16", "token_budget": "12288", "seed": "0", "join": "true"}
@@ -40,7 +40,7 @@ def make_hello(node_rank: int = 1, **overrides: object) -> peer_pb2.Hello:
         "job_id": "job-a",
         "node_rank": node_rank,
         "fingerprint": config.settings,
-        "job_token": b"secret",
+        "nonce": b"n" * 32,
     }
     fields.update(overrides)
     return peer_pb2.Hello(**fields)  # type: ignore[arg-type]
@@ -103,11 +103,37 @@ def test_a_matching_hello_is_admitted() -> None:
     assert check_hello(make_hello(), make_config(), joined=()) is None
 
 
-def test_wrong_token_is_unauthenticated_and_reveals_no_settings() -> None:
-    hello = make_hello(job_token=b"guess", fingerprint={"token_budget": "1"})
-    refusal = check_hello(hello, make_config(), joined=())
-    assert refusal is not None and refusal.code is grpc.StatusCode.UNAUTHENTICATED
-    assert "token_budget" not in refusal.message and not refusal.fatal
+def test_a_proof_holds_only_for_its_token_nonces_and_claims() -> None:
+    hello, nonce = make_hello(), b"h" * 32
+    proof = auth.spoke_proof(b"secret", hello, nonce)
+    assert auth.proof_matches(proof, auth.spoke_proof(b"secret", hello, nonce))
+    assert not auth.proof_matches(proof, auth.spoke_proof(b"guess", hello, nonce))
+    assert not auth.proof_matches(proof, auth.spoke_proof(b"secret", hello, b"x" * 32))  # replay
+    assert not auth.proof_matches(proof, auth.hub_proof(b"secret", hello, nonce))  # reflection
+    for claim in ({"node_rank": 2}, {"job_id": "job-b"}, {"listen_address": "10.0.0.9:1"}):
+        other = make_hello(**claim)  # type: ignore[arg-type]
+        assert not auth.proof_matches(proof, auth.spoke_proof(b"secret", other, nonce)), claim
+    settings = {**make_config().settings, "seed": "1"}
+    assert not auth.proof_matches(
+        proof, auth.spoke_proof(b"secret", make_hello(fingerprint=settings), nonce)
+    )
+
+
+def test_a_strangers_refusal_reveals_no_settings_and_is_never_fatal() -> None:
+    settings = {**make_config().settings, "token_budget": "8192"}
+    refusal = check_hello(
+        make_hello(fingerprint=settings), make_config(), joined=(), authenticated=False
+    )
+    assert refusal is not None and not refusal.fatal
+    told = refusal.told(authenticated=False)
+    assert "token_budget" not in told and "12288" not in told and "differ" in told
+    assert "token_budget" in refusal.message  # the hub's own log keeps the detail
+    other_job = check_hello(
+        make_hello(job_id="job-b"), make_config(), joined=(), authenticated=False
+    )
+    assert other_job is not None and "job-a" not in other_job.told(authenticated=False)
+    out_of_range = check_hello(make_hello(9), make_config(), joined=(), authenticated=False)
+    assert out_of_range is not None and "4" not in out_of_range.told(authenticated=False)
 
 
 def test_settings_mismatch_is_a_fatal_failed_precondition_naming_both_values() -> None:
@@ -125,10 +151,12 @@ def test_node_count_is_part_of_the_compared_settings() -> None:
     assert refusal is not None and "num_nodes" in refusal.message
 
 
-def test_protocol_version_mismatch_is_named() -> None:
-    refusal = check_hello(make_hello(protocol_version=99), make_config(), joined=())
+def test_protocol_version_mismatch_is_named_and_not_fatal() -> None:
+    assert check_version(make_hello()) is None
+    refusal = check_version(make_hello(protocol_version=99))
     assert refusal is not None and refusal.code is grpc.StatusCode.FAILED_PRECONDITION
-    assert "protocol_version" in refusal.message and "99" in refusal.message
+    assert "protocol 99" in refusal.message and not refusal.fatal
+    assert "job" not in refusal.message.replace("job-token", "")
 
 
 def test_another_jobs_daemon_is_refused_without_failing_ours() -> None:

@@ -14,7 +14,8 @@ from typing import Any
 import pytest
 import yaml
 
-from odbd.cli import daemon_parser
+from odbd.cli import apply_environment, config_from_args, daemon_parser
+from odbd.errors import ConfigError
 
 K8S = Path(__file__).resolve().parents[2] / "ops" / "k8s"
 kubernetes_validate = pytest.importorskip("kubernetes_validate")
@@ -160,3 +161,34 @@ def test_every_configured_variable_is_a_daemon_flag():
 def test_the_drain_fits_in_the_termination_grace_period():
     config = one("ConfigMap")["data"]
     assert pod()["terminationGracePeriodSeconds"] > float(config["ODBD_DRAIN_TIMEOUT"])
+
+
+def test_the_sidecar_proves_a_secret_mounted_token_and_passes_protected_mode(tmp_path):
+    """Issue 29: the shipped config listened on 0.0.0.0 with no token; now odbd would refuse
+    it (protected mode), so the Job mounts a Secret and the ConfigMap points at it."""
+    config = one("ConfigMap")["data"]
+    token_file = Path(config["ODBD_JOB_TOKEN_FILE"])
+    volumes = {v["name"]: v for v in pod()["volumes"]}
+    (mount,) = [m for m in sidecar()["volumeMounts"] if token_file.is_relative_to(m["mountPath"])]
+    assert mount.get("readOnly") and "secret" in volumes[mount["name"]]
+    secret = volumes[mount["name"]]["secret"]
+    assert token_file.name in (secret.get("items") or [{"path": "token"}])[0]["path"]
+    assert secret["defaultMode"] & 0o007 == 0  # not readable by others
+    (trainer,) = pod()["containers"]
+    assert all(m["name"] != mount["name"] for m in trainer["volumeMounts"])
+    # The daemon accepts the shipped settings with a token, and refuses them without one.
+    token = tmp_path / "token"
+    token.write_text("0123456789abcdef0123456789abcdef\n")
+    env = {**config, "ODBD_NODE_RANK": "0", "ODBD_SOCKET": str(tmp_path / "s.sock")}
+    env.pop("ODBD_DATASET")
+    env["ODBD_DATASET_SIZE"] = "100"
+    assert parse_env({**env, "ODBD_JOB_TOKEN_FILE": str(token)}).job_token
+    del env["ODBD_JOB_TOKEN_FILE"]
+    with pytest.raises(ConfigError, match="--job-token-file.*--tls-cert.*--insecure"):
+        parse_env(env)
+
+
+def parse_env(env: dict[str, str]) -> Any:
+    parser = daemon_parser()
+    apply_environment(parser, env)
+    return config_from_args(parser.parse_args([]), env)

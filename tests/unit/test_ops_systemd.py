@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from odbd.cli import daemon_parser
+from odbd.cli import apply_environment, config_from_args, daemon_parser
+from odbd.errors import ConfigError
 
 OPS = Path(__file__).resolve().parents[2] / "ops" / "systemd"
 ANALYZE = shutil.which("systemd-analyze")
@@ -74,3 +75,23 @@ def test_every_variable_of_the_env_example_is_a_daemon_flag():
     flags = {"ODBD_" + a.dest.upper() for a in daemon_parser()._actions if a.option_strings}
     unknown = set(env_example()) - flags
     assert not unknown, f"not odbd flags: {unknown}"
+
+
+def test_the_env_example_authenticates_peers_and_passes_protected_mode(tmp_path):
+    """It listens on 0.0.0.0 with peers on the network: without its job token (or mTLS) odbd
+    refuses to start (issue 29)."""
+    env = env_example()
+    assert env["ODBD_JOB_TOKEN_FILE"] and env["ODBD_LISTEN"].startswith("0.0.0.0:")
+    token = tmp_path / "job-token"
+    token.write_text("0123456789abcdef0123456789abcdef\n")
+    env.update(ODBD_JOB_TOKEN_FILE=str(token), ODBD_SOCKET=str(tmp_path / "s.sock"))
+    env.update(ODBD_STATE_DIR=str(tmp_path / "state"), ODBD_DATASET_SIZE="100")
+    del env["ODBD_DATASET"]
+    parser = daemon_parser()
+    apply_environment(parser, env)
+    assert config_from_args(parser.parse_args([]), env).job_token
+    del env["ODBD_JOB_TOKEN_FILE"]
+    parser = daemon_parser()
+    apply_environment(parser, env)
+    with pytest.raises(ConfigError, match="--job-token-file.*--tls-cert.*--insecure"):
+        config_from_args(parser.parse_args([]), env)

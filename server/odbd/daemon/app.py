@@ -32,7 +32,7 @@ from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CollectorRegistry
 
 from odbclient.framing import ingest_socket_path, steps_socket_path
 from odbclient.shm import SAMPLE_LAYOUT_VERSION, Allocation, read_meta
@@ -66,6 +66,7 @@ from odbd.ingest.rejections import RejectionLog, samples_made
 from odbd.ingest.service import IngestService, LegacyProduceRefusal
 from odbd.ingest.supervisor import ProducerSupervisor, SupervisorConfig
 from odbd.metrics.collector import DaemonCollector
+from odbd.metrics.http_server import start_metrics_server
 from odbd.metrics.stats import DaemonStats
 from odbd.planner.config import Collate
 from odbd.round import RoundBarrier, RoundConfig
@@ -371,7 +372,7 @@ class Daemon:
         registry.register(DaemonCollector(self.stats, lambda: self._live_gauges(lanes)))
         host, port = self.config.metrics_host, self.config.metrics_port
         try:
-            server, _ = start_http_server(port, host, registry)
+            server = start_metrics_server(host, port, registry)
         except OSError as error:
             raise ConfigError(
                 f"cannot serve /metrics on {host}:{port}: {error}; "

@@ -24,7 +24,7 @@ import numpy as np
 from odbclient.shm import read_meta
 from odbclient.wire.odbd.v1 import trainer_pb2
 from odbd.config import DaemonConfig
-from odbd.daemon import offer_codec
+from odbd.daemon import offer_codec, payload_checks
 from odbd.daemon.cost_learning import CostLearner
 from odbd.daemon.journal import Journal, ResumeState
 from odbd.daemon.node_state import Locations, NodeState
@@ -36,7 +36,7 @@ from odbd.metrics.stats import DaemonStats
 from odbd.planner.config import Collate, PlannerConfig
 from odbd.planner.cost_fit import FitConfig, FitState
 from odbd.planner.progress import JobShape, ProgressColumns, StepFactsColumns, steps_progress
-from odbd.planner.round import plan_round
+from odbd.planner.round import plan_round, units_of_node
 from odbd.planner.types import RoundPlan, SampleTable, UnitPlan
 from odbd.round import RoundBarrier
 from odbd.serve.rank_queue import QueuedItem, RankQueue
@@ -167,6 +167,12 @@ class RoundLoop:
         self.epoch_tokens: Counter[int] = Counter()
         self.updates = UpdateNumbering(self.state.planner, stats)
         self.cost = CostLearner(config.cost_model, self.state.planner.cost, FitConfig())
+        self._offer_limits = payload_checks.OfferLimits(
+            units_of_node=[
+                list(units_of_node(self.state.planner, n)) for n in range(config.world.num_nodes)
+            ],
+            views_per_iteration=self.state.views_per_iteration,
+        )
 
     def _new_tally(self) -> EpochTally:
         return EpochTally(0, 0, np.zeros(self.state.dataset_size, dtype=bool), Counter())
@@ -346,14 +352,7 @@ class RoundLoop:
     # -- 3. plan inputs ----------------------------------------------------------------------
 
     def _decode(self, node: int, payload: bytes) -> offer_codec.NodeOffer:
-        try:
-            return offer_codec.decode(payload)
-        except Exception as error:  # any parse failure: the peer sent something else
-            raise InvariantError(
-                f"node {node} sent a round {self.round_index} payload that is not an odbd "
-                f"offer ({type(error).__name__}: {error}); every daemon of a job must run "
-                "the same odbd release, and only this job's daemons may hold its token"
-            ) from None
+        return payload_checks.decode_offer(payload, node, self.round_index, self._offer_limits)
 
     def _check_agreement(self, offers: list[offer_codec.NodeOffer]) -> None:
         epochs = {o.epoch for o in offers}

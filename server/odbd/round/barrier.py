@@ -80,7 +80,7 @@ class RoundBarrier:
             handler = not_the_hub_handler(config.node_rank)
         if config.listen:
             self._server, self._listen_address = await serve(
-                config.listen, handler, self._health, config.tls
+                config.listen, handler, self._health, config.tls, config.num_nodes
             )
         if self._hub is not None:
             await self._hub.wait_formed()

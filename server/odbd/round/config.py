@@ -9,7 +9,8 @@ import grpc
 
 from odbd.errors import ConfigError
 
-PROTOCOL_VERSION = 1
+# 2: the job token is proven by challenge-response (auth.py) instead of sent in the Hello.
+PROTOCOL_VERSION = 2
 # A round result carries every node's payload in one message: up to a few hundred KB per node
 # per round today, so 64 MiB leaves room for 64 nodes with ~1 MB offers each.
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
@@ -25,6 +26,12 @@ SERVER_OPTIONS = (
     ("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000),
     ("grpc.http2.max_ping_strikes", 0),
     ("grpc.keepalive_permit_without_calls", 1),
+    # Bounds on what a stranger's connections hold: the TLS/HTTP2 handshake must finish within
+    # 10 s, a connection without any call is closed after 60 s (a client reconnects on its
+    # next call), and one connection opens at most 16 streams at once.
+    ("grpc.server_handshake_timeout_ms", 10_000),
+    ("grpc.max_connection_idle_ms", 60_000),
+    ("grpc.max_concurrent_streams", 16),
 )
 CHANNEL_OPTIONS = (
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
@@ -96,11 +103,13 @@ class RoundConfig:
     join_timeout_s: float = 60.0  # start(): every node joins the hub within this
     round_timeout_s: float = 60.0  # a round: all contributions arrive within this of the first
     tls: PeerTls | None = None  # None: plaintext peer traffic (the token still authenticates)
+    # The hub closes a Join stream that has not sent its Hello and Proof within this.
+    hello_timeout_s: float = 10.0
 
     def __post_init__(self) -> None:
         self._check_layout()
         self._check_addresses()
-        if self.join_timeout_s <= 0 or self.round_timeout_s <= 0:
+        if self.join_timeout_s <= 0 or self.round_timeout_s <= 0 or self.hello_timeout_s <= 0:
             raise ConfigError(
                 f"round barrier timeouts must be > 0 s, got join {self.join_timeout_s} s and "
                 f"round {self.round_timeout_s} s"

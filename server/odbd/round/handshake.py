@@ -1,13 +1,16 @@
 """The hub's decision on a Hello: admit, or refuse with a gRPC status and a message (pure).
 
-Checks run in an order that leaks nothing to strangers: the token first (a foreign peer learns
-no settings), then the job id (another job's daemon hitting our port is not our problem), and
-only then the settings of a daemon that is provably part of this job.
+The hub checks the protocol version first (check_version), then runs the token challenge
+(auth.py), and only then decides on the Hello's claims here. A peer is authenticated when it
+answered the challenge of a hub that has a job token, or came through mTLS; anything else
+(a loopback job without a token, a failed proof) is a stranger that:
+  - never stops the job: its refusal ends its own stream only (`fatal` is False);
+  - learns only the kind of refusal (`public`), never the hub's settings or job id; the hub's
+    own log and join-timeout error carry the details (`message`).
 """
 
 from __future__ import annotations
 
-import hmac
 from collections.abc import Collection
 from dataclasses import dataclass
 
@@ -21,34 +24,58 @@ from odbd.round.fingerprint import fingerprint_mismatch
 @dataclass(frozen=True, slots=True)
 class Refusal:
     code: grpc.StatusCode
-    message: str
-    # True when the refused daemon belongs to this job but can never be admitted (its settings
-    # differ): the job cannot form, so the hub stops waiting and fails too. False for strangers
-    # and rank clashes, which must not let any process that reaches the port stop the job.
+    message: str  # for the hub's log and errors: every detail
+    # True when the refused daemon provably belongs to this job but can never be admitted (its
+    # settings differ): the job cannot form, so the hub stops waiting and fails too. Never for
+    # strangers or rank clashes: no process that merely reaches the port may stop the job.
     fatal: bool
+    public: str = ""  # what an unauthenticated peer is told ("" = the message itself)
+
+    def told(self, authenticated: bool) -> str:
+        return self.message if authenticated or not self.public else self.public
+
+
+def check_version(hello: peer_pb2.Hello) -> Refusal | None:
+    """Before the challenge, which a daemon of another protocol would not understand."""
+    if hello.protocol_version == PROTOCOL_VERSION:
+        return None
+    return Refusal(
+        grpc.StatusCode.FAILED_PRECONDITION,
+        f"node {hello.node_rank} speaks odbd peer protocol {hello.protocol_version}, the hub "
+        f"(node 0) speaks {PROTOCOL_VERSION}; run the same odbd release on every node",
+        fatal=False,
+    )
+
+
+def token_refusal(hello: peer_pb2.Hello) -> Refusal:
+    return Refusal(
+        grpc.StatusCode.UNAUTHENTICATED,
+        f"node {hello.node_rank} failed the job-token challenge: its --job-token-file differs "
+        "from the hub's (or one of them has none); give every daemon of the job the same token",
+        fatal=False,
+    )
 
 
 def check_hello(
-    hello: peer_pb2.Hello, config: RoundConfig, joined: Collection[int], formed: bool = False
+    hello: peer_pb2.Hello,
+    config: RoundConfig,
+    joined: Collection[int],
+    formed: bool = False,
+    authenticated: bool = True,
 ) -> Refusal | None:
     """None admits the daemon; `joined` holds the node ranks already admitted.
 
     Once the job formed (`formed`), every node is in and nothing a late Hello says can be
-    fatal: refusing it must never stop a running job, whatever its version or settings.
+    fatal: refusing it must never stop a running job, whatever its settings.
     """
     node = f"node {hello.node_rank}"
-    if not hmac.compare_digest(hello.job_token, config.job_token):
-        return Refusal(
-            grpc.StatusCode.UNAUTHENTICATED,
-            f"{node} presented a wrong job token; give every daemon of the job the same token",
-            fatal=False,
-        )
     if hello.job_id != config.job_id:
         return Refusal(
             grpc.StatusCode.FAILED_PRECONDITION,
             f"{node} belongs to job {hello.job_id!r}, this hub runs job {config.job_id!r}; "
             "check --peers and --job-id",
             fatal=False,
+            public=f"{node} does not belong to the job this hub runs; check --peers and --job-id",
         )
     if formed:
         return Refusal(
@@ -57,13 +84,8 @@ def check_hello(
             f"{config.num_nodes} nodes; a restarted daemon cannot rejoin a running job: "
             "restart the job on all nodes",
             fatal=False,
-        )
-    if hello.protocol_version != PROTOCOL_VERSION:
-        return Refusal(
-            grpc.StatusCode.FAILED_PRECONDITION,
-            f"setting protocol_version differs: the hub (node 0) speaks {PROTOCOL_VERSION}, "
-            f"{node} speaks {hello.protocol_version}; run the same odbd release on every node",
-            fatal=True,
+            public=f"{node} tried to join a job that already formed with all its nodes; a "
+            "restarted daemon cannot rejoin a running job: restart the job on all nodes",
         )
     if not 1 <= hello.node_rank < config.num_nodes:
         return Refusal(
@@ -71,6 +93,8 @@ def check_hello(
             f"{node} is outside 1..{config.num_nodes - 1}: node 0 is the hub and the job has "
             f"{config.num_nodes} nodes; check --node-rank and --world/--nproc-per-node",
             fatal=False,
+            public=f"{node} is not a spoke of the job this hub runs; check --node-rank and "
+            "--world/--nproc-per-node",
         )
     if hello.node_rank in joined:
         return Refusal(
@@ -83,5 +107,11 @@ def check_hello(
         config.settings, hello.fingerprint, ours_name="the hub (node 0)", theirs_name=node
     )
     if mismatch is not None:
-        return Refusal(grpc.StatusCode.FAILED_PRECONDITION, mismatch, fatal=True)
+        return Refusal(
+            grpc.StatusCode.FAILED_PRECONDITION,
+            mismatch,
+            fatal=authenticated,
+            public=f"the settings of {node} differ from the hub's; the hub's log names the "
+            "setting (a daemon without the job token or mTLS is not told which)",
+        )
     return None

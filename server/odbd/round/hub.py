@@ -12,20 +12,28 @@ import asyncio
 import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, NoReturn
 
 import grpc
 
 from odbclient.wire.odbd.v1 import common_pb2, peer_pb2
 from odbd.errors import InvariantError, OdbdError
+from odbd.round import auth
 from odbd.round.config import PROTOCOL_VERSION, RoundConfig, max_payload_bytes
 from odbd.round.errors import HandshakeError, PeerLostError, RoundTimeoutError
-from odbd.round.handshake import check_hello
+from odbd.round.handshake import Refusal, check_hello, check_version, token_refusal
+from odbd.round.log_budget import LogBudget
 from odbd.round.spoke import grace_s
 from odbd.round.stall import TICK_S, StallWatch
 from odbd.round.table import CompletedRound, ProtocolViolation, RoundTable
 
 log = logging.getLogger(__name__)
+
+# Streams between their start and admission or refusal, at most: a real spoke handshakes in one
+# round trip, so these are nearly always strangers (a refused spoke retries, spoke.py).
+MAX_HANDSHAKES = 64
+MAX_HELLO_BYTES = 64 * 1024  # a real one is ~1 KiB: a few dozen settings
+_ABORT_RETURNED = InvariantError("grpc's context.abort returned instead of raising")
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +70,8 @@ class Hub:
         self._formed: asyncio.Future[None] = self._loop.create_future()
         self._watch = StallWatch(self._loop.time())
         self._ticker = self._loop.create_task(self._tick())
+        self._handshaking = 0  # streams between their start and admission or refusal
+        self._refusal_log = LogBudget()
 
     async def _tick(self) -> None:
         while True:
@@ -92,28 +102,56 @@ class Hub:
         )
         self._abort(peer_pb2.ABORT_KIND_JOIN_TIMEOUT, 0, reason, missing, HandshakeError)
 
+    async def _guarded_handshake(self, context: grpc.aio.ServicerContext) -> _Spoke:
+        """The handshake under a deadline and a cap on handshakes in flight: a stranger's stream
+        that sends nothing, or a flood of them, holds no memory for long."""
+        if self._handshaking >= MAX_HANDSHAKES:
+            self._log_refusal(context, f"{MAX_HANDSHAKES} handshakes are already under way")
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"the hub has {MAX_HANDSHAKES} handshakes under way; retry shortly",
+            )
+        self._handshaking += 1
+        try:
+            async with asyncio.timeout(self._config.hello_timeout_s):
+                return await self._handshake(context)
+        except TimeoutError:
+            why = f"no Hello and Proof within the {self._config.hello_timeout_s:g} s deadline"
+            self._log_refusal(context, why)
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, why)
+            raise _ABORT_RETURNED from None
+        finally:
+            self._handshaking -= 1
+
     async def _handshake(self, context: grpc.aio.ServicerContext) -> _Spoke:
         first = await context.read()
         # Undecodable bytes arrive as odbd.grpc_guard.Undecodable, not as a PeerMessage.
         if not isinstance(first, peer_pb2.PeerMessage) or first.WhichOneof("kind") != "hello":
+            self._log_refusal(context, "its first message was not a Hello")
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT, "the first message of a Join must be a Hello"
             )
         hello = first.hello
+        if first.ByteSize() > MAX_HELLO_BYTES:  # its strings end up in log lines and errors
+            why = f"its Hello has {first.ByteSize()} bytes, over the {MAX_HELLO_BYTES} allowed"
+            self._log_refusal(context, why)
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, why)
+        version = check_version(hello)
+        if version is not None:
+            await self._refuse(context, hello, version, authenticated=False)
+        authenticated = await self._challenge(context, hello)
         if self._failure is not None:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(self._failure))
+            told = str(self._failure) if authenticated else "the job of this hub already failed"
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, told)
         refusal = check_hello(
-            hello, self._config, joined=self._spokes.keys(), formed=self._formed.done()
+            hello,
+            self._config,
+            joined=self._spokes.keys(),
+            formed=self._formed.done(),
+            authenticated=authenticated,
         )
         if refusal is not None:
-            log.warning("refused a peer from %s: %s", context.peer(), refusal.message)
-            self._refusals[hello.node_rank] = refusal.message
-            if refusal.fatal:
-                reason = f"the job cannot form: {refusal.message}"
-                self._abort(
-                    peer_pb2.ABORT_KIND_REFUSED, 0, reason, [hello.node_rank], HandshakeError
-                )
-            await context.abort(refusal.code, refusal.message)
+            await self._refuse(context, hello, refusal, authenticated)
         node = hello.node_rank
         self._advertised[node] = hello.listen_address
         self._refusals.pop(node, None)
@@ -121,6 +159,47 @@ class Hub:
         if len(self._spokes) == self._config.num_nodes - 1:
             self._form()
         return spoke
+
+    async def _challenge(self, context: grpc.aio.ServicerContext, hello: peer_pb2.Hello) -> bool:
+        """Runs the token challenge (auth.py); refuses a wrong proof. Returns whether the peer
+        is authenticated: it proved the job token, or mTLS vouched for it."""
+        token, nonce = self._config.job_token, auth.new_nonce()
+        challenge = peer_pb2.Challenge(nonce=nonce, hub_proof=auth.hub_proof(token, hello, nonce))
+        await context.write(peer_pb2.HubMessage(challenge=challenge).SerializeToString())
+        answer = await context.read()
+        if not isinstance(answer, peer_pb2.PeerMessage) or answer.WhichOneof("kind") != "proof":
+            self._log_refusal(context, "it did not answer the Challenge with a Proof")
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, "the second message of a Join must be a Proof"
+            )
+        expected = auth.spoke_proof(token, hello, nonce)
+        if not auth.proof_matches(expected, answer.proof.spoke_proof):
+            await self._refuse(context, hello, token_refusal(hello), authenticated=False)
+        return bool(token) or self._config.tls is not None
+
+    async def _refuse(
+        self,
+        context: grpc.aio.ServicerContext,
+        hello: peer_pb2.Hello,
+        refusal: Refusal,
+        authenticated: bool,
+    ) -> NoReturn:
+        """Ends this stream only, unless an authenticated member of the job can never join."""
+        self._log_refusal(context, refusal.message)
+        if 1 <= hello.node_rank < self._config.num_nodes:  # bounded: strangers pick any rank
+            self._refusals[hello.node_rank] = refusal.message
+        if refusal.fatal and authenticated:
+            reason = f"the job cannot form: {refusal.message}"
+            self._abort(peer_pb2.ABORT_KIND_REFUSED, 0, reason, [hello.node_rank], HandshakeError)
+        await context.abort(refusal.code, refusal.told(authenticated))
+        raise _ABORT_RETURNED
+
+    def _log_refusal(self, context: grpc.aio.ServicerContext, why: str) -> None:
+        logged, left_out = self._refusal_log.admit(self._loop.time())
+        if not logged:
+            return
+        more = f" ({left_out} more refusals were not logged)" if left_out else ""
+        log.warning("refused a peer from %s: %s%s", context.peer(), why, more)
 
     def _form(self) -> None:
         welcome = peer_pb2.Welcome(
@@ -137,7 +216,7 @@ class Hub:
 
     async def join(self, _requests: object, context: grpc.aio.ServicerContext) -> None:
         """The Peer/Join handler: handshake, then write the outbox until the stream ends."""
-        spoke = await self._handshake(context)
+        spoke = await self._guarded_handshake(context)
         reader = asyncio.create_task(self._read(spoke, context))
         try:
             while not isinstance(item := await spoke.outbox.get(), _End):

@@ -74,10 +74,15 @@ async def serve(
     handler: grpc.GenericRpcHandler,
     peer_health: PeerHealth,
     tls: PeerTls | None = None,
+    num_nodes: int = 1,
 ) -> tuple[grpc.aio.Server, str]:
     """Binds and starts the listener; returns it and the bound "host:port" (port 0 resolved)."""
     host, _ = parse_address(listen, "--listen")
-    server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=[DecodeGuard()])
+    # Connections beyond the job's own are strangers' (and probes): bounded, so they cannot
+    # hold unbounded memory. A spoke turned away here reconnects (wait_for_ready) until its
+    # join deadline, as it does while the hub is still starting.
+    options = (*SERVER_OPTIONS, ("grpc.max_allowed_incoming_connections", num_nodes + 256))
+    server = grpc.aio.server(options=options, interceptors=[DecodeGuard()])
     server.add_generic_rpc_handlers((handler,))
     health_pb2_grpc.add_HealthServicer_to_server(peer_health.servicer, server)
     try:

@@ -15,6 +15,7 @@ import grpc
 
 from odbclient.wire.odbd.v1 import peer_pb2
 from odbd.errors import OdbdError
+from odbd.round import auth
 from odbd.round.config import CHANNEL_OPTIONS, PROTOCOL_VERSION, RoundConfig
 from odbd.round.errors import HandshakeError, PeerLostError, RoundTimeoutError
 from odbd.round.server import JOIN_METHOD
@@ -32,6 +33,8 @@ _CONNECT_OPTIONS = (
     ("grpc.min_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 1_000),
 )
+
+_BUSY_RETRY_S = 0.5  # after RESOURCE_EXHAUSTED: the hub had too many handshakes under way
 
 
 def grace_s(timeout_s: float) -> float:
@@ -54,13 +57,13 @@ class Spoke:
         else:
             credentials = config.tls.channel_credentials()
             self._channel = grpc.aio.secure_channel(config.hub_address, credentials, options)
-        join = self._channel.stream_stream(
+        self._join = self._channel.stream_stream(
             JOIN_METHOD,
             request_serializer=peer_pb2.PeerMessage.SerializeToString,
             response_deserializer=peer_pb2.HubMessage.FromString,
         )
         # wait_for_ready: daemons start in any order, so keep trying until the hub listens.
-        self._call = join(wait_for_ready=True)
+        self._call = self._join(wait_for_ready=True)
         self._write_lock = asyncio.Lock()  # FIFO, so contributions leave in call order
         self._waiters: dict[int, asyncio.Future[peer_pb2.RoundResult]] = {}  # round -> result
         self._early: dict[int, peer_pb2.RoundResult] = {}  # results sent before we asked
@@ -68,31 +71,69 @@ class Spoke:
         self._reader: asyncio.Task[None] | None = None
 
     async def connect(self) -> None:
-        """Sends Hello and waits for Welcome (every node joined); raises HandshakeError."""
+        """Hello, the token challenge both ways (auth.py), then waits for Welcome (every node
+        joined); raises HandshakeError. A hub busy with other handshakes is retried."""
+        config = self._config
+        try:
+            async with asyncio.timeout(config.join_timeout_s + grace_s(config.join_timeout_s)):
+                while not await self._handshake():
+                    await asyncio.sleep(_BUSY_RETRY_S)
+                    self._call = self._join(wait_for_ready=True)
+        except TimeoutError:
+            raise HandshakeError(self._no_welcome_message()) from None
+        self._reader = asyncio.create_task(self._read())
+
+    async def _handshake(self) -> bool:
+        """True once welcomed; False if the hub was too busy to handshake (retry)."""
         config = self._config
         hello = peer_pb2.Hello(
             protocol_version=PROTOCOL_VERSION,
             job_id=config.job_id,
             node_rank=config.node_rank,
             fingerprint=config.settings,
-            job_token=config.job_token,
             listen_address=self._listen_address,
+            nonce=auth.new_nonce(),
         )
         try:
-            async with asyncio.timeout(config.join_timeout_s + grace_s(config.join_timeout_s)):
-                await self._call.write(peer_pb2.PeerMessage(hello=hello))
-                first = await self._call.read()
-        except TimeoutError:
-            raise HandshakeError(self._no_welcome_message()) from None
+            await self._call.write(peer_pb2.PeerMessage(hello=hello))
+            challenge = self._first_of(await self._call.read(), "challenge").challenge
+            expected = auth.hub_proof(config.job_token, hello, challenge.nonce)
+            if not auth.proof_matches(expected, challenge.hub_proof):
+                # An empty proof tells a real hub why this node quits (its join-timeout error
+                # names it) and gives an impostor nothing to guess the token from.
+                with contextlib.suppress(Exception):
+                    async with asyncio.timeout(1.0):
+                        await self._call.write(peer_pb2.PeerMessage(proof=peer_pb2.Proof()))
+                        await self._call.read()  # the hub's refusal: the proof arrived
+                self._call.cancel()
+                raise HandshakeError(
+                    f"{self._hub} could not prove it holds this job's token, so node "
+                    f"{config.node_rank} sent it nothing more: its --job-token-file differs "
+                    "(or one of them has none), or another process holds the hub's address"
+                )
+            proof = peer_pb2.Proof(
+                spoke_proof=auth.spoke_proof(config.job_token, hello, challenge.nonce)
+            )
+            await self._call.write(peer_pb2.PeerMessage(proof=proof))
+            self._first_of(await self._call.read(), "welcome")
         except grpc.aio.AioRpcError as exc:
+            if exc.code() is grpc.StatusCode.RESOURCE_EXHAUSTED:
+                return False
             raise HandshakeError(
                 f"{self._hub} refused node {config.node_rank} ({exc.code().name}): {exc.details()}"
             ) from None
-        if first is grpc.aio.EOF or first.WhichOneof("kind") not in ("welcome", "abort"):
-            raise HandshakeError(f"{self._hub} ended the handshake without a Welcome")
-        if first.WhichOneof("kind") == "abort":
-            raise error_of_abort(first.abort)
-        self._reader = asyncio.create_task(self._read())
+        return True
+
+    def _first_of(self, message: object, kind: str) -> peer_pb2.HubMessage:
+        """`message` if it is a `kind`; raises the hub's Abort, or HandshakeError otherwise."""
+        if not isinstance(message, peer_pb2.HubMessage) or message.WhichOneof("kind") not in (
+            kind,
+            "abort",
+        ):
+            raise HandshakeError(f"{self._hub} ended the handshake without a {kind.title()}")
+        if message.WhichOneof("kind") == "abort":
+            raise error_of_abort(message.abort)
+        return message
 
     def _no_welcome_message(self) -> str:
         timeout = self._config.join_timeout_s

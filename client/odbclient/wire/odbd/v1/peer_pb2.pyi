@@ -22,7 +22,7 @@ ABORT_KIND_JOIN_TIMEOUT: AbortKind
 ABORT_KIND_REFUSED: AbortKind
 
 class Hello(_message.Message):
-    __slots__ = ("protocol_version", "job_id", "node_rank", "fingerprint", "job_token", "listen_address")
+    __slots__ = ("protocol_version", "job_id", "node_rank", "fingerprint", "listen_address", "nonce")
     class FingerprintEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -34,15 +34,29 @@ class Hello(_message.Message):
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     NODE_RANK_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
-    JOB_TOKEN_FIELD_NUMBER: _ClassVar[int]
     LISTEN_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    NONCE_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     job_id: str
     node_rank: int
     fingerprint: _containers.ScalarMap[str, str]
-    job_token: bytes
     listen_address: str
-    def __init__(self, protocol_version: _Optional[int] = ..., job_id: _Optional[str] = ..., node_rank: _Optional[int] = ..., fingerprint: _Optional[_Mapping[str, str]] = ..., job_token: _Optional[bytes] = ..., listen_address: _Optional[str] = ...) -> None: ...
+    nonce: bytes
+    def __init__(self, protocol_version: _Optional[int] = ..., job_id: _Optional[str] = ..., node_rank: _Optional[int] = ..., fingerprint: _Optional[_Mapping[str, str]] = ..., listen_address: _Optional[str] = ..., nonce: _Optional[bytes] = ...) -> None: ...
+
+class Challenge(_message.Message):
+    __slots__ = ("nonce", "hub_proof")
+    NONCE_FIELD_NUMBER: _ClassVar[int]
+    HUB_PROOF_FIELD_NUMBER: _ClassVar[int]
+    nonce: bytes
+    hub_proof: bytes
+    def __init__(self, nonce: _Optional[bytes] = ..., hub_proof: _Optional[bytes] = ...) -> None: ...
+
+class Proof(_message.Message):
+    __slots__ = ("spoke_proof",)
+    SPOKE_PROOF_FIELD_NUMBER: _ClassVar[int]
+    spoke_proof: bytes
+    def __init__(self, spoke_proof: _Optional[bytes] = ...) -> None: ...
 
 class Welcome(_message.Message):
     __slots__ = ("protocol_version", "num_nodes")
@@ -101,23 +115,27 @@ class Waiting(_message.Message):
     def __init__(self, round: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class PeerMessage(_message.Message):
-    __slots__ = ("hello", "contribution", "leave", "waiting")
+    __slots__ = ("hello", "contribution", "leave", "waiting", "proof")
     HELLO_FIELD_NUMBER: _ClassVar[int]
     CONTRIBUTION_FIELD_NUMBER: _ClassVar[int]
     LEAVE_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
+    PROOF_FIELD_NUMBER: _ClassVar[int]
     hello: Hello
     contribution: Contribution
     leave: Leave
     waiting: Waiting
-    def __init__(self, hello: _Optional[_Union[Hello, _Mapping]] = ..., contribution: _Optional[_Union[Contribution, _Mapping]] = ..., leave: _Optional[_Union[Leave, _Mapping]] = ..., waiting: _Optional[_Union[Waiting, _Mapping]] = ...) -> None: ...
+    proof: Proof
+    def __init__(self, hello: _Optional[_Union[Hello, _Mapping]] = ..., contribution: _Optional[_Union[Contribution, _Mapping]] = ..., leave: _Optional[_Union[Leave, _Mapping]] = ..., waiting: _Optional[_Union[Waiting, _Mapping]] = ..., proof: _Optional[_Union[Proof, _Mapping]] = ...) -> None: ...
 
 class HubMessage(_message.Message):
-    __slots__ = ("welcome", "result", "abort")
+    __slots__ = ("welcome", "result", "abort", "challenge")
     WELCOME_FIELD_NUMBER: _ClassVar[int]
     RESULT_FIELD_NUMBER: _ClassVar[int]
     ABORT_FIELD_NUMBER: _ClassVar[int]
+    CHALLENGE_FIELD_NUMBER: _ClassVar[int]
     welcome: Welcome
     result: RoundResult
     abort: Abort
-    def __init__(self, welcome: _Optional[_Union[Welcome, _Mapping]] = ..., result: _Optional[_Union[RoundResult, _Mapping]] = ..., abort: _Optional[_Union[Abort, _Mapping]] = ...) -> None: ...
+    challenge: Challenge
+    def __init__(self, welcome: _Optional[_Union[Welcome, _Mapping]] = ..., result: _Optional[_Union[RoundResult, _Mapping]] = ..., abort: _Optional[_Union[Abort, _Mapping]] = ..., challenge: _Optional[_Union[Challenge, _Mapping]] = ...) -> None: ...

@@ -1,0 +1,163 @@
+"""Range checks of a member's decoded round offer, before any of it reaches the planner (pure).
+
+Every daemon decodes every node's offer and plans from all of them, so one bad value (a NaN
+observation, a count that is a string, a length of 2^31-1, twenty thousand invented rejection
+reasons) would crash every daemon of the job deep in the planner or the cost fit, reported as
+an internal error. Each field is checked here instead: finite, non-negative, of its type, and
+bounded; the first problem fails the job on every daemon with one message naming the node.
+The limits are far above anything a real daemon sends, so they never refuse a real offer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from odbd.daemon import offer_codec
+from odbd.daemon.cost_learning import MAX_OBSERVATIONS
+from odbd.daemon.offer_codec import NodeOffer
+from odbd.errors import InvariantError, OdbdError
+from odbd.ingest.rejections import REJECT_FIXES
+
+MAX_EPOCH = 2**31 - 1
+MAX_COUNT = 2**48  # rejection counts, resume points: far above any dataset
+MAX_SAMPLE_TOKENS = 2**24  # one sample's length, loss tokens or patches (16 Mi)
+MAX_AGE = 2**31 - 1  # rounds a sample was recirculated
+MAX_REASONS = 64  # distinct rejection reasons in one offer (the known set has 14)
+MAX_PADDED_TOKENS = 2.0**48  # one observation's padded tokens
+MAX_SUM_SQUARES = 2.0**96  # one observation's sum of squared lengths
+MAX_SECONDS = 1e6  # one observation's step time (11 days)
+ITERATIONS_AHEAD = 4
+_OBSERVATION_MAX = np.array([MAX_PADDED_TOKENS, MAX_SUM_SQUARES, MAX_SECONDS])
+
+
+class BadPayloadError(OdbdError):
+    """A member of the job sent an offer with a value out of range: the job stops, naming it."""
+
+
+@dataclass(frozen=True, slots=True)
+class OfferLimits:
+    """What a valid offer of node `n` may hold in this job (the same on every daemon)."""
+
+    units_of_node: Sequence[Sequence[int]]  # node -> its unit ids, in order
+    # Views of one sampler iteration (sampler.num_views). A view key is iteration * this +
+    # view (node_state.py), and a node buffers at most an iteration or two past its epoch, so
+    # every key of an offer for epoch e is below (e + ITERATIONS_AHEAD) * this.
+    views_per_iteration: int
+    reasons: Collection[str] = tuple(REJECT_FIXES)
+
+
+def decode_offer(payload: bytes, node: int, round_index: int, limits: OfferLimits) -> NodeOffer:
+    """Node `node`'s offer of round `round_index`; raises an OdbdError naming the node if the
+    bytes are not an offer or a field is out of range (never anything else)."""
+    try:
+        offer = offer_codec.decode(payload)
+    except Exception as error:  # any parse failure: the peer sent something else
+        raise InvariantError(
+            f"node {node} sent a round {round_index} payload that is not an odbd "
+            f"offer ({type(error).__name__}: {str(error)[:200]}); every daemon of a job must "
+            "run the same odbd release, and only this job's daemons may hold its token"
+        ) from None
+    problem = offer_problem(offer, node, limits)
+    if problem is not None:
+        raise BadPayloadError(
+            f"node {node} sent a round {round_index} offer with a value out of range: "
+            f"{problem}. Every daemon stops this job; every daemon of a job must run the "
+            "same odbd release, and only this job's daemons may hold its token"
+        )
+    return offer
+
+
+def offer_problem(offer: NodeOffer, node: int, limits: OfferLimits) -> str | None:
+    """The first out-of-range field of node `node`'s offer, or None if every field is valid."""
+    return (
+        _header_problem(offer, node)
+        or _rejected_problem(offer.rejected, limits.reasons)
+        or _units_problem(
+            offer,
+            limits.units_of_node[node],
+            (offer.epoch + ITERATIONS_AHEAD) * limits.views_per_iteration,
+        )
+        or _observations_problem(offer.observations)
+    )
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _header_problem(offer: NodeOffer, node: int) -> str | None:
+    if offer.node != node:
+        return f"it calls itself node {offer.node!r}"
+    if not _is_int(offer.epoch) or not 0 <= offer.epoch <= MAX_EPOCH:
+        return f"its epoch {offer.epoch!r} is not an integer in 0..{MAX_EPOCH}"
+    resume = offer.resume
+    if resume is not None and (
+        len(resume) != 2 or not all(_is_int(v) and 0 <= v <= MAX_COUNT for v in resume)
+    ):
+        return f"its resume point {resume!r} is not two integers in 0..{MAX_COUNT}"
+    return None
+
+
+def _rejected_problem(rejected: object, reasons: Collection[str]) -> str | None:
+    if not isinstance(rejected, dict):
+        return f"its rejection counts are a {type(rejected).__name__}, not a mapping"
+    if len(rejected) > MAX_REASONS:
+        return f"it names {len(rejected)} rejection reasons, over the {MAX_REASONS} allowed"
+    for reason, count in rejected.items():
+        if reason not in reasons:
+            return f"its rejection reason {str(reason)[:64]!r} is not one odbd knows"
+        if not _is_int(count) or not 0 <= count <= MAX_COUNT:
+            return (
+                f"its count of {reason} rejections, {str(count)[:32]!r}, is not in 0..{MAX_COUNT}"
+            )
+    return None
+
+
+def _units_problem(offer: NodeOffer, expected: Sequence[int], view_keys: int) -> str | None:
+    units = [u.unit for u in offer.units]
+    if units != list(expected):
+        return f"it offers units {units[:8]}, but its units are {list(expected)[:8]}"
+    for unit in offer.units:
+        t = unit.samples
+        rows = {len(c) for c in (t.views, t.lengths, t.tokens, t.ages, t.patches)}
+        if len(rows) != 1:
+            return f"unit {unit.unit}'s sample columns have different row counts {sorted(rows)}"
+    if not offer.units:
+        return None
+    # One reduction per column over every unit: a daemon checks every node's offer each round.
+    for name, low, high in (
+        ("views", 0, view_keys - 1),
+        ("lengths", 0, MAX_SAMPLE_TOKENS),
+        ("tokens", 0, MAX_SAMPLE_TOKENS),
+        ("ages", 0, MAX_AGE),
+        ("patches", 0, MAX_SAMPLE_TOKENS),
+    ):
+        parts = [getattr(u.samples, name) for u in offer.units]
+        column = parts[0] if len(parts) == 1 else np.concatenate(parts)
+        if column.size and (int(column.min()) < low or int(column.max()) > high):
+            bad = int(column[(column < low) | (column > high)][0])
+            return f"a sample's {name} value {bad} is outside {low}..{high}"
+    return None
+
+
+def _observations_problem(observations: np.ndarray) -> str | None:
+    if observations.ndim != 2 or observations.shape[1] != 3:
+        return f"its cost observations have shape {observations.shape}, not (m, 3)"
+    if observations.shape[0] > MAX_OBSERVATIONS:
+        return (
+            f"it sends {observations.shape[0]} cost observations, over the {MAX_OBSERVATIONS} "
+            "a round carries"
+        )
+    if not observations.size:
+        return None
+    if not np.isfinite(observations).all():
+        return "a cost observation is not a finite number (NaN or infinity)"
+    if observations.min() < 0 or (observations.max(axis=0) > _OBSERVATION_MAX).any():
+        for column, what in enumerate(("padded tokens", "sum of squared lengths", "seconds")):
+            values, high = observations[:, column], _OBSERVATION_MAX[column]
+            if values.min() < 0 or values.max() > high:
+                return f"a cost observation's {what} is outside 0..{high:g}"
+    return None
