@@ -56,6 +56,7 @@ from odbd.daemon.job_end import (
 from odbd.daemon.journal import Journal, check_header, replay
 from odbd.daemon.node_state import NodeState, Rejected
 from odbd.daemon.offer_codec import check_offer_fits
+from odbd.daemon.rewind import Rewinder
 from odbd.daemon.round_loop import RoundLoop
 from odbd.errors import ConfigError, OdbdError
 from odbd.grpc_guard import DecodeGuard
@@ -99,7 +100,9 @@ class Daemon:
     def __init__(self, config: DaemonConfig, dataset_size: int) -> None:
         self.config = config
         self.state = NodeState(config, dataset_size)
-        self.queues = {rank: RankQueue(rank) for rank in config.local_ranks}
+        self.queues = {
+            rank: RankQueue(rank, history_steps=config.rewind_steps) for rank in config.local_ranks
+        }
         self.arena: Arena | None = None
         self.server: grpc.aio.Server | None = None
         self.step_server: StepServer | None = None  # the trainers' step socket (protocol 6)
@@ -110,6 +113,7 @@ class Daemon:
         self.loop: RoundLoop | None = None
         self.ingest: IngestService | None = None
         self.exit_code = 0
+        self.rewinder: Rewinder | None = None
         self.rejections: list[Rejected] = []
         self._rejection_log = RejectionLog()
         self.stats = DaemonStats.for_config(config, dataset_size)
@@ -160,6 +164,14 @@ class Daemon:
             kill_worker=lambda name: self.supervisor.kill_hung(name) if self.supervisor else None,
             is_worker=lambda name: self.supervisor is not None and self.supervisor.supervises(name),
         )
+        self.rewinder = Rewinder(
+            node=config.node_rank,
+            resolve=lanes.resolve_many,
+            free=lambda locations: self._free(lanes, locations),
+            fail=lambda reason: self.loop.give_up(reason) if self.loop else None,
+            wake=lambda: self.ingest.pump_leases() if self.ingest else None,
+        )
+        self.ingest.rewinder = self.rewinder
         trainer = TrainerService(
             job_id=config.job_id,
             queues=self.queues,
@@ -167,8 +179,11 @@ class Daemon:
             on_free=lambda locations: self._free(lanes, locations),
             on_delivered=self._on_delivered,
             on_hello=self._on_trainer_hello,
+            rewinder=self.rewinder,
+            node=config.node_rank,
         )
         self._open_journal()
+        trainer.from_journal = self.journal_records is not None
         await self._serve_socket(trainer)
         self.barrier = RoundBarrier(self._round_config())
         await self.barrier.start()
@@ -352,6 +367,8 @@ class Daemon:
         resume = replay(self.journal_records, self.config.world.world_size, epoch, step)
         self.journal.append_resume(epoch, step)
         self.loop.restore(resume, update=max(self.resume_updates.values(), default=0))
+        for queue in self.queues.values():  # the steps before it are not this daemon's to send
+            queue.history.floor = (epoch, step)
         self.resumed = True
         self.state.paused = False
         if self.ingest is not None:

@@ -1,0 +1,394 @@
+"""Rewinds on a running daemon: a trainer that loads a checkpoint older than what it already
+took gets those steps again, with the same samples in the same steps (issue 23).
+
+Every rank queue keeps the steps it handed out (`StepHistory`: the serialized StepBatch and
+the epoch-end markers, not the samples' shared memory, which is freed on Delivered as always).
+A resume point inside that history is a rewind: the steps from it on leave the history, their
+samples are made again by id (`dataset[i]` is deterministic by contract) through the same
+producers and leases as any sample, under view keys of their own (`REMAKE_KEYS`, negative:
+they never meet the sampler's ledger), and once every sample is back the steps go to the front
+of the rank's queue with their new shared-memory locations and nothing else changed. Until
+then the queue sends nothing (`RankQueue.gated`).
+
+Why no round-protocol message: rounds plan steps ahead of every rank, and a rewound step is one
+the rounds planned already, identical on every node; ranks that load the same checkpoint resume
+at the same step on every node, and each daemon replays its own ranks' history. The planning
+state (epochs, quota, journal) is untouched, so a daemon that dies after a rewind still
+restarts exactly from --state-dir.
+
+Decisions are the pure `decide_resume`; `Rewinder` keeps the state and does the I/O through
+the callables it is given.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from odbclient.wire.odbd.v1 import trainer_pb2
+from odbd.daemon.node_state import Locations
+
+if TYPE_CHECKING:
+    from odbd.serve.rank_queue import RankQueue
+
+log = logging.getLogger("odbd.rewind")
+
+DEFAULT_REWIND_STEPS = 4096
+# Re-made samples' view keys: -2, -3, ... (-1 is the lane header's "between samples" mark,
+# odbclient.lane.IDLE); the sampler's keys are >= 0, so a commit tells them apart by sign.
+FIRST_REMAKE_KEY = -2
+REMAKE_ATTEMPTS = 3  # a sample whose re-make is rejected this often fails the job
+
+Position = tuple[int, int]  # (epoch, step): the first step not yet trained
+
+
+def is_before(epoch: int, step: int, resume: Position) -> bool:
+    """Whether a queue item (a step, or an epoch's end marker with step -1) comes before
+    `resume` (RankQueue.skip_before's rule: a marker belongs to its epoch's end)."""
+    if step >= 0:
+        return (epoch, step) < resume
+    return epoch < resume[0]
+
+
+class Verdict(enum.Enum):
+    CONTINUE = "continue"  # at or after the first step not handed out: skip to it
+    REWIND = "rewind"  # inside the history: send those steps again
+    REFUSE = "refuse"
+
+
+@dataclass(frozen=True, slots=True)
+class ResumeDecision:
+    verdict: Verdict
+    reason: str = ""  # REFUSE: the refusal's message (what happened, what next, the fix)
+
+
+def decide_resume(
+    *,
+    rank: int,
+    node: int,
+    resume: Position,
+    last_delivered: Position | None,
+    floor: Position,
+    ever_sent: bool,
+    from_journal: bool,
+    history_steps: int,
+) -> ResumeDecision:
+    """What a running daemon does with `rank`'s resume point (pure).
+
+    `floor`: the earliest resume point the rank's history can serve (steps before it were
+    dropped past --rewind-steps, or precede the point a --state-dir restart resumed at).
+    `ever_sent`: this daemon process handed the rank at least one step. A daemon that never
+    did, and was not restarted from a journal, did not serve the checkpoint's steps: it was
+    started afresh, and resuming there would train its own first steps' samples a second time.
+    """
+    at = f"epoch {resume[0]} step {resume[1]}"
+    if resume < floor:
+        why = (
+            f"it restarted from its --state-dir journal at epoch {floor[0]} step {floor[1]}"
+            if from_journal and not ever_sent
+            else f"it keeps the last {history_steps} steps of each rank (--rewind-steps) and "
+            f"the oldest it still has is epoch {floor[0]} step {floor[1]}"
+        )
+        return ResumeDecision(
+            Verdict.REFUSE,
+            f"rank {rank} resumes at {at}, but node {node}'s daemon cannot send the steps from "
+            f"there again: {why}. Nothing was trained. Resume from a newer checkpoint; to keep "
+            "older resume points, run the daemons with a larger --rewind-steps (about 150 "
+            "bytes plus 28 per sample for each rank-step kept)",
+        )
+    if last_delivered is not None and resume <= last_delivered:
+        return ResumeDecision(Verdict.REWIND)
+    if not ever_sent and not from_journal and resume > (0, 0):
+        return ResumeDecision(
+            Verdict.REFUSE,
+            f"rank {rank} resumes at {at}, but node {node}'s daemon has handed it no step "
+            "since it started: that daemon was started again without --state-dir, so it does "
+            "not know which samples the checkpoint's steps held, and resuming there would "
+            "train samples twice and skip others. Nothing was trained. Restart every daemon of "
+            "the job with the same flags and --state-dir (they rebuild the job from their "
+            "journals), or start the job afresh without load_state_dict / "
+            "resume_from_checkpoint",
+        )
+    return ResumeDecision(Verdict.CONTINUE)
+
+
+class StepHistory:
+    """The items a rank queue handed out (delivered or skipped), oldest first, at most
+    `limit` steps (markers ride along); their shared memory is already freed."""
+
+    def __init__(self, limit: int = DEFAULT_REWIND_STEPS) -> None:
+        self.limit = limit
+        self._items: deque[tuple[int, int, object]] = deque()  # (epoch, step, event)
+        self._num_steps = 0
+        self.floor: Position = (0, 0)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    @property
+    def num_steps(self) -> int:
+        return self._num_steps
+
+    def add(self, epoch: int, step: int, event: object) -> None:
+        self._items.append((epoch, step, event))
+        if step >= 0:
+            self._num_steps += 1
+        while self._num_steps > self.limit:
+            self._drop_oldest()
+
+    def _drop_oldest(self) -> None:
+        epoch, step, _ = self._items.popleft()
+        if step >= 0:
+            self._num_steps -= 1
+            self.floor = max(self.floor, (epoch, step + 1))
+        else:  # an epoch's end: the next resume point is the next epoch's first step
+            self.floor = max(self.floor, (epoch + 1, 0))
+
+    def take_from(self, resume: Position) -> list[tuple[int, int, object]]:
+        """Removes and returns the items from `resume` on (oldest first)."""
+        taken: list[tuple[int, int, object]] = []
+        while self._items and not is_before(self._items[-1][0], self._items[-1][1], resume):
+            taken.append(self._items.pop())
+        taken.reverse()
+        self._num_steps -= sum(1 for _, step, _ in taken if step >= 0)
+        return taken
+
+    def put_back(self, items: list[tuple[int, int, object]]) -> None:
+        """A rewind that was not completed: its items are history again."""
+        self._items.extend(items)
+        self._num_steps += sum(1 for _, step, _ in items if step >= 0)
+
+    def last_step(self) -> Position | None:
+        for epoch, step, _ in reversed(self._items):
+            if step >= 0:
+                return epoch, step
+        return None
+
+
+@dataclass(slots=True)
+class Rewind:
+    """One rank's rewind in progress: its steps wait for their samples to be made again."""
+
+    rank: int
+    resume: Position
+    items: list[tuple[int, int, object]]  # from the history, oldest first
+    batches: dict[int, trainer_pb2.StepBatch] = field(default_factory=dict)  # item -> parsed
+    rows: dict[int, tuple[int, int]] = field(default_factory=dict)  # key -> (item, row)
+    made: dict[int, tuple[Locations, int]] = field(default_factory=dict)  # key -> where, nbytes
+    attempts: dict[int, int] = field(default_factory=dict)  # key -> rejected re-makes
+
+    @property
+    def complete(self) -> bool:
+        return len(self.made) == len(self.rows)
+
+
+@dataclass(slots=True)
+class _Lease:
+    producer: int
+    deadline: float
+
+
+class Rewinder:
+    """Every rewind of this node: the samples to make again, their leases, the steps to put
+    back. Called from the event loop only (trainer service, ingest service)."""
+
+    def __init__(
+        self,
+        *,
+        node: int,
+        resolve: Callable[[Locations], tuple[np.ndarray, np.ndarray]],
+        free: Callable[[list[Locations]], None],
+        fail: Callable[[str], None],
+        wake: Callable[[], None] = lambda: None,
+    ) -> None:
+        self.node = node
+        self._resolve = resolve  # Lanes.resolve_many: (segments, offsets) for the trainer
+        self._free = free  # gives shared memory back to its producer
+        self._fail = fail  # the job cannot go on (a sample cannot be made again)
+        self._wake = wake  # producers may lease now (IngestService.pump_leases)
+        self.active: dict[int, Rewind] = {}  # rank -> its rewind
+        self._queues: dict[int, RankQueue] = {}
+        self._next_key = FIRST_REMAKE_KEY
+        self._owner: dict[int, Rewind] = {}  # key -> rewind (not made yet)
+        self._identity: dict[int, int] = {}  # key -> dataset identity
+        self._waiting: deque[int] = deque()  # keys to lease, in order
+        self._leases: dict[int, _Lease] = {}
+        self.num_rewinds = 0
+        self.num_remade = 0
+
+    # -- trainers ------------------------------------------------------------------------
+
+    def start(self, queue: RankQueue, resume: Position) -> None:
+        """Rewinds `queue` (a RankQueue) to `resume`: gates it and asks for its samples."""
+        items = queue.history.take_from(resume)
+        rewind = Rewind(queue.rank, resume, items)
+        for i, (_, step, event) in enumerate(items):
+            if step < 0:
+                continue
+            batch = trainer_pb2.StepBatch.FromString(event)  # type: ignore[arg-type]
+            rewind.batches[i] = batch
+            for row, identity in enumerate(np.frombuffer(batch.sample_ids, "<i8").tolist()):
+                key, self._next_key = self._next_key, self._next_key - 1
+                rewind.rows[key] = (i, row)
+                self._owner[key] = rewind
+                self._identity[key] = identity
+                self._waiting.append(key)
+        queue.gated = True
+        queue.last_delivered = queue.history.last_step()
+        self.active[queue.rank] = rewind
+        self._queues[queue.rank] = queue
+        self.num_rewinds += 1
+        steps = len(rewind.batches)
+        log.info(
+            "trainer rank %d resumes at epoch %d step %d: rewinding %d steps it already took; "
+            "%d samples are made again, then the same steps are sent again",
+            queue.rank, resume[0], resume[1], steps, len(rewind.rows),
+        )  # fmt: skip
+        self._finish_if_complete(rewind)
+        self._wake()
+
+    def cancel(self, rank: int) -> None:
+        """The rank's trainer left before its rewind was served: the steps are history again
+        (its next trainer decides afresh), made samples are freed, leases forgotten."""
+        rewind = self.active.pop(rank, None)
+        if rewind is None:
+            return
+        queue = self._queues.pop(rank)
+        queue.history.put_back(rewind.items)
+        queue.last_delivered = queue.history.last_step()
+        queue.gated = False
+        self._free([where for where, _ in rewind.made.values()])
+        for key in rewind.rows:
+            self._forget(key)
+        log.info("trainer rank %d left during its rewind; the rewind is dropped", rank)
+
+    def cancel_all(self) -> None:
+        for rank in list(self.active):
+            self.cancel(rank)
+
+    def _forget(self, key: int) -> None:
+        self._owner.pop(key, None)
+        self._identity.pop(key, None)
+        self._leases.pop(key, None)
+        # a key still in _waiting is skipped when leased (no owner)
+
+    # -- producers -----------------------------------------------------------------------
+
+    def wanted(self) -> bool:
+        return bool(self._waiting)
+
+    def lease(self, producer: int, count: int, deadline: float) -> tuple[np.ndarray, np.ndarray]:
+        """Up to `count` (keys, identities) to make again, oldest rewind first."""
+        keys: list[int] = []
+        while self._waiting and len(keys) < count:
+            key = self._waiting.popleft()
+            if key in self._owner:
+                keys.append(key)
+                self._leases[key] = _Lease(producer, deadline)
+        ids = [self._identity[k] for k in keys]
+        return np.asarray(keys, dtype=np.int64), np.asarray(ids, dtype=np.int64)
+
+    def commit(self, producer: int, keys: np.ndarray, locations: Locations) -> np.ndarray:
+        """(n,) bool: rows taken (their shared memory now belongs to a rewound step); the
+        others are stale (a cancelled rewind, an expired lease) and go back to the producer."""
+        accepted = np.zeros(len(keys), dtype=bool)
+        done: list[Rewind] = []
+        for i, key in enumerate(keys.tolist()):
+            lease = self._leases.get(key)
+            rewind = self._owner.get(key)
+            if lease is None or lease.producer != producer or rewind is None:
+                continue
+            accepted[i] = True
+            del self._leases[key], self._owner[key], self._identity[key]
+            rewind.made[key] = (locations.take(slice(i, i + 1)), int(locations.nbytes[i]))
+            if rewind.complete:
+                done.append(rewind)
+        self.num_remade += int(accepted.sum())
+        for rewind in done:
+            self._finish_if_complete(rewind)
+        return accepted
+
+    def reject(self, producer: int, key: int, detail: str) -> bool:
+        """A producer could not make a sample again (True if the key was a re-make): retried,
+        and the job fails after REMAKE_ATTEMPTS, since the rewound step cannot be exact."""
+        lease = self._leases.get(key)
+        rewind = self._owner.get(key)
+        if lease is None or lease.producer != producer or rewind is None:
+            return key <= FIRST_REMAKE_KEY
+        del self._leases[key]
+        rewind.attempts[key] = rewind.attempts.get(key, 0) + 1
+        identity = self._identity[key]
+        if rewind.attempts[key] >= REMAKE_ATTEMPTS:
+            self._fail(
+                f"rank {rewind.rank}'s rewind to epoch {rewind.resume[0]} step "
+                f"{rewind.resume[1]} needs sample {identity} again, and making it failed "
+                f"{REMAKE_ATTEMPTS} times ({detail}); it was trained before, so dataset[i] is "
+                "not deterministic. The job stops rather than train another step in its place; "
+                "make dataset[i] depend only on i, then resume from the checkpoint"
+            )
+            return True
+        self._waiting.appendleft(key)
+        return True
+
+    def release(self, keys: list[int]) -> None:
+        """Leases that will not be committed (producer gone, lease expired): made by another."""
+        for key in sorted(keys, reverse=True):
+            if self._leases.pop(key, None) is not None and key in self._owner:
+                self._waiting.appendleft(key)
+        if keys:
+            self._wake()
+
+    def leases_of(self, producer: int) -> list[int]:
+        return [k for k, lease in self._leases.items() if lease.producer == producer]
+
+    def expired(self, now: float) -> list[int]:
+        return [k for k, lease in self._leases.items() if lease.deadline <= now]
+
+    # -- completion ------------------------------------------------------------------------
+
+    def _finish_if_complete(self, rewind: Rewind) -> None:
+        if not rewind.complete or self.active.get(rewind.rank) is not rewind:
+            return
+        del self.active[rewind.rank]
+        queue = self._queues.pop(rewind.rank)
+        queue.restore_front(self._rebuild(rewind))
+        log.info(
+            "trainer rank %d: rewind to epoch %d step %d ready (%d samples made again)",
+            rewind.rank, rewind.resume[0], rewind.resume[1], len(rewind.rows),
+        )  # fmt: skip
+
+    def _rebuild(self, rewind: Rewind) -> list[tuple[int, int, object, list[Locations]]]:
+        """The rewound items with each step's samples at their new locations."""
+        by_item: dict[int, list[tuple[int, Locations, int]]] = {}
+        for key, (item, row) in rewind.rows.items():
+            where, size = rewind.made[key]
+            by_item.setdefault(item, []).append((row, where, size))
+        out: list[tuple[int, int, object, list[Locations]]] = []
+        for i, (epoch, step, event) in enumerate(rewind.items):
+            batch = rewind.batches.get(i)
+            if batch is None or not by_item.get(i):
+                out.append((epoch, step, event, []))
+                continue
+            rows = sorted(by_item[i], key=lambda r: r[0])
+            where = Locations.concat([w for _, w, _ in rows]).with_lane()
+            segments, offsets = self._resolve(where)
+            nbytes = np.asarray([n for _, _, n in rows], dtype=np.int64)
+            old = np.frombuffer(batch.nbytes, "<u8").astype(np.int64)
+            if not np.array_equal(old, nbytes):
+                log.warning(
+                    "rank %d epoch %d step %d: samples made again differ in size from the first "
+                    "time (%s bytes, now %s): dataset[i] is not deterministic, so the rewound "
+                    "step is not the step trained before",
+                    rewind.rank, epoch, step, old.tolist(), nbytes.tolist(),
+                )  # fmt: skip
+            batch.segments = segments.astype("<u4").tobytes()
+            batch.offsets = offsets.astype("<u8").tobytes()
+            batch.nbytes = nbytes.astype("<u8").tobytes()
+            out.append((epoch, step, batch.SerializeToString(), [where]))
+        return out
