@@ -1,19 +1,19 @@
 """`ODBTrainer.train(resume_from_checkpoint=True)` after a crash between two checkpoints
-(issue: exact resume inside the Hugging Face Trainer).
+(issue: exact resume inside the Hugging Face Trainer; issue 23: rewind on a running daemon).
 
 Real `torchrun --nproc-per-node 2` (gloo, CPU) on one daemon with `--state-dir`, a tiny Llama,
 a checkpoint every few optimizer steps; without accumulation, and with
 gradient_accumulation_steps=2 on `--accumulate 2`. Run 1 trains a step or two past its first
-checkpoint of epoch 1, and every process of the job is SIGKILLed. Then:
-(a) the trainers restart with resume_from_checkpoint=True while the daemon keeps running: it
-    already freed the steps after the checkpoint, which the restored model never trained,
-    so both ranks are refused by name before training anything (a crash right after the
-    checkpoint, with no step past it delivered, resumes exactly on the running daemon);
-(b) the daemon is SIGKILLed and restarted with its --state-dir, and the trainers again: the job
-    continues at the step after the checkpoint, the steps after it are trained again, once,
-    every sample of both epochs is trained exactly once counting run 1 up to the checkpoint,
-    the LR continues as an uninterrupted run's, the run ends on the job's last step, and
-    torchrun and the daemon exit 0.
+checkpoint of epoch 1, and every process of the job is SIGKILLed. Then the trainers restart
+with resume_from_checkpoint=True:
+- while the daemon keeps running (no operator action): it rewinds, so the steps after the
+  checkpoint are sent again with the same samples in the same steps (made again by id);
+- or after the daemon was SIGKILLed too and restarted with its --state-dir: it rebuilds the
+  job from its journal at the checkpoint's step.
+Either way the job continues at the step after the checkpoint, the steps after it are trained
+again, once, every sample of both epochs is trained exactly once counting run 1 up to the
+checkpoint, the LR continues as an uninterrupted run's, the run ends on the job's last step,
+and torchrun and the daemon exit 0.
 """
 
 from __future__ import annotations
@@ -34,7 +34,6 @@ from tests.integration.harness import scaled
 from tests.integration.resume_job import (
     WORLD,
     assert_every_sample_once,
-    assert_refused_by_the_running_daemon,
     assert_steps_follow_on,
     crash_past_the_checkpoint,
     daemon_args,
@@ -58,6 +57,7 @@ class Case:
     size: int  # samples per epoch
     save_steps: int
     hang_after: int  # optimizer steps trained past the checkpoint before the crash (0: none)
+    daemon_dies: bool = False  # the daemon is killed too and restarts from its --state-dir
 
 
 CASES = [
@@ -71,6 +71,10 @@ CASES = [
     ),
     pytest.param(
         Case(accumulate=1, size=48, save_steps=3, hang_after=0), id="crash-at-the-checkpoint"
+    ),
+    pytest.param(
+        Case(accumulate=1, size=48, save_steps=3, hang_after=2, daemon_dies=True),
+        id="daemon-restarted-from-state-dir",
     ),
 ]
 
@@ -119,21 +123,9 @@ def test_hf_trainer_resumes_from_its_checkpoint_exactly_after_a_crash(
         checkpoint = optimizer_steps(run1[0])[-1]["global_step"] - case.hang_after
         assert (out / "hf" / f"checkpoint-{checkpoint}").is_dir(), logs(out, cluster)
 
-        job = start_torchrun(out, socket, *trainer_args, "--resume")
-        if case.hang_after == 0:
-            # (a) with nothing past the checkpoint delivered: the running daemon resumes it.
-            assert job.wait(timeout=scaled(150)) == 0, logs(out, cluster)
-            assert cluster.wait(scaled(60)) == [0], logs(out, cluster)
-            cluster.stop()
-            return check_exact_resume(out, case, checkpoint, run1, cluster.spec.job_id)
-        # (a) Trainers restart, the daemon kept running: refused by name, nothing trained.
-        assert job.wait(timeout=scaled(120)) != 0, logs(out, cluster)
-        assert_refused_by_the_running_daemon(logs(out, cluster))
-        assert {r: records_of(out, r) for r in range(WORLD)} == run1, "trained before the error"
-        kill_job(job, out, SCRIPT)
-
-        # (b) Everything restarts: the daemon from its --state-dir journal.
-        restart_daemon(cluster)
+        if case.daemon_dies:
+            restart_daemon(cluster)  # from its --state-dir journal
+        # The trainers restart from the checkpoint; a running daemon rewinds for them.
         job = start_torchrun(out, socket, *trainer_args, "--resume")
         assert job.wait(timeout=scaled(150)) == 0, logs(out, cluster)
         assert cluster.wait(scaled(60)) == [0], logs(out, cluster)
@@ -143,6 +135,8 @@ def test_hf_trainer_resumes_from_its_checkpoint_exactly_after_a_crash(
         cluster.stop()
     assert cluster.leftover_segments() == []  # the killed daemon's too
     check_exact_resume(out, case, checkpoint, run1, cluster.spec.job_id)
+    if case.hang_after and not case.daemon_dies:
+        assert "rewinding" in cluster.log(0), cluster.log(0)
 
 
 def check_exact_resume(
@@ -156,6 +150,9 @@ def check_exact_resume(
         lost = [(r["epoch"], r["step"]) for r in micro(run1[rank]) if r["update"] > checkpoint]
         again = [(r["epoch"], r["step"]) for r in micro(resumed)[: len(lost)]]
         assert again == lost and bool(lost) == (case.hang_after > 0), (again, lost)
+        if not case.daemon_dies:  # a rewind: the same samples in the same steps
+            first = [r["ids"] for r in micro(run1[rank]) if r["update"] > checkpoint]
+            assert [r["ids"] for r in micro(resumed)[: len(lost)]] == first, rank
         assert micro(resumed)[0]["update"] == checkpoint + 1, resumed[0]
         trained[rank] = [r for r in micro(run1[rank]) if r["update"] <= checkpoint]
         trained[rank] += micro(resumed)
