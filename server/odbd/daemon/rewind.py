@@ -392,3 +392,22 @@ class Rewinder:
             batch.nbytes = nbytes.astype("<u8").tobytes()
             out.append((epoch, step, batch.SerializeToString(), [where]))
         return out
+
+
+def fresh_node_failure(fresh: list[int], points: dict[int, Position | None]) -> str:
+    """Why a job whose nodes disagree on resuming fails, when some started afresh: the nodes
+    restarted from --state-dir resume at the trainers' checkpoint, the others have no journal,
+    so they cannot know what the steps before it held."""
+    resumed = {node: point for node, point in points.items() if point is not None}
+    epoch, step = next(iter(resumed.values()))
+    names = ", ".join(str(node) for node in fresh)
+    return (
+        f"node{'s' if len(fresh) > 1 else ''} {names} started afresh, without a --state-dir "
+        f"journal, while node{'s' if len(resumed) > 1 else ''} "
+        f"{', '.join(str(n) for n in resumed)} resume{'' if len(resumed) > 1 else 's'} from "
+        f"{'their journals' if len(resumed) > 1 else 'its journal'} at epoch {epoch} step "
+        f"{step} (the trainers' checkpoint): node {names} lost the job's state, so the job "
+        "cannot resume exactly and stops rather than train samples twice. Restart every "
+        "daemon of the job with the same flags and --state-dir (its own journal on each "
+        "node), or start the job afresh on every node without load_state_dict"
+    )
