@@ -269,5 +269,7 @@ def test_a_mixed_restart_names_the_node_that_lost_its_state(tmp_path: Path) -> N
     finally:
         cluster.stop()
     assert "node 1's daemon has handed it no step since it started" in text, text
+    # node 0 resumed from its journal; the round with node 1 fails naming node 1
+    assert "node 1 started afresh, without a --state-dir journal" in text, text
     assert "node 0's daemon" not in text, text
     assert "every trainer must load the state_dict of the same checkpoint" not in text, text
