@@ -198,3 +198,17 @@ def test_a_queue_keeps_at_most_its_history_bound(limit: int) -> None:
     queue.deliver(0, 4)
     assert queue.history.num_steps == limit
     assert queue.history.floor == (0, 5 - limit)
+
+
+def test_a_rewind_that_waits_for_lane_space_fails_the_job_naming_shm_size() -> None:
+    failures: list[str] = []
+    rewinder = make_rewinder(failures, [])
+    queue = delivered_queue([(0, 0, [1]), (0, 1, [2])])
+    rewinder.start(queue, (0, 0))
+    rewinder.check_room(0.0, lanes_full=True, timeout_s=10)
+    rewinder.check_room(5.0, lanes_full=False, timeout_s=10)  # a free came: the wait restarts
+    rewinder.check_room(6.0, lanes_full=True, timeout_s=10)
+    rewinder.check_room(15.0, lanes_full=True, timeout_s=10)
+    assert not failures
+    rewinder.check_room(16.0, lanes_full=True, timeout_s=10)
+    assert len(failures) == 1 and "--shm-size" in failures[0] and "2 samples" in failures[0]

@@ -686,6 +686,8 @@ class Daemon:
         start_up = isinstance(error, ConfigError) and not self._job_formed
         self.exit_code = EXIT_USAGE if start_up else 1
         try:
+            if self.rewinder is not None:  # a gated queue would hold back the failed JobEnd
+                self.rewinder.cancel_all()
             self._tell_trainers(reason)
             await self._announce_failure()
         except Exception as notice_error:  # noqa: BLE001 - shutdown must still run

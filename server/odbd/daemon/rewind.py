@@ -221,6 +221,7 @@ class Rewinder:
         self._leases: dict[int, _Lease] = {}
         self.num_rewinds = 0
         self.num_remade = 0
+        self._no_room_since: float | None = None  # every producer waits for lane space
 
     # -- trainers ------------------------------------------------------------------------
 
@@ -349,6 +350,29 @@ class Rewinder:
 
     def expired(self, now: float) -> list[int]:
         return [k for k, lease in self._leases.items() if lease.deadline <= now]
+
+    def check_room(self, now: float, *, lanes_full: bool, timeout_s: float) -> None:
+        """Fails the job if rewinds wait while every producer waits for lane space for
+        `timeout_s`: the shared memory is held by the rewinding ranks' own queued steps, which
+        they take only after the rewind, so it would wait forever."""
+        if not self.active or not lanes_full:
+            self._no_room_since = None
+            return
+        if self._no_room_since is None:
+            self._no_room_since = now
+            return
+        if now - self._no_room_since < timeout_s:
+            return
+        missing = sum(len(r.rows) - len(r.made) for r in self.active.values())
+        self._fail(
+            f"ranks {sorted(self.active)} rewind to their checkpoint and need {missing} samples "
+            f"made again, but every producer has waited {now - self._no_room_since:.0f} s for "
+            "lane space, held by steps those ranks take only after the rewind. The job stops "
+            "rather than wait forever; raise --shm-size (room for --steps-ahead queued steps "
+            "and the steps since a checkpoint) or lower --steps-ahead, then resume from the "
+            "checkpoint with --state-dir"
+        )
+        self._no_room_since = None
 
     # -- completion ------------------------------------------------------------------------
 

@@ -274,6 +274,9 @@ class IngestService:
             for producer, f in self._in_flight.items()
             if self._holds(producer, f.key) and self._is_worker(self.sessions[producer].name)
         }
+        if self.rewinder is not None:
+            full = bool(self.sessions) and all(s.lane_full for s in self.sessions.values())
+            self.rewinder.check_room(now, lanes_full=full, timeout_s=self._lease_timeout_s)
         if self.rewinder is not None and (remakes := self.rewinder.expired(now)):
             log.warning("%d leases of samples made again expired; re-leasing them", len(remakes))
             self.rewinder.release(remakes)
