@@ -187,6 +187,9 @@ def run_rewound_job(tmp_path: Path, save_at: list, kills: list) -> None:
         assert cluster.wait(scaled(60)) == [0, 0], logs(out, cluster)
         for node in range(WORLD):  # the running daemons rewound; nobody restarted them
             assert "rewinding" in cluster.log(node), logs(out, cluster)
+            for line in cluster.log(node).splitlines():
+                if "rewind" in line:
+                    print(f"FAULT node {node}: {line}")  # with -s: when, how many samples
     finally:
         if job is not None:
             stop_torchrun(job, out)
