@@ -8,7 +8,8 @@ After step (epoch, step) in --save-at, each rank writes its state_dict to OUT/ck
 (atomically, after the all_reduce, so both ranks hold the same point); step -1 saves after the
 epoch's loop ended. A --kill entry [run, rank, epoch, step] SIGKILLs that rank of that run
 (TORCHELASTIC_RESTART_COUNT) right after it trained that step (-1: after the epoch's loop).
-Each trained step is a line of OUT/rank{r}.run{n}{tag}.jsonl: {"epoch", "step", "ids"}; the first
+Each trained step is a line of OUT/rank{r}.run{n}{tag}.jsonl: {"epoch", "step", "ids",
+"data": sums of the batch's input_ids and labels}; the first
 line of a run says what it loaded: {"loaded": state or null}.
 """
 
@@ -68,7 +69,10 @@ def main() -> None:
             if args.step_s:
                 time.sleep(args.step_s)
             ids = [int(i) for i in batch.sample_ids]
-            records.write(json.dumps({"epoch": batch.epoch, "step": batch.step, "ids": ids}))
+            # what the shared memory held: a rewound step's samples lie at new locations
+            data = [int(batch["input_ids"].sum()), int(batch["labels"].sum())] if ids else []
+            record = {"epoch": batch.epoch, "step": batch.step, "ids": ids, "data": data}
+            records.write(json.dumps(record))
             records.write("\n")
             records.flush()
             if (batch.epoch, batch.step) in saves:
