@@ -324,7 +324,7 @@ def daemon_parser() -> flags.OneLineParser:
         metavar="N",
         help="steps per rank the daemon keeps (ids, not samples) so a trainer restarted from an "
         "older checkpoint gets the same steps again on the running daemon; a resume point "
-        "older than that is refused by name. About 150 bytes + 28 per sample per rank-step",
+        "older than that is refused by name. About 200 bytes + 28 per sample per rank-step",
     )
     safety.add_argument(
         "--job-id",

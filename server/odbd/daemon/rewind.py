@@ -99,7 +99,7 @@ def decide_resume(
             Verdict.REFUSE,
             f"rank {rank} resumes at {at}, but node {node}'s daemon cannot send the steps from "
             f"there again: {why}. Nothing was trained. Resume from a newer checkpoint; to keep "
-            "older resume points, run the daemons with a larger --rewind-steps (about 150 "
+            "older resume points, run the daemons with a larger --rewind-steps (about 200 "
             "bytes plus 28 per sample for each rank-step kept)",
         )
     if last_delivered is not None and resume <= last_delivered:
@@ -241,6 +241,7 @@ class Rewinder:
                 self._identity[key] = identity
                 self._waiting.append(key)
         queue.gated = True
+        queue.took_job_end = False  # it trains those steps again before the job's end
         queue.last_delivered = queue.history.last_step()
         self.active[queue.rank] = rewind
         self._queues[queue.rank] = queue
