@@ -1,7 +1,8 @@
 """`ODBTrainer.train(resume_from_checkpoint=True)` after a crash between two checkpoints
 (issue: exact resume inside the Hugging Face Trainer; issue 23: rewind on a running daemon).
 
-Real `torchrun --nproc-per-node 2` (gloo, CPU) on one daemon with `--state-dir`, a tiny Llama,
+Real `torchrun --nproc-per-node 2` (gloo, CPU) on one daemon with `--state-dir` (or two
+daemons, one rank each), a tiny Llama,
 a checkpoint every few optimizer steps; without accumulation, and with
 gradient_accumulation_steps=2 on `--accumulate 2`. Run 1 trains a step or two past its first
 checkpoint of epoch 1, and every process of the job is SIGKILLed. Then the trainers restart
@@ -58,6 +59,7 @@ class Case:
     save_steps: int
     hang_after: int  # optimizer steps trained past the checkpoint before the crash (0: none)
     daemon_dies: bool = False  # the daemon is killed too and restarts from its --state-dir
+    nodes: int = 1  # daemons, WORLD // nodes ranks each
 
 
 CASES = [
@@ -76,17 +78,19 @@ CASES = [
         Case(accumulate=1, size=48, save_steps=3, hang_after=2, daemon_dies=True),
         id="daemon-restarted-from-state-dir",
     ),
+    pytest.param(Case(accumulate=1, size=48, save_steps=3, hang_after=2, nodes=2), id="two-nodes"),
 ]
 
 
-def start_torchrun(out: Path, socket: str, *trainer_args: str) -> subprocess.Popen[bytes]:
+def start_torchrun(out: Path, sockets: list[str], *trainer_args: str) -> subprocess.Popen[bytes]:
+    """`sockets`: each rank's daemon socket."""
     torchrun = Path(sys.executable).with_name("torchrun")
     # A new torchrun per run: its store is new, so no rank reads a predecessor's gloo address.
     cmd = [str(torchrun), "--nnodes", "1", "--master-addr", "127.0.0.1"]
     cmd += ["--master-port", str(free_ports(1)[0]), "--nproc-per-node", str(WORLD)]
     cmd += ["-m", SCRIPT, "--out-dir", str(out), *trainer_args]
-    env = {**os.environ, "PYTHONPATH": str(REPO), "ODBD_SOCKET": socket, "OMP_NUM_THREADS": "1",
-           "HF_HUB_OFFLINE": "1"}  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(REPO), "ODBD_SOCKETS": ",".join(sockets),
+           "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}  # fmt: skip
     log = open(out / "torchrun.log", "ab")  # noqa: SIM115 (closed right after the spawn)
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
     log.close()
@@ -99,7 +103,8 @@ def optimizer_steps(records: list[dict]) -> list[dict]:
 
 def logs(out: Path, cluster: LocalCluster) -> str:
     text = (out / "torchrun.log").read_text(errors="replace") if out.exists() else ""
-    return f"--- torchrun\n{text[-6000:]}\n--- daemon\n{cluster.log(0)}"
+    daemons = "\n".join(f"--- daemon {n}\n{cluster.log(n)}" for n in range(cluster.spec.nodes))
+    return f"--- torchrun\n{text[-6000:]}\n{daemons}"
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -111,32 +116,35 @@ def test_hf_trainer_resumes_from_its_checkpoint_exactly_after_a_crash(
     state_dir = tmp_path / "state"
     args = daemon_args(size=case.size, accumulate=case.accumulate, state_dir=state_dir)
     trainer_args = ["--grad-accum", str(case.accumulate), "--save-steps", str(case.save_steps)]
-    cluster = LocalCluster(ClusterSpec(nodes=1, ranks_per_node=WORLD, daemon_args=args))
-    socket = cluster.sockets[0]
+    spec = ClusterSpec(nodes=case.nodes, ranks_per_node=WORLD // case.nodes, daemon_args=args)
+    cluster = LocalCluster(spec)
+    sockets = [cluster.sockets[cluster.node_of(rank)] for rank in range(WORLD)]
     job = None
     try:
         cluster.start()
         # Run 1: a crash a step or two after the first checkpoint of epoch 1.
         hang = ["--hang-after-checkpoint", str(case.hang_after)]
-        job = start_torchrun(out, socket, *trainer_args, *hang)
-        run1 = crash_past_the_checkpoint(job, out, socket, SCRIPT, lambda: logs(out, cluster))
+        job = start_torchrun(out, sockets, *trainer_args, *hang)
+        run1 = crash_past_the_checkpoint(
+            job, out, cluster.sockets, SCRIPT, lambda: logs(out, cluster)
+        )
         checkpoint = optimizer_steps(run1[0])[-1]["global_step"] - case.hang_after
         assert (out / "hf" / f"checkpoint-{checkpoint}").is_dir(), logs(out, cluster)
 
         if case.daemon_dies:
             restart_daemon(cluster)  # from its --state-dir journal
         # The trainers restart from the checkpoint; a running daemon rewinds for them.
-        job = start_torchrun(out, socket, *trainer_args, "--resume")
+        job = start_torchrun(out, sockets, *trainer_args, "--resume")
         assert job.wait(timeout=scaled(150)) == 0, logs(out, cluster)
-        assert cluster.wait(scaled(60)) == [0], logs(out, cluster)
+        assert cluster.wait(scaled(60)) == [0] * case.nodes, logs(out, cluster)
     finally:
         if job is not None and job.poll() is None:
             kill_job(job, out, SCRIPT)
         cluster.stop()
     assert cluster.leftover_segments() == []  # the killed daemon's too
     check_exact_resume(out, case, checkpoint, run1, cluster.spec.job_id)
-    if case.hang_after and not case.daemon_dies:
-        assert "rewinding" in cluster.log(0), cluster.log(0)
+    if case.hang_after and not case.daemon_dies:  # every running daemon rewound its ranks
+        assert all("rewinding" in cluster.log(n) for n in range(case.nodes)), logs(out, cluster)
 
 
 def check_exact_resume(
