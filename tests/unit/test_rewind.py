@@ -11,13 +11,8 @@ import pytest
 
 from odbclient.wire.odbd.v1 import trainer_pb2
 from odbd.daemon.node_state import Locations
-from odbd.daemon.rewind import (
-    REMAKE_ATTEMPTS,
-    Rewinder,
-    StepHistory,
-    Verdict,
-    decide_resume,
-)
+from odbd.daemon.remake import REMAKE_ATTEMPTS, Rewinder
+from odbd.daemon.rewind import StepHistory, Verdict, decide_resume, fresh_node_failure
 from odbd.serve.rank_queue import QueuedItem, RankQueue
 
 
@@ -212,3 +207,10 @@ def test_a_rewind_that_waits_for_lane_space_fails_the_job_naming_shm_size() -> N
     assert not failures
     rewinder.check_room(16.0, lanes_full=True, timeout_s=10)
     assert len(failures) == 1 and "--shm-size" in failures[0] and "2 samples" in failures[0]
+
+
+def test_a_mixed_restart_names_the_node_that_started_afresh_not_the_checkpoints() -> None:
+    message = fresh_node_failure([1], {0: (0, 3), 1: None})
+    assert message.startswith("node 1 started afresh, without a --state-dir journal")
+    assert "node 0 resumes from its journal at epoch 0 step 3" in message
+    assert "node 1 lost the job's state" in message

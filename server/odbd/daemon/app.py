@@ -56,7 +56,7 @@ from odbd.daemon.job_end import (
 from odbd.daemon.journal import Journal, check_header, replay
 from odbd.daemon.node_state import NodeState, Rejected
 from odbd.daemon.offer_codec import check_offer_fits
-from odbd.daemon.rewind import Rewinder
+from odbd.daemon.remake import Rewinder
 from odbd.daemon.round_loop import RoundLoop
 from odbd.errors import ConfigError, OdbdError
 from odbd.grpc_guard import DecodeGuard

@@ -14,7 +14,8 @@ import grpc
 from odbclient.connect import DEFAULT_PREFETCH, PROTOCOL_VERSION
 from odbclient.wire.odbd.v1 import trainer_pb2, trainer_pb2_grpc
 from odbd.daemon.node_state import Locations
-from odbd.daemon.rewind import ResumeDecision, Rewinder, Verdict, decide_resume
+from odbd.daemon.remake import Rewinder
+from odbd.daemon.rewind import ResumeDecision, Verdict, decide_resume
 from odbd.serve.hello import Refusal, hello_refusal
 from odbd.serve.rank_queue import QueuedItem, RankQueue
 
