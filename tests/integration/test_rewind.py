@@ -10,12 +10,13 @@ makes the samples of the steps since again by id and sends the same steps again.
 What must hold: torchrun and both daemons exit 0; every step a run trained again holds the
 same samples as the first time; counting each run up to the checkpoint the next one loaded,
 every epoch trains every identity once (plus the sampler's tail repeats); both ranks take the
-same steps. Neighbours: the kill at an epoch's end, twice in a row, a checkpoint in the
-previous epoch, both ranks killed, under CPU load.
+same steps. Neighbours (`make soak`, to keep `make test` near 15 min): the kill at an epoch's
+end, twice in a row, a checkpoint in the previous epoch, both ranks killed, under CPU load.
 
 And the refusal: a daemon started again without --state-dir cannot know what the
-checkpoint's steps held; it refuses the trainers by name before anything is trained, on one
-node and on two, and when only one of two nodes lost its state, that node is named.
+checkpoint's steps held; it refuses the trainers by name before anything is trained, on two
+nodes (and on one: `make soak`), and when only one of two nodes lost its state, that node is
+named.
 """
 
 from __future__ import annotations
@@ -144,7 +145,9 @@ def check_rewound_job(out: Path, num_runs: int) -> None:
 CASES = [
     # (checkpoints after (epoch, step), kills [run, rank, epoch, step]; step -1: the epoch's end)
     pytest.param([[0, 2]], [[0, 1, 0, 6]], id="mid-epoch"),
-    pytest.param([[0, 4]], [[0, 1, 1, 3]], id="checkpoint-in-the-previous-epoch"),
+    pytest.param(
+        [[0, 4]], [[0, 1, 1, 3]], id="checkpoint-in-the-previous-epoch", marks=pytest.mark.soak
+    ),
     pytest.param([[0, 3]], [[0, 1, 0, -1]], id="at-the-epochs-end", marks=pytest.mark.soak),
     pytest.param(
         [[0, 2], [0, 6]], [[0, 1, 0, 4], [1, 0, 0, 8]], id="twice-in-a-row", marks=pytest.mark.soak
@@ -233,7 +236,7 @@ def resume_refused(out: Path, cluster: LocalCluster) -> str:
     return logs(out, cluster)
 
 
-@pytest.mark.parametrize("nodes", [1, 2])
+@pytest.mark.parametrize("nodes", [pytest.param(1, marks=pytest.mark.soak), 2])
 def test_a_daemon_restarted_without_state_dir_refuses_a_checkpoint_by_name(
     tmp_path: Path, nodes: int
 ) -> None:
