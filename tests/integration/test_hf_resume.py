@@ -78,7 +78,11 @@ CASES = [
         Case(accumulate=1, size=48, save_steps=3, hang_after=2, daemon_dies=True),
         id="daemon-restarted-from-state-dir",
     ),
-    pytest.param(Case(accumulate=1, size=48, save_steps=3, hang_after=2, nodes=2), id="two-nodes"),
+    pytest.param(  # the rewind on 2 daemons runs by default in test_rewind.py
+        Case(accumulate=1, size=48, save_steps=3, hang_after=2, nodes=2),
+        id="two-nodes",
+        marks=pytest.mark.soak,
+    ),
 ]
 
 
