@@ -279,3 +279,28 @@ def test_a_mixed_restart_names_the_node_that_lost_its_state(tmp_path: Path) -> N
     assert "node 1 started afresh, without a --state-dir journal" in text, text
     assert "node 0's daemon" not in text, text
     assert "every trainer must load the state_dict of the same checkpoint" not in text, text
+
+
+@pytest.mark.soak
+def test_a_checkpoint_older_than_rewind_steps_is_refused_naming_the_bound(tmp_path: Path) -> None:
+    out = tmp_path / "job"
+    out.mkdir()
+    spec = ClusterSpec(nodes=WORLD, ranks_per_node=1, daemon_args=[*daemon_args(),
+                       "--rewind-steps", "2"])  # fmt: skip
+    cluster = LocalCluster(spec)
+    job = None
+    try:
+        cluster.start()
+        args = ["--save-at", "[[0, 1]]", "--kill", "[[0, 1, 0, 6]]"]
+        job = start_torchrun(out, cluster.sockets, 1, *args)
+        assert job.wait(timeout=scaled(200)) != 0, logs(out, cluster)
+        text = logs(out, cluster)
+    finally:
+        if job is not None:
+            stop_torchrun(job, out)
+        cluster.stop()
+    assert "RankRefusedError" in text and "--rewind-steps" in text, text
+    assert "it keeps the last 2 steps of each rank" in text, text
+    for rank in range(WORLD):
+        runs = runs_of(out, rank)
+        assert [r for r in runs[1] if "step" in r] == [], "trained after the refusal"
