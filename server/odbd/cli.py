@@ -320,6 +320,15 @@ def daemon_parser() -> flags.OneLineParser:
         help="journal directory for restarts (created if missing)",
     )
     safety.add_argument(
+        "--rewind-steps",
+        type=count(0),
+        default=4096,
+        metavar="N",
+        help="steps per rank the daemon keeps (ids, not samples) so a trainer restarted from an "
+        "older checkpoint gets the same steps again on the running daemon; a resume point "
+        "older than that is refused by name. About 200 bytes + 28 per sample per rank-step",
+    )
+    safety.add_argument(
         "--job-id",
         type=flags.nonempty,
         default="odbd",
@@ -486,6 +495,7 @@ def config_from_args(
         round_timeout_s=args.round_timeout,
         join_timeout_s=args.join_timeout,
         steps_ahead=args.steps_ahead,
+        rewind_steps=args.rewind_steps,
         accumulate=args.accumulate,
         tokens_per_update=args.tokens_per_update,
         collate=Collate(args.collate),

@@ -93,6 +93,7 @@ class DaemonConfig:
     round_timeout_s: float = 300.0
     join_timeout_s: float = 120.0
     stall_s: float = 1.0  # no ingest progress this long with trainers nearly starved: plan anyway
+    rewind_steps: int = 4096  # steps per rank kept for rewinds (daemon/rewind.py)
     steps_ahead: int = 64  # plan the next round once a local rank has at most this many queued
     accumulate: int = 1  # micro-steps per optimizer update (planner/windows.py)
     tokens_per_update: int = 0  # or: close updates at >= this many loss tokens (0 = off)

@@ -43,7 +43,10 @@ def main() -> int:
     rank = int(os.environ["RANK"])
     # prefetch 2: every Delivered report is sent at once (report_every = prefetch // 2), so the
     # daemon's view of what was delivered does not depend on timing
-    client = ODBClient(rank=rank, prefetch=2, deadline_s=120.0)
+    # ODBD_SOCKETS: one socket per rank (a daemon per node); else ODBD_SOCKET for every rank
+    sockets = os.environ.get("ODBD_SOCKETS", "").split(",")
+    socket = sockets[rank] if len(sockets) > rank and sockets[rank] else None
+    client = ODBClient(rank=rank, socket=socket, prefetch=2, deadline_s=120.0)
     report = open(args.out_dir / f"rank{rank}.jsonl", "a")  # noqa: SIM115
     try:
         result = train(args, client, rank, report)

@@ -1,19 +1,20 @@
 """`ODBTrainer.train(resume_from_checkpoint=True)` after a crash between two checkpoints
-(issue: exact resume inside the Hugging Face Trainer).
+(issue: exact resume inside the Hugging Face Trainer; issue 23: rewind on a running daemon).
 
-Real `torchrun --nproc-per-node 2` (gloo, CPU) on one daemon with `--state-dir`, a tiny Llama,
+Real `torchrun --nproc-per-node 2` (gloo, CPU) on one daemon with `--state-dir` (or two
+daemons, one rank each), a tiny Llama,
 a checkpoint every few optimizer steps; without accumulation, and with
 gradient_accumulation_steps=2 on `--accumulate 2`. Run 1 trains a step or two past its first
-checkpoint of epoch 1, and every process of the job is SIGKILLed. Then:
-(a) the trainers restart with resume_from_checkpoint=True while the daemon keeps running: it
-    already freed the steps after the checkpoint, which the restored model never trained,
-    so both ranks are refused by name before training anything (a crash right after the
-    checkpoint, with no step past it delivered, resumes exactly on the running daemon);
-(b) the daemon is SIGKILLed and restarted with its --state-dir, and the trainers again: the job
-    continues at the step after the checkpoint, the steps after it are trained again, once,
-    every sample of both epochs is trained exactly once counting run 1 up to the checkpoint,
-    the LR continues as an uninterrupted run's, the run ends on the job's last step, and
-    torchrun and the daemon exit 0.
+checkpoint of epoch 1, and every process of the job is SIGKILLed. Then the trainers restart
+with resume_from_checkpoint=True:
+- while the daemon keeps running (no operator action): it rewinds, so the steps after the
+  checkpoint are sent again with the same samples in the same steps (made again by id);
+- or after the daemon was SIGKILLed too and restarted with its --state-dir: it rebuilds the
+  job from its journal at the checkpoint's step.
+Either way the job continues at the step after the checkpoint, the steps after it are trained
+again, once, every sample of both epochs is trained exactly once counting run 1 up to the
+checkpoint, the LR continues as an uninterrupted run's, the run ends on the job's last step,
+and torchrun and the daemon exit 0.
 """
 
 from __future__ import annotations
@@ -34,7 +35,6 @@ from tests.integration.harness import scaled
 from tests.integration.resume_job import (
     WORLD,
     assert_every_sample_once,
-    assert_refused_by_the_running_daemon,
     assert_steps_follow_on,
     crash_past_the_checkpoint,
     daemon_args,
@@ -58,6 +58,8 @@ class Case:
     size: int  # samples per epoch
     save_steps: int
     hang_after: int  # optimizer steps trained past the checkpoint before the crash (0: none)
+    daemon_dies: bool = False  # the daemon is killed too and restarts from its --state-dir
+    nodes: int = 1  # daemons, WORLD // nodes ranks each
 
 
 CASES = [
@@ -72,17 +74,27 @@ CASES = [
     pytest.param(
         Case(accumulate=1, size=48, save_steps=3, hang_after=0), id="crash-at-the-checkpoint"
     ),
+    pytest.param(
+        Case(accumulate=1, size=48, save_steps=3, hang_after=2, daemon_dies=True),
+        id="daemon-restarted-from-state-dir",
+    ),
+    pytest.param(  # the rewind on 2 daemons runs by default in test_rewind.py
+        Case(accumulate=1, size=48, save_steps=3, hang_after=2, nodes=2),
+        id="two-nodes",
+        marks=pytest.mark.soak,
+    ),
 ]
 
 
-def start_torchrun(out: Path, socket: str, *trainer_args: str) -> subprocess.Popen[bytes]:
+def start_torchrun(out: Path, sockets: list[str], *trainer_args: str) -> subprocess.Popen[bytes]:
+    """`sockets`: each rank's daemon socket."""
     torchrun = Path(sys.executable).with_name("torchrun")
     # A new torchrun per run: its store is new, so no rank reads a predecessor's gloo address.
     cmd = [str(torchrun), "--nnodes", "1", "--master-addr", "127.0.0.1"]
     cmd += ["--master-port", str(free_ports(1)[0]), "--nproc-per-node", str(WORLD)]
     cmd += ["-m", SCRIPT, "--out-dir", str(out), *trainer_args]
-    env = {**os.environ, "PYTHONPATH": str(REPO), "ODBD_SOCKET": socket, "OMP_NUM_THREADS": "1",
-           "HF_HUB_OFFLINE": "1"}  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(REPO), "ODBD_SOCKETS": ",".join(sockets),
+           "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}  # fmt: skip
     log = open(out / "torchrun.log", "ab")  # noqa: SIM115 (closed right after the spawn)
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
     log.close()
@@ -95,7 +107,8 @@ def optimizer_steps(records: list[dict]) -> list[dict]:
 
 def logs(out: Path, cluster: LocalCluster) -> str:
     text = (out / "torchrun.log").read_text(errors="replace") if out.exists() else ""
-    return f"--- torchrun\n{text[-6000:]}\n--- daemon\n{cluster.log(0)}"
+    daemons = "\n".join(f"--- daemon {n}\n{cluster.log(n)}" for n in range(cluster.spec.nodes))
+    return f"--- torchrun\n{text[-6000:]}\n{daemons}"
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -107,42 +120,35 @@ def test_hf_trainer_resumes_from_its_checkpoint_exactly_after_a_crash(
     state_dir = tmp_path / "state"
     args = daemon_args(size=case.size, accumulate=case.accumulate, state_dir=state_dir)
     trainer_args = ["--grad-accum", str(case.accumulate), "--save-steps", str(case.save_steps)]
-    cluster = LocalCluster(ClusterSpec(nodes=1, ranks_per_node=WORLD, daemon_args=args))
-    socket = cluster.sockets[0]
+    spec = ClusterSpec(nodes=case.nodes, ranks_per_node=WORLD // case.nodes, daemon_args=args)
+    cluster = LocalCluster(spec)
+    sockets = [cluster.sockets[cluster.node_of(rank)] for rank in range(WORLD)]
     job = None
     try:
         cluster.start()
         # Run 1: a crash a step or two after the first checkpoint of epoch 1.
         hang = ["--hang-after-checkpoint", str(case.hang_after)]
-        job = start_torchrun(out, socket, *trainer_args, *hang)
-        run1 = crash_past_the_checkpoint(job, out, socket, SCRIPT, lambda: logs(out, cluster))
+        job = start_torchrun(out, sockets, *trainer_args, *hang)
+        run1 = crash_past_the_checkpoint(
+            job, out, cluster.sockets, SCRIPT, lambda: logs(out, cluster)
+        )
         checkpoint = optimizer_steps(run1[0])[-1]["global_step"] - case.hang_after
         assert (out / "hf" / f"checkpoint-{checkpoint}").is_dir(), logs(out, cluster)
 
-        job = start_torchrun(out, socket, *trainer_args, "--resume")
-        if case.hang_after == 0:
-            # (a) with nothing past the checkpoint delivered: the running daemon resumes it.
-            assert job.wait(timeout=scaled(150)) == 0, logs(out, cluster)
-            assert cluster.wait(scaled(60)) == [0], logs(out, cluster)
-            cluster.stop()
-            return check_exact_resume(out, case, checkpoint, run1, cluster.spec.job_id)
-        # (a) Trainers restart, the daemon kept running: refused by name, nothing trained.
-        assert job.wait(timeout=scaled(120)) != 0, logs(out, cluster)
-        assert_refused_by_the_running_daemon(logs(out, cluster))
-        assert {r: records_of(out, r) for r in range(WORLD)} == run1, "trained before the error"
-        kill_job(job, out, SCRIPT)
-
-        # (b) Everything restarts: the daemon from its --state-dir journal.
-        restart_daemon(cluster)
-        job = start_torchrun(out, socket, *trainer_args, "--resume")
+        if case.daemon_dies:
+            restart_daemon(cluster)  # from its --state-dir journal
+        # The trainers restart from the checkpoint; a running daemon rewinds for them.
+        job = start_torchrun(out, sockets, *trainer_args, "--resume")
         assert job.wait(timeout=scaled(150)) == 0, logs(out, cluster)
-        assert cluster.wait(scaled(60)) == [0], logs(out, cluster)
+        assert cluster.wait(scaled(60)) == [0] * case.nodes, logs(out, cluster)
     finally:
         if job is not None and job.poll() is None:
             kill_job(job, out, SCRIPT)
         cluster.stop()
     assert cluster.leftover_segments() == []  # the killed daemon's too
     check_exact_resume(out, case, checkpoint, run1, cluster.spec.job_id)
+    if case.hang_after and not case.daemon_dies:  # every running daemon rewound its ranks
+        assert all("rewinding" in cluster.log(n) for n in range(case.nodes)), logs(out, cluster)
 
 
 def check_exact_resume(
@@ -156,6 +162,9 @@ def check_exact_resume(
         lost = [(r["epoch"], r["step"]) for r in micro(run1[rank]) if r["update"] > checkpoint]
         again = [(r["epoch"], r["step"]) for r in micro(resumed)[: len(lost)]]
         assert again == lost and bool(lost) == (case.hang_after > 0), (again, lost)
+        if not case.daemon_dies:  # a rewind: the same samples in the same steps
+            first = [r["ids"] for r in micro(run1[rank]) if r["update"] > checkpoint]
+            assert [r["ids"] for r in micro(resumed)[: len(lost)]] == first, rank
         assert micro(resumed)[0]["update"] == checkpoint + 1, resumed[0]
         trained[rank] = [r for r in micro(run1[rank]) if r["update"] <= checkpoint]
         trained[rank] += micro(resumed)

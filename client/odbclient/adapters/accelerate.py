@@ -43,9 +43,10 @@ ODBAccelerate registers Accelerate's save/load pre-hooks for this, not the clien
 `register_for_checkpointing`: Accelerate saves registered objects on the main process only
 (`custom_checkpoint_0.pkl`) and loads that one file into every rank, so every rank would
 resume at rank 0's position, and a checkpoint saved without the object fails Accelerate's
-count check without naming what is missing. The hooks run on every process. Exact when the
-daemons restart from their `--state-dir`; daemons left running refuse a rank whose steps
-after the checkpoint they already freed (`RankRefusedError` naming the checkpoint's file).
+count check without naming what is missing. The hooks run on every process. Exact on daemons
+left running (they rewind: the same samples in the same steps) and on daemons restarted from
+their `--state-dir`; a daemon restarted without it refuses the checkpoint (`RankRefusedError`
+naming the checkpoint's file and the node).
 Refused before anything is loaded, with the fix (`CheckpointStateError`): a directory without
 this rank's file, of another world or job; `StateDictError`: `load_state` after the first
 iteration (the resume point is sent when connecting), and `save_state` in the middle of an

@@ -23,9 +23,10 @@
   rank, job id; `odbclient.adapters.hf_checkpoint`) into each `checkpoint-N` before the Trainer
   writes `trainer_state.json`. `train(resume_from_checkpoint=True or PATH)` loads it before the
   Trainer loads anything and keeps the Trainer from skipping batches (`_init_training_state`):
-  odbd continues the rank at the step after the checkpoint. Exact when the daemons restart
-  from their `--state-dir`; daemons left running refuse a rank whose steps after the checkpoint
-  they already freed (`RankRefusedError`, with the fix). A checkpoint without the file, of
+  odbd continues the rank at the step after the checkpoint. Exact on daemons left running
+  (they rewind: the same samples in the same steps) and on daemons restarted from their
+  `--state-dir`; a daemon restarted without it refuses the checkpoint (`RankRefusedError`,
+  naming the node and the fix). A checkpoint without the file, of
   another world or job is refused by name before anything is trained (docs/training.md,
   "Resuming a Hugging Face Trainer").
 

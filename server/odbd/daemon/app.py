@@ -56,6 +56,7 @@ from odbd.daemon.job_end import (
 from odbd.daemon.journal import Journal, check_header, replay
 from odbd.daemon.node_state import NodeState, Rejected
 from odbd.daemon.offer_codec import check_offer_fits
+from odbd.daemon.remake import Rewinder
 from odbd.daemon.round_loop import RoundLoop
 from odbd.errors import ConfigError, OdbdError
 from odbd.grpc_guard import DecodeGuard
@@ -100,7 +101,9 @@ class Daemon:
     def __init__(self, config: DaemonConfig, dataset_size: int) -> None:
         self.config = config
         self.state = NodeState(config, dataset_size)
-        self.queues = {rank: RankQueue(rank) for rank in config.local_ranks}
+        self.queues = {
+            rank: RankQueue(rank, history_steps=config.rewind_steps) for rank in config.local_ranks
+        }
         self.arena: Arena | None = None
         self.server: grpc.aio.Server | None = None
         self.step_server: StepServer | None = None  # the trainers' step socket (protocol 6)
@@ -111,6 +114,7 @@ class Daemon:
         self.loop: RoundLoop | None = None
         self.ingest: IngestService | None = None
         self.exit_code = 0
+        self.rewinder: Rewinder | None = None
         self.rejections: list[Rejected] = []
         self._rejection_log = RejectionLog()
         self.stats = DaemonStats.for_config(config, dataset_size)
@@ -163,6 +167,14 @@ class Daemon:
             kill_worker=lambda name: self.supervisor.kill_hung(name) if self.supervisor else None,
             is_worker=lambda name: self.supervisor is not None and self.supervisor.supervises(name),
         )
+        self.rewinder = Rewinder(
+            node=config.node_rank,
+            resolve=lanes.resolve_many,
+            free=lambda locations: self._free(lanes, locations),
+            fail=lambda reason: self.loop.give_up(reason) if self.loop else None,
+            wake=lambda: self.ingest.pump_leases() if self.ingest else None,
+        )
+        self.ingest.rewinder = self.rewinder
         trainer = TrainerService(
             job_id=config.job_id,
             queues=self.queues,
@@ -170,7 +182,10 @@ class Daemon:
             on_free=lambda locations: self._free(lanes, locations),
             on_delivered=self._on_delivered,
             on_hello=self._on_trainer_hello,
+            rewinder=self.rewinder,
+            node=config.node_rank,
         )
+        trainer.from_journal = self.journal_records is not None
         await self._serve_socket(trainer)
         self.barrier = RoundBarrier(self._round_config())
         await self.barrier.start()
@@ -354,6 +369,8 @@ class Daemon:
         resume = replay(self.journal_records, self.config.world.world_size, epoch, step)
         self.journal.append_resume(epoch, step)
         self.loop.restore(resume, update=max(self.resume_updates.values(), default=0))
+        for queue in self.queues.values():  # the steps before it are not this daemon's to send
+            queue.history.floor = (epoch, step)
         self.resumed = True
         self.state.paused = False
         if self.ingest is not None:
@@ -671,6 +688,8 @@ class Daemon:
         start_up = isinstance(error, ConfigError) and not self._job_formed
         self.exit_code = EXIT_USAGE if start_up else 1
         try:
+            if self.rewinder is not None:  # a gated queue would hold back the failed JobEnd
+                self.rewinder.cancel_all()
             self._tell_trainers(reason)
             await self._announce_failure()
         except Exception as notice_error:  # noqa: BLE001 - shutdown must still run

@@ -28,6 +28,7 @@ from odbd.daemon import offer_codec, payload_checks
 from odbd.daemon.cost_learning import CostLearner
 from odbd.daemon.journal import Journal, ResumeState
 from odbd.daemon.node_state import Locations, NodeState
+from odbd.daemon.rewind import fresh_node_failure
 from odbd.daemon.updates import UpdateNumbering
 from odbd.errors import InvariantError, OdbdError
 from odbd.ingest.lanes import Lanes
@@ -361,6 +362,9 @@ class RoundLoop:
         resumes = {o.resume for o in offers}
         if len(resumes) != 1:
             points = {o.node: o.resume for o in offers}
+            fresh = [node for node, point in points.items() if point is None]
+            if fresh:  # issue 23: name the node that lost its state, not the checkpoints
+                raise InvariantError(fresh_node_failure(fresh, points))
             raise InvariantError(
                 f"nodes resume at different steps {points}: every trainer must load the "
                 "state_dict of the same checkpoint step"

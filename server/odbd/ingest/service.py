@@ -17,9 +17,10 @@ import numpy as np
 from odbclient.connect import PROTOCOL_VERSION
 from odbclient.wire.odbd.v1 import ingest_pb2, ingest_pb2_grpc
 from odbd.daemon.node_state import Locations, NodeState, Rejected
+from odbd.daemon.remake import Rewinder
 from odbd.ingest.hung import InFlight, hung, track
 from odbd.ingest.lanes import Lane, Lanes
-from odbd.ingest.validate import check_rejections, decode_commit
+from odbd.ingest.validate import CommitRows, check_rejections, decode_commit
 from odbd.metrics.stats import DaemonStats
 from odbd.serve.hello import Refusal, hello_refusal
 
@@ -71,6 +72,8 @@ class IngestService:
         self._next_producer = 0
         self.closing = False
         self._closed_for = ""  # the reason every producer's Shutdown gave
+        # Samples made again for rewinds (negative view keys); set by the daemon.
+        self.rewinder: Rewinder | None = None
 
     def open(self, hello: ingest_pb2.ProducerHello) -> ProducerSession | Refusal | None:
         """The new producer's session; a Refusal (protocol, job, dataset size, no lane left);
@@ -127,6 +130,9 @@ class IngestService:
         elif kind == "reject":
             check_rejections(message.reject)
             for rejection in message.reject.rejections:
+                if rejection.view_key < -1 and self.rewinder is not None:
+                    self.rewinder.reject(session.producer, rejection.view_key, rejection.detail)
+                    continue
                 rejected = self._state.reject(
                     session.producer, rejection.view_key, rejection.reason, rejection.detail
                 )
@@ -141,6 +147,10 @@ class IngestService:
         rows = decode_commit(batch, session.lane.allocation.length, session.lane.live)
         lane = session.lane.lane_id
         locations = Locations.in_lane(lane, rows.offsets, rows.nbytes)
+        keys = rows.view_keys.astype(np.int64, copy=False)
+        if self.rewinder is not None and keys.size and int(keys.min()) < -1:
+            self._commit_remade(session, rows, keys, locations)
+            return
         outcome = self._state.commit(
             session.producer,
             rows.view_keys.astype(np.int64, copy=False),
@@ -164,10 +174,59 @@ class IngestService:
             self.pump_leases()  # rejected ids left the lease budget (see on_message)
         self._on_progress()
 
+    def _commit_remade(
+        self, session: ProducerSession, rows: CommitRows, keys: np.ndarray, where: Locations
+    ) -> None:
+        """A commit holding samples made again for a rewind (keys < -1): those rows go to
+        the rewinder, the others to NodeState as usual."""
+        assert self.rewinder is not None
+        remade = keys < -1
+        accepted = np.zeros(len(keys), dtype=bool)
+        accepted[remade] = self.rewinder.commit(
+            session.producer, keys[remade], where.take(np.flatnonzero(remade))
+        )
+        rest = np.flatnonzero(~remade)
+        rejections: list[Rejected] = []
+        if rest.size:
+            outcome = self._state.commit(
+                session.producer,
+                keys[rest],
+                where.take(rest),
+                rows.lengths[rest].astype(np.int64),
+                rows.loss_tokens[rest].astype(np.int64),
+                rows.schema_hashes[rest].astype(np.uint64).view(np.int64),
+                rows.patches[rest].astype(np.int64),
+            )
+            accepted[rest] = outcome.accepted
+            rejections = outcome.rejections
+        self._lanes.hold(session.lane.lane_id, where.offsets[accepted])
+        self._stats.ingest_bytes += int(where.nbytes[accepted].sum())
+        self._stats.ingest_samples += int(accepted.sum())
+        for rejected in rejections:
+            self._on_rejected(rejected)
+        if not accepted.all():
+            self._send_free(session, where.offsets[~accepted])
+        self.pump_leases()
+        self._on_progress()
+
+    def _grant_remakes(self, session: ProducerSession, deadline: float) -> None:
+        """Samples a rewind waits for go first: a trainer is blocked on them."""
+        if self.rewinder is None or not self.rewinder.wanted():
+            return
+        keys, identities = self.rewinder.lease(session.producer, session.credit, deadline)
+        if keys.size:
+            session.credit -= int(keys.size)
+            grant = ingest_pb2.LeaseGrant(
+                view_keys=keys.astype("<i8").tobytes(),
+                identities=identities.astype("<i8").tobytes(),
+            )
+            session.outbox.put_nowait(ingest_pb2.IngestMessage(lease=grant))
+
     def pump_leases(self) -> None:
         """Grants pending sample ids to producers with credit."""
         deadline = asyncio.get_running_loop().time() + self._lease_timeout_s
         for session in self.sessions.values():
+            self._grant_remakes(session, deadline)
             if session.credit <= 0:
                 continue
             keys = self._state.lease(session.producer, session.credit, deadline)
@@ -215,6 +274,12 @@ class IngestService:
             for producer, f in self._in_flight.items()
             if self._holds(producer, f.key) and self._is_worker(self.sessions[producer].name)
         }
+        if self.rewinder is not None:
+            full = bool(self.sessions) and all(s.lane_full for s in self.sessions.values())
+            self.rewinder.check_room(now, lanes_full=full, timeout_s=self._lease_timeout_s)
+        if self.rewinder is not None and (remakes := self.rewinder.expired(now)):
+            log.warning("%d leases of samples made again expired; re-leasing them", len(remakes))
+            self.rewinder.release(remakes)
         expired = [key for key in self._state.expired(now) if key not in kept]
         if expired:
             log.warning("%d leases expired without a commit; re-leasing them", len(expired))
@@ -233,7 +298,7 @@ class IngestService:
         headers = {p: self._lanes.in_flight(s.lane.lane_id) for p, s in self.sessions.items()}
         self._in_flight = track(self._in_flight, headers, now)
         for producer, stuck in hung(self._in_flight, now, self._lease_timeout_s).items():
-            if producer in self._killed:
+            if producer in self._killed or stuck.key < -1:  # a re-make: its lease expires
                 continue  # its lease stays until its stream's end counts the death
             name = self.sessions[producer].name
             identity = int(self._state.identities_of(np.asarray([stuck.key]))[0])
@@ -278,6 +343,8 @@ class IngestService:
         self._account_death(session)
         held = self._state.leases_of(session.producer)
         self._state.release(held)
+        if self.rewinder is not None:
+            self.rewinder.release(self.rewinder.leases_of(session.producer))
         self._lanes.orphan(session.lane.lane_id)
         log.info("producer %s detached; %d leases go back to the pool", session.name, len(held))
         self.pump_leases()

@@ -22,6 +22,7 @@ from typing import Any
 
 from odbclient.wire.odbd.v1 import trainer_pb2
 from odbd.daemon.node_state import Locations
+from odbd.daemon.rewind import DEFAULT_REWIND_STEPS, StepHistory
 
 
 @dataclass(slots=True)
@@ -47,7 +48,12 @@ class QueuedItem:
 
 
 class RankQueue:
-    def __init__(self, rank: int, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        rank: int,
+        clock: Callable[[], float] = time.monotonic,
+        history_steps: int = DEFAULT_REWIND_STEPS,
+    ) -> None:
         self.rank = rank
         self._items: deque[QueuedItem] = deque()
         self._sent = 0  # items[:_sent] were sent on the current connection
@@ -66,6 +72,11 @@ class RankQueue:
         self.detached_at_s: float | None = None  # clock() when the last stream ended
         self._job_end_sent: trainer_pb2.JobEnd | None = None  # on the current connection
         self.took_job_end = False  # sticky: see the module docstring
+        # Items handed out (delivered or skipped), for rewinds (odbd.daemon.rewind); while a
+        # rewind makes its samples again the queue is gated: nothing is sent.
+        self.history = StepHistory(history_steps)
+        self.gated = False
+        self.ever_sent = False  # a step went out to a trainer of this daemon process
 
     @property
     def attached(self) -> bool:
@@ -107,13 +118,14 @@ class RankQueue:
     def take_ready(self, prefetch: int) -> QueuedItem | None:
         """The next item if it may be sent now (fewer than `prefetch` sent steps await
         delivery, or it is a marker); None when the stream must wait."""
-        if self._sent >= len(self._items):
+        if self._sent >= len(self._items) or self.gated:
             return None
         item = self._items[self._sent]
         if item.is_step:
             if self._sent_steps >= prefetch:
                 return None
             self._sent_steps += 1
+            self.ever_sent = True
         elif item.job_end is not None:
             self._job_end_sent = item.job_end
         self._sent += 1
@@ -168,6 +180,7 @@ class RankQueue:
             items.popleft()
             self._sent -= 1
             freed += head.locations
+            self.history.add(head.epoch, head.step, head.event)
         if last is not None:
             self.last_delivered = (last.epoch, last.step)
         self.delivered_steps += delivered
@@ -201,8 +214,23 @@ class RankQueue:
             self._items.popleft()
             freed.extend(head.locations)
             self._num_steps -= head.is_step
+            self.history.add(head.epoch, head.step, head.event)  # trained by the last client
+            if head.is_step:
+                self.last_delivered = (head.epoch, head.step)
         self._sent = self._sent_steps = 0
         return freed
+
+    def restore_front(self, items: list[tuple[int, int, Any, list[Locations]]]) -> None:
+        """A rewind is ready: its steps (epoch, step, event, locations) go before every
+        queued item, and sending starts again."""
+        self._items.extendleft(
+            QueuedItem(epoch, step, event, locations)
+            for epoch, step, event, locations in reversed(items)
+        )
+        self._num_steps += sum(1 for _, step, _, _ in items if step >= 0)
+        self._sent = self._sent_steps = 0
+        self.gated = False
+        self._changed.set()
 
     def first_undelivered(self) -> tuple[int, int] | None:
         for item in self._items:

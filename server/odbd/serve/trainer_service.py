@@ -14,6 +14,8 @@ import grpc
 from odbclient.connect import DEFAULT_PREFETCH, PROTOCOL_VERSION
 from odbclient.wire.odbd.v1 import trainer_pb2, trainer_pb2_grpc
 from odbd.daemon.node_state import Locations
+from odbd.daemon.remake import Rewinder
+from odbd.daemon.rewind import ResumeDecision, Verdict, decide_resume
 from odbd.serve.hello import Refusal, hello_refusal
 from odbd.serve.rank_queue import QueuedItem, RankQueue
 
@@ -45,6 +47,9 @@ class TrainerService:
         on_free: Callable[[list[Locations]], None],
         on_delivered: Callable[[int, trainer_pb2.Delivered], None],
         on_hello: Callable[[trainer_pb2.TrainerHello], str | None] = lambda hello: None,
+        rewinder: Rewinder | None = None,
+        node: int = 0,
+        from_journal: bool = False,
     ) -> None:
         self._job_id = job_id
         self._queues = queues
@@ -52,6 +57,9 @@ class TrainerService:
         self._on_free = on_free
         self._on_delivered = on_delivered
         self._on_hello = on_hello
+        self.rewinder = rewinder  # None: resume points before the last delivered are refused
+        self._node = node
+        self.from_journal = from_journal  # restarted from --state-dir (app._resume checks)
 
     def admit(self, hello: trainer_pb2.TrainerHello) -> Refusal | None:
         """Why this hello must not attach (protocol, job, world, rank, resume point), else None.
@@ -77,11 +85,9 @@ class TrainerService:
                 "exactly one ODBClient (close the other, or check RANK)",
             )
         if hello.resume:
-            behind = resume_refusal(
-                hello.rank, (hello.resume_epoch, hello.resume_step), queue.last_delivered
-            )
-            if behind is not None:  # RankRefusedError: "the resume point is bad"
-                return Refusal("INVALID_ARGUMENT", behind)
+            decision = self._decide(hello, queue)
+            if decision.verdict is Verdict.REFUSE:  # RankRefusedError: "the resume point is bad"
+                return Refusal("INVALID_ARGUMENT", decision.reason)
         resume = self._on_hello(hello)
         return None if resume is None else Refusal("FAILED_PRECONDITION", resume)
 
@@ -93,15 +99,39 @@ class TrainerService:
             log.warning(_reattach_warning(hello.rank, queue.first_undelivered()))
         queue.attached = True
         if hello.resume:
-            self._on_free(queue.skip_before(hello.resume_epoch, hello.resume_step))
+            resume = (hello.resume_epoch, hello.resume_step)
+            if self._decide(hello, queue).verdict is Verdict.REWIND:
+                assert self.rewinder is not None
+                self.rewinder.start(queue, resume)
+            else:
+                self._on_free(queue.skip_before(*resume))
         queue.rewind()
         prefetch = min(hello.prefetch or DEFAULT_PREFETCH, MAX_PREFETCH)
         log.info("trainer rank %d attached (prefetch %d)", hello.rank, prefetch)
         return Attachment(hello.rank, queue, prefetch)
 
+    def _decide(self, hello: trainer_pb2.TrainerHello, queue: RankQueue) -> ResumeDecision:
+        resume = (hello.resume_epoch, hello.resume_step)
+        if self.rewinder is None:  # the earlier rule: the history is never served
+            refusal = resume_refusal(hello.rank, resume, queue.last_delivered)
+            if refusal is not None:
+                return ResumeDecision(Verdict.REFUSE, refusal)
+        return decide_resume(
+            rank=hello.rank,
+            node=self._node,
+            resume=resume,
+            last_delivered=queue.last_delivered,
+            floor=queue.history.floor,
+            ever_sent=queue.ever_sent,
+            from_journal=self.from_journal,
+            history_steps=queue.history.limit,
+        )
+
     def detach(self, attachment: Attachment) -> None:
         """The stream ended: undelivered steps go to the rank's next trainer (job_end.py
-        reads the detach from the queue)."""
+        reads the detach from the queue); a rewind not served yet is dropped."""
+        if self.rewinder is not None:
+            self.rewinder.cancel(attachment.rank)
         attachment.queue.attached = False
         attachment.queue.rewind()
         log.info("trainer rank %d detached", attachment.rank)
