@@ -99,6 +99,34 @@ def fetch_sample(dataset: Any, identity: int) -> Any:
     return as_arrays(sample) if type(sample) is dict or isinstance(sample, Mapping) else sample
 
 
+# Integer dtypes a token id or label fits in losslessly as int64 (uint64 may not).
+_PROMOTED_INTS = frozenset({"int8", "int16", "int32", "uint8", "uint16", "uint32"})
+
+
+def promote_token_ids(sample: Any, keys: tuple[str, ...]) -> Any:
+    """`sample` with the integer arrays of `keys` (the daemon's --length-key and --labels-key:
+    token ids and labels) widened to int64, losslessly.
+
+    A tokenizer that returns int32 ids for some samples (or on one node) gave them another
+    schema than the int64 rest, and they were rejected as schema_mismatch, or, arriving first,
+    got every other sample rejected. int64 is what embedding lookups and cross-entropy targets
+    take (F.cross_entropy refuses int32 targets), so widening changes no value and nothing the
+    trainer can do with the batch. Other keys keep their dtype: an int32 attention mask is the
+    user's choice, and uint8 pixels would grow eightfold. Not a mapping: returned as is (the
+    planner rejects it)."""
+    if not isinstance(sample, Mapping):
+        return sample
+    widened: dict[str, Any] | None = None
+    for key in keys:
+        value: Any = sample.get(key)
+        if getattr(value, "dtype", None) is None or _dtype_name(value) not in _PROMOTED_INTS:
+            continue
+        if widened is None:
+            widened = dict(sample)
+        widened[key] = value.astype(np.int64) if isinstance(value, np.ndarray) else value.long()
+    return sample if widened is None else widened
+
+
 def as_arrays(sample: Mapping[str, Any]) -> Mapping[str, Any]:
     """`sample` with every Python or numpy-scalar value made a numpy array (dtypes above).
 
@@ -358,24 +386,27 @@ def schema_hash(sample: Mapping[str, Any]) -> int:
     )
 
 
-def schema_difference(first: SampleMeta, other: SampleMeta) -> str:
+def schema_difference(
+    first: SampleMeta, other: SampleMeta, reference: str = "the first sample"
+) -> str:
     """One line naming what makes `other` hash unlike `first` (the keys, dtypes and dimensions
-    after the first that schema_hash covers), with both shapes and dtypes."""
+    after the first that schema_hash covers), with both shapes and dtypes; `reference` names
+    what `first` stands for."""
     mine = {f.name: f for f in first.fields}
     theirs = {f.name: f for f in other.fields}
     if set(mine) != set(theirs):
         extra, missing = sorted(set(theirs) - set(mine)), sorted(set(mine) - set(theirs))
         parts = [f"has key {k!r} ({_field_text(theirs[k])})" for k in extra]
         parts += [f"lacks key {k!r} ({_field_text(mine[k])})" for k in missing]
-        return f"this sample {' and '.join(parts)} unlike the first sample"
+        return f"this sample {' and '.join(parts)} unlike {reference}"
     for key, f in mine.items():
         g = theirs[key]
         if (f.dtype, len(f.shape), f.shape[1:]) != (g.dtype, len(g.shape), g.shape[1:]):
             return (
-                f"key {key!r} is {_field_text(g)} here but {_field_text(f)} in the first sample; "
+                f"key {key!r} is {_field_text(g)} here but {_field_text(f)} in {reference}; "
                 "only the first dimension may differ between samples"
             )
-    return "keys, dtypes and shapes match the first sample's but the schema hashes differ"
+    return f"keys, dtypes and shapes match {reference} but the schema hashes differ"
 
 
 def _field_text(field: FieldMeta) -> str:

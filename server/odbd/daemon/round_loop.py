@@ -31,7 +31,14 @@ from odbd.daemon.node_state import Locations, NodeState
 from odbd.daemon.updates import UpdateNumbering
 from odbd.errors import InvariantError, OdbdError
 from odbd.ingest.lanes import Lanes
-from odbd.ingest.rejections import empty_epoch_failure
+from odbd.ingest.rejections import (
+    budget_failure,
+    empty_dataset_failure,
+    empty_epoch_failure,
+    epoch_rejection_summary,
+    over_budget,
+)
+from odbd.ingest.schema_vote import schema_disagreement
 from odbd.metrics.stats import DaemonStats
 from odbd.planner.config import Collate, PlannerConfig
 from odbd.planner.cost_fit import FitConfig, FitState
@@ -172,9 +179,14 @@ class RoundLoop:
         return EpochTally(0, 0, np.zeros(self.state.dataset_size, dtype=bool), Counter())
 
     async def run(self) -> None:
-        if self.config.epochs != 0 and self.state.dataset_size == 0:
-            self._end_job("the dataset is empty")
-            return
+        if self.state.dataset_size == 0:
+            # Refused before the first round, as a failed job rather than an exit at start-up:
+            # the trainers then raise JobFailedError with this line instead of waiting for a
+            # daemon that is gone (it exited 0 with "the dataset is empty" at INFO before).
+            self.failure = empty_dataset_failure(self.config.dataset)
+            self._end_job(self.failure, failed=True)
+            await self._tell_trainers()
+            raise JobFailed(self.failure)
         while not self.done:
             await self._wait_ready()
             offer = offer_codec.NodeOffer(
@@ -184,12 +196,15 @@ class RoundLoop:
                 rejected=self.state.take_rejected_delta(),
                 resume=self.resume if self.round_index == 0 else None,
                 observations=self.cost.take_new(),
+                schema=self._schema(),
             )
             self._exchanging, self._exchange_started_s = True, time.monotonic()
             payloads = await self.barrier.exchange(self.round_index, offer_codec.encode(offer))
             self._exchanging = False
             offers = [self._decode(node, p) for node, p in enumerate(payloads)]
             self._check_agreement(offers)
+            if self._schemas_disagree(offers) or self._past_budget():
+                break
             units = sorted((u for o in offers for u in o.units), key=lambda u: u.unit)
             planner = self._planner([o.observations for o in offers])
             plan = plan_round(units, planner, self.round_seed_base + self.round_index)
@@ -370,6 +385,41 @@ class RoundLoop:
         for o in offers:
             self.tally.rejected.update(o.rejected)
             self.quota_consumed += sum(o.rejected.values()) if not self.config.join else 0
+
+    def _schema(self) -> tuple[int, str] | None:
+        schema_hash = self.state.schema_hash
+        return None if schema_hash is None else (schema_hash, self.state.schema_text)
+
+    def _schemas_disagree(self, offers: list[offer_codec.NodeOffer]) -> bool:
+        """Nodes that chose different sample schemas fail the job before this round is planned
+        (every daemon sees the same offers): one rule, so no node trains under a schema
+        another rejects."""
+        chosen = {o.node: o.schema for o in offers if o.schema is not None}
+        failure = schema_disagreement(chosen)
+        if failure is None:
+            return False
+        self.failure = failure
+        self._end_job(failure, failed=True)
+        return True
+
+    def _past_budget(self) -> bool:
+        """The epoch's rejections over every node passed --max-reject-fraction: the job fails
+        now, before this round is planned (every daemon decides it from the same offers)."""
+        assert self.tally.rejected is not None
+        total = sum(self.tally.rejected.values())
+        fraction = self.config.max_reject_fraction
+        if not over_budget(total, self.state.dataset_size, fraction):
+            return False
+        self.failure = budget_failure(
+            self.state.epoch,
+            self.tally.rejected,
+            self.state.dataset_size,
+            fraction,
+            self.state.first_rejected_ids,
+            self.state.first_rejection,
+        )
+        self._end_job(self.failure, failed=True)
+        return True
 
     def _planner(self, observations: list[np.ndarray]) -> PlannerConfig:
         """The planner config of this round: its cost model is learned from every node's
@@ -724,6 +774,13 @@ class RoundLoop:
             rejected_by_reason=dict(tally.rejected),
             num_identities=tally.num_seen,
         )
+        if tally.rejected:
+            log.warning(
+                "%s; the job goes on (at most --max-reject-fraction %g of an epoch may be "
+                "rejected); the first of each reason was logged when it happened",
+                epoch_rejection_summary(epoch, tally.rejected, self.state.dataset_size),
+                self.config.max_reject_fraction,
+            )
         log.info(
             "epoch %d done: %d steps, %d samples, %d identities of %d, rejected %s",
             epoch,

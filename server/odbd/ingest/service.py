@@ -19,6 +19,7 @@ from odbclient.wire.odbd.v1 import ingest_pb2, ingest_pb2_grpc
 from odbd.daemon.node_state import Locations, NodeState, Rejected
 from odbd.ingest.hung import InFlight, hung, track
 from odbd.ingest.lanes import Lane, Lanes
+from odbd.ingest.schema_vote import SCHEMA_VOTE_WAIT_S
 from odbd.ingest.validate import check_rejections, decode_commit
 from odbd.metrics.stats import DaemonStats
 from odbd.serve.hello import Refusal, hello_refusal
@@ -71,6 +72,7 @@ class IngestService:
         self._next_producer = 0
         self.closing = False
         self._closed_for = ""  # the reason every producer's Shutdown gave
+        self._vote_seen_s: float | None = None  # the sweep first saw the schema vote open
 
     def open(self, hello: ingest_pb2.ProducerHello) -> ProducerSession | Refusal | None:
         """The new producer's session; a Refusal (protocol, job, dataset size, no lane left);
@@ -160,8 +162,39 @@ class IngestService:
             self._on_rejected(rejected)
         if not every:
             self._send_free(session, locations.offsets[~outcome.accepted])  # rejected, stale
+        if outcome.voted_out:
+            self._drop_voted_out(outcome.voted_out)
         if outcome.rejections:
             self.pump_leases()  # rejected ids left the lease budget (see on_message)
+        self._on_progress()
+
+    def _drop_voted_out(self, voted_out: list[Rejected]) -> None:
+        """Samples held for the schema vote whose schema lost: counted as rejected, their
+        bytes freed in whichever lane holds them."""
+        for rejected in voted_out:
+            self._on_rejected(rejected)
+        where = [Locations.in_lane(r.location.lane, np.asarray([r.location.offset]),
+                                   np.asarray([r.location.nbytes]))
+                 for r in voted_out if r.location is not None]  # fmt: skip
+        self.give_back(self._lanes.free(where))
+        self.pump_leases()
+
+    def close_schema_vote(self, now: float) -> None:
+        """The sweep's part of the schema vote: one open SCHEMA_VOTE_WAIT_S since this sweep
+        first saw it closes with the samples it holds (a dataset with few valid samples, or slow
+        producers, would otherwise never start the job)."""
+        if not self._state.schema_voting:
+            self._vote_seen_s = None
+            return
+        if self._vote_seen_s is None:
+            self._vote_seen_s = now
+            return
+        if now - self._vote_seen_s < SCHEMA_VOTE_WAIT_S:
+            return
+        self._vote_seen_s = None
+        voted_out = self._state.close_schema_vote()
+        if voted_out:
+            self._drop_voted_out(voted_out)
         self._on_progress()
 
     def pump_leases(self) -> None:
@@ -209,6 +242,7 @@ class IngestService:
         (`_end_hung`), then expired leases go back to the pool, except a sample its supervised
         worker is still making (its death, should it hang, must count against that sample)."""
         now = asyncio.get_running_loop().time()
+        self.close_schema_vote(now)
         self._end_hung(now)
         kept = {
             f.key
