@@ -33,3 +33,51 @@ class BadSamples:
 
 def make(size: int = 40) -> BadSamples:
     return BadSamples(size)
+
+
+class OddFirst:
+    """Issue 24: sample 0 (committed first under --no-shuffle) has another schema than the
+    rest: `odd=int32` gives it int32 input_ids (promoted to int64 by the producer), `odd=key`
+    an extra float key (rejected by the schema vote); the other samples are good."""
+
+    def __init__(self, size: int, odd: str) -> None:
+        self.size, self.odd = size, odd
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, index: int) -> dict:
+        ids = np.arange(GOOD_LENGTH, dtype=np.int64) + index
+        if index == 0 and self.odd == "int32":
+            return {"input_ids": ids.astype(np.int32), "labels": ids}
+        if index == 0 and self.odd == "key":
+            return {"input_ids": ids, "labels": ids, "score": np.ones(1, np.float32)}
+        return {"input_ids": ids, "labels": ids}
+
+
+def odd_first(size: int = 400, odd: str = "int32") -> OddFirst:
+    return OddFirst(size, odd)
+
+
+class FailingReads:
+    """dataset[i] raises OSError for `percent` % of the ids (a storage outage), spread evenly."""
+
+    def __init__(self, size: int, percent: int) -> None:
+        self.size, self.percent = size, percent
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, index: int) -> dict:
+        if index % 100 < self.percent:
+            raise OSError(f"read of shard for sample {index} failed: Input/output error")
+        ids = np.arange(GOOD_LENGTH, dtype=np.int64) + index
+        return {"input_ids": ids, "labels": ids}
+
+
+def failing_reads(size: int = 400, percent: int = 85) -> FailingReads:
+    return FailingReads(size, percent)
+
+
+def empty() -> list:
+    return []

@@ -62,7 +62,9 @@ def over_budget(rejected: int, dataset_size: int, max_fraction: float) -> bool:
 
     Decided as soon as the count passes the budget, not at the epoch's end: the count only
     grows within an epoch, so waiting would only train more of a broken pipeline's data."""
-    return rejected > max_fraction * max(dataset_size, 1)
+    # 1 never fails: in --no-join jobs the count of an epoch can pass its size (rejections of
+    # the next pass of the sampler are counted as they come, before the quota moves on).
+    return max_fraction < 1.0 and rejected > max_fraction * max(dataset_size, 1)
 
 
 def budget_failure(
