@@ -1,6 +1,8 @@
 """Issue 24: the schema vote's rules, the rejection budget, token-id promotion and the flags
 that used to be accepted or misreported (each case failed before its fix)."""
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 import torch
@@ -10,6 +12,7 @@ from odbclient.errors import DatasetLoadError
 from odbclient.samples import promote_token_ids, schema_hash
 from odbd.cli import apply_environment, config_from_args, daemon_parser, run_daemon_command
 from odbd.daemon import offer_codec
+from odbd.daemon.round_loop import RoundLoop
 from odbd.ingest.rejections import budget_failure, empty_dataset_failure, over_budget
 from odbd.ingest.schema_vote import describe_schema, schema_disagreement, winning_schema
 from odbd.planner.types import SampleTable, UnitOffer
@@ -172,3 +175,56 @@ def test_a_negative_demo_dataset_size_names_the_factorys_own_argument():
     text = str(error.value)
     assert "size must be an integer >= 1" in text and "--dataset-arg size=N" in text
     assert "--num-samples" not in text
+
+
+# -- the wait line (issue 24, item 4) -----------------------------------------------------------
+
+
+class _Queue:
+    def __init__(self, rank: int, queued: int) -> None:
+        self.rank, self._queued, self.attached = rank, queued, True
+
+    def queued_steps(self) -> int:
+        return self._queued
+
+    def first_undelivered(self) -> tuple[int, int]:
+        return (0, 5)
+
+
+def _loop(queued: list[int], *, lanes_full: bool, slow=None) -> SimpleNamespace:
+    state = SimpleNamespace(
+        buffered_now=lambda: 3,
+        planner=SimpleNamespace(unit_capacity=8),
+        leases=[],
+        rejected={},
+    )
+    return SimpleNamespace(
+        config=SimpleNamespace(steps_ahead=4),
+        queues={r: _Queue(r, q) for r, q in enumerate(queued)},
+        state=state,
+        producers=lambda: 2,
+        lanes_full=lambda: lanes_full,
+        starting=lambda: (0, 0.0),
+        slow_sample=lambda: slow,
+    )
+
+
+def test_a_stopped_rank_is_named_first_and_not_told_to_raise_shm_size():
+    """Before: "...every producer waits for lane space: raise --shm-size or lower --buffer, and
+    shared memory is held by undelivered steps (rank 1 ...)": the rank came last."""
+    why = RoundLoop._wait_reason(_loop([0, 40], lanes_full=True), True)  # type: ignore[arg-type]
+    assert why.startswith(
+        "shared memory is held by undelivered steps (rank 1 has 40 steps undelivered from "
+        "epoch 0 step 5, its client is attached); a rank that stopped calling next()"
+    ), why
+    assert "raise --shm-size" not in why and "which those undelivered steps hold" in why
+    alone = RoundLoop._wait_reason(_loop([0, 0], lanes_full=True), True)  # type: ignore[arg-type]
+    assert alone.endswith("every producer waits for lane space: raise --shm-size or lower --buffer")
+
+
+def test_a_producer_long_inside_one_sample_is_named_in_the_wait_line():
+    """Before: a dataset[i] that took 60 s read as "2 producers attached and making samples"."""
+    slow = ("worker-0", 17, 42.4)
+    why = RoundLoop._wait_reason(_loop([0], lanes_full=False, slow=slow), True)  # type: ignore[arg-type]
+    assert "producer worker-0 has been inside dataset[17] for 42 s" in why, why
+    assert "making samples" not in why

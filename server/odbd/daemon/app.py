@@ -185,6 +185,7 @@ class Daemon:
             lanes_full=lambda: self.ingest is not None and self.ingest.lanes_full(),
             producers=lambda: len(self.ingest.sessions) if self.ingest else 0,
             starting=lambda: self.supervisor.running() if self.supervisor else (0, 0.0),
+            slow_sample=lambda: self.ingest.slowest_sample() if self.ingest else None,
         )
         self._serve_metrics(lanes)
         if config.dataset is not None and config.workers > 0:

@@ -61,9 +61,14 @@ def wait_reason(
     rejected: dict[str, int],
     lanes_full: bool,
     starting: tuple[int, float] = (0, 0.0),
+    slow: tuple[str, int, float] | None = None,
+    held_by_ranks: bool = False,
 ) -> str:
     """Why nothing arrives, as far as this node can tell, for the periodic wait line.
 
+    `slow`: (producer, identity, seconds) of the sample a producer has been making longest,
+    once past SLOW_SAMPLE_S (a 60 s dataset[i] read as "making samples" before).
+    `held_by_ranks`: ranks sit on undelivered steps (named before this reason by the caller).
     `starting`: the --workers processes alive and seconds since the first started. With none
     attached they are still in the dataset factory (it runs in every worker before it
     connects), which can take minutes for a real dataset: telling the operator to start
@@ -83,8 +88,18 @@ def wait_reason(
             "no producer is attached: start producers on this node (python -m "
             "odbclient.producer_main --socket ...), or see above why --workers stopped"
         )
+    if lanes_full and held_by_ranks:  # the ranks named first hold the space: not a size issue
+        return "every producer waits for lane space, which those undelivered steps hold"
     if lanes_full:
         return "every producer waits for lane space: raise --shm-size or lower --buffer"
+    if slow is not None:
+        name, identity, seconds_in = slow
+        return (
+            f"{producers} producers attached, and producer {name} has been inside "
+            f"dataset[{identity}] for {seconds_in:.0f} s; a sample that slow holds up the "
+            "round (speed up its preprocessing; a --workers process inside one sample for "
+            "--lease-timeout is killed as hung)"
+        )
     if buffered == 0 and rejected:
         return (
             f"{producers} producers attached but every sample since the last round was "
@@ -138,6 +153,7 @@ class RoundLoop:
         lanes_full: Callable[[], bool] = lambda: False,
         producers: Callable[[], int] = lambda: 0,
         starting: Callable[[], tuple[int, float]] = lambda: (0, 0.0),
+        slow_sample: Callable[[], tuple[str, int, float] | None] = lambda: None,
     ) -> None:
         self.config = config
         self.state = state
@@ -154,6 +170,7 @@ class RoundLoop:
         self.lanes_full_warned = False
         self.producers = producers  # producers attached now (for the wait line)
         self.starting = starting  # --workers processes alive, seconds since the first started
+        self.slow_sample = slow_sample  # IngestService.slowest_sample
         self.resume: tuple[int, int] | None = None  # set by restore(): announced in round 0
         self.round_seed_base = 0  # plans of a restarted job must not repeat the old seeds
         self.progress = asyncio.Event()
@@ -331,10 +348,17 @@ class RoundLoop:
                 rejected=dict(self.state.rejected),
                 lanes_full=self.lanes_full(),
                 starting=self.starting(),
+                slow=self.slow_sample(),
+                held_by_ranks=bool(lagging),
             )
         )
         if lagging:
-            return f"{producers}, and shared memory is held by undelivered steps ({ranks})"
+            # The rank first: it is the cause, and the lanes-full advice (raise --shm-size)
+            # read first sent operators to resize memory for a stopped trainer.
+            return (
+                f"shared memory is held by undelivered steps ({ranks}); a rank that stopped "
+                f"calling next() holds up the job, and meanwhile {producers}"
+            )
         return producers
 
     @property

@@ -26,6 +26,8 @@ from odbd.serve.hello import Refusal, hello_refusal
 
 log = logging.getLogger("odbd.ingest")
 
+SLOW_SAMPLE_S = 10.0  # a producer this long inside one dataset[i] is named in the wait line
+
 
 @dataclass(slots=True)
 class ProducerSession:
@@ -256,6 +258,19 @@ class IngestService:
             self._state.release(expired)
             self.pump_leases()
         return len(expired)
+
+    def slowest_sample(self) -> tuple[str, int, float] | None:
+        """(producer name, identity, seconds) of the sample a producer has been inside
+        dataset[i] for longest, once past SLOW_SAMPLE_S (as of the last sweep), for the wait
+        line; None if every producer is quicker."""
+        if not self._in_flight:
+            return None
+        now = asyncio.get_running_loop().time()
+        producer, flight = min(self._in_flight.items(), key=lambda item: item[1].since_s)
+        if now - flight.since_s < SLOW_SAMPLE_S or producer not in self.sessions:
+            return None
+        identity = int(self._state.identities_of(np.asarray([flight.key]))[0])
+        return self.sessions[producer].name, identity, now - flight.since_s
 
     def _holds(self, producer: int, key: int) -> bool:
         return producer in self.sessions and self._state.leases.holder(key) == producer
