@@ -306,6 +306,7 @@ class Producer:
                 patch_count_key=welcome.patch_count_key,
                 concat_keys=tuple(welcome.concat_keys),
                 packed=welcome.packed,
+                check_finite=welcome.check_finite,
             ),
         )
 

@@ -57,6 +57,7 @@ class RejectReason(enum.StrEnum):
     BAD_CONCAT_KEY = "bad_concat_key"  # a --concat key is missing or has no first dimension
     BAD_PATCH_COUNT = "bad_patch_count"  # the patch key / count key is missing or not a count
     PACKED_LENGTH_MISMATCH = "packed_length_mismatch"  # packed: a 1-D key of another length
+    NON_FINITE = "non_finite"  # --check-finite: a float array holds NaN or inf
 
 
 class SampleRejected(Exception):
@@ -248,6 +249,7 @@ class SampleForm:
     patch_count_key: str = ""  # or the integer value of this key
     concat_keys: tuple[str, ...] = ()  # must be present with a first dimension
     packed: bool = False  # --collate packed: 1-D keys must have the length key's length
+    check_finite: bool = False  # --check-finite: float arrays must hold no NaN or inf
 
 
 PLAIN_SAMPLES = SampleForm()  # no --concat, no patch budget
@@ -276,6 +278,38 @@ def inspect_sample(
         _check_packed_lengths(sample, length_key, length, form.concat_keys)
     patches = _patch_count(sample, form)
     return SampleFacts(nbytes, length, loss_tokens, schema_hash(sample), patches)
+
+
+_FLOAT_KINDS = frozenset("fc")
+
+
+def check_finite(sample: Mapping[str, Any]) -> None:
+    """Raises SampleRejected(NON_FINITE) naming the first float key holding NaN or inf, how
+    many and where (--check-finite). Integer and bool keys cannot hold either: not scanned."""
+    torch = sys.modules.get("torch")
+    for key, value in sample.items():
+        if torch is not None and isinstance(value, torch.Tensor):
+            if not (value.is_floating_point() or value.is_complex()):
+                continue
+            bad = ~torch.isfinite(value.detach().cpu())
+            count = int(bad.sum())
+            first = int(torch.nonzero(bad.reshape(-1))[0]) if count else 0
+        else:
+            array = np.asarray(value)
+            if array.dtype.kind not in _FLOAT_KINDS:
+                continue
+            if array.dtype.kind == "f" and np.isfinite(array).all():  # the usual sample: 1 scan
+                continue
+            bad_np = ~np.isfinite(array)
+            count = int(np.count_nonzero(bad_np))
+            first = int(np.flatnonzero(bad_np.reshape(-1))[0]) if count else 0
+        if count:
+            raise SampleRejected(
+                RejectReason.NON_FINITE,
+                f"key {key!r} holds {count} NaN or inf values of {int(np.prod(value.shape))} "
+                f"(the first at flat index {first}); fix the preprocessing that makes them, or "
+                "drop the daemon's --check-finite if they are meant",
+            )
 
 
 def _check_concat_keys(sample: Mapping[str, Any], concat_keys: tuple[str, ...]) -> None:

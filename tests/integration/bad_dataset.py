@@ -81,3 +81,24 @@ def failing_reads(size: int = 400, percent: int = 85) -> FailingReads:
 
 def empty() -> list:
     return []
+
+
+class NanEvery:
+    """Samples with a float key `score`; every `every`-th holds NaN (at index 1)."""
+
+    def __init__(self, size: int, every: int) -> None:
+        self.size, self.every = size, every
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, index: int) -> dict:
+        ids = np.arange(GOOD_LENGTH, dtype=np.int64) + index
+        score = np.ones(3, np.float32)
+        if index % self.every == 0:
+            score[1] = np.nan
+        return {"input_ids": ids, "labels": ids, "score": score}
+
+
+def nan_every(size: int = 120, every: int = 40) -> NanEvery:
+    return NanEvery(size, every)

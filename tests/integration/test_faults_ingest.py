@@ -294,3 +294,19 @@ def test_an_empty_dataset_fails_before_the_first_round_and_the_trainers_are_told
             assert f"--dataset {BAD_DATASET}:empty has len() 0" in message, message
         errors = [line for line in fc.log(0).splitlines() if " ERROR " in line]
         assert len(errors) == 1 and "has len() 0" in errors[0], errors
+
+
+def test_check_finite_rejects_samples_holding_nan_naming_the_key():
+    """Before: NaN in a float key went to the trainers unchecked (it still does by default)."""
+    size, every = 120, 40
+    args = [*_bad("nan_every", size, every=every), "--buffer", "8", "--check-finite"]
+    args += ["--max-reject-fraction", "0.05"]
+    with FaultCluster(nodes=1, ranks_per_node=2, daemon_args=args) as fc:
+        fc.train_to_the_end(60)
+        bad = set(range(0, size, every))
+        ids = fc.emitted_ids(0)
+        assert set(ids) == set(range(size)) - bad and len(ids) == len(set(ids)), fc.describe()
+        summary = [r for r in fc.records(0) if "epoch_end" in r][-1]["summary"]
+        assert summary["rejected_by_reason"] == {"non_finite": len(bad)}, summary
+        log = fc.log(0)
+        assert "non_finite: key 'score' holds 1 NaN or inf values of 3" in log, log[-3000:]

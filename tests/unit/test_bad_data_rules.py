@@ -9,7 +9,15 @@ import torch
 
 from odbclient.dataset import load_dataset
 from odbclient.errors import DatasetLoadError
-from odbclient.samples import promote_token_ids, schema_hash
+from odbclient.sample_plan import SamplePlanner
+from odbclient.samples import (
+    RejectReason,
+    SampleForm,
+    SampleRejected,
+    check_finite,
+    promote_token_ids,
+    schema_hash,
+)
 from odbd.cli import apply_environment, config_from_args, daemon_parser, run_daemon_command
 from odbd.daemon import offer_codec
 from odbd.daemon.round_loop import RoundLoop
@@ -228,3 +236,37 @@ def test_a_producer_long_inside_one_sample_is_named_in_the_wait_line():
     why = RoundLoop._wait_reason(_loop([0], lanes_full=False, slow=slow), True)  # type: ignore[arg-type]
     assert "producer worker-0 has been inside dataset[17] for 42 s" in why, why
     assert "making samples" not in why
+
+
+# -- --check-finite ------------------------------------------------------------------------------
+
+
+def test_check_finite_names_the_key_the_count_and_the_first_index():
+    ok = {"input_ids": np.arange(4), "score": np.ones(3, np.float32)}
+    check_finite(ok)
+    bad = {"input_ids": np.arange(4), "pixel_values": np.array([[1.0, np.nan], [np.inf, 2.0]])}
+    with pytest.raises(SampleRejected) as rejected:
+        check_finite(bad)
+    assert rejected.value.reason is RejectReason.NON_FINITE
+    assert "key 'pixel_values' holds 2 NaN or inf values of 4 (the first at flat index 1)" in (
+        rejected.value.detail
+    )
+    with pytest.raises(SampleRejected):
+        check_finite({"x": torch.tensor([0.0, float("-inf")], dtype=torch.bfloat16)})
+    check_finite({"x": torch.arange(3)})  # integers cannot hold NaN
+
+
+def test_the_planner_checks_values_per_sample_only_under_check_finite():
+    """A sample's values, not its structure: the planner's per-structure cache must not skip
+    the check for a later sample of a known structure."""
+    good = {"input_ids": np.arange(4), "score": np.ones(2, np.float32)}
+    bad = {"input_ids": np.arange(4), "score": np.array([1.0, np.nan], np.float32)}
+    plain = SamplePlanner(length_key="input_ids", labels_key="labels")
+    plain.facts(good)
+    plain.facts(bad)  # off: NaN passes, as before
+    checked = SamplePlanner(
+        length_key="input_ids", labels_key="labels", form=SampleForm(check_finite=True)
+    )
+    checked.facts(good)
+    with pytest.raises(SampleRejected):
+        checked.facts(bad)

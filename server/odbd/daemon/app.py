@@ -232,6 +232,7 @@ class Daemon:
             patch_count_key=self.config.patch_source[1] if self.config.max_patches else "",
             concat_keys=list(self.config.concat),
             packed=self.config.collate is Collate.PACKED,
+            check_finite=self.config.check_finite,
         )
 
     def _trainer_welcome(self) -> trainer_pb2.TrainerWelcome:

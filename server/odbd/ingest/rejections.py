@@ -33,6 +33,8 @@ REJECT_FIXES: Mapping[str, str] = {
     "dimension) or the --patch-count-key integer; check the daemon's flags",
     "packed_length_mismatch": "with --collate packed, give every 1-D key as many entries as the "
     "--length-key array (truncate labels with input_ids), or --concat a per-sample vector",
+    "non_finite": "fix the preprocessing that yields NaN or inf (a division by zero, a log of "
+    "0, an overflow in float16), or drop --check-finite if such values are meant",
     PRODUCER_CRASH: "__getitem__ kills the process on the sample named (sys.exit, abort, a "
     "crash in a C extension); run it by hand on that sample",
 }
