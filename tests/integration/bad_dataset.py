@@ -38,7 +38,8 @@ def make(size: int = 40) -> BadSamples:
 class OddFirst:
     """Issue 24: sample 0 (committed first under --no-shuffle) has another schema than the
     rest: `odd=int32` gives it int32 input_ids (promoted to int64 by the producer), `odd=key`
-    an extra float key (rejected by the schema vote); the other samples are good."""
+    an extra float key (rejected by the schema vote); the other samples are good. `int32_all`
+    and `key_all` make every sample so (one node's dataset in the 2-node tests)."""
 
     def __init__(self, size: int, odd: str) -> None:
         self.size, self.odd = size, odd
@@ -52,10 +53,14 @@ class OddFirst:
             return {"input_ids": ids.astype(np.int32), "labels": ids}
         if index == 0 and self.odd == "key":
             return {"input_ids": ids, "labels": ids, "score": np.ones(1, np.float32)}
+        if self.odd == "int32_all":  # every sample (one node's data, in the 2-node tests)
+            return {"input_ids": ids.astype(np.int32), "labels": ids.astype(np.int32)}
+        if self.odd == "key_all":
+            return {"input_ids": ids, "labels": ids, "score": np.ones(1, np.float32)}
         return {"input_ids": ids, "labels": ids}
 
 
-def odd_first(size: int = 400, odd: str = "int32") -> OddFirst:
+def odd_first(size: int = 400, odd: str = "") -> OddFirst:
     return OddFirst(size, odd)
 
 

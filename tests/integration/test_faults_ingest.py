@@ -310,3 +310,30 @@ def test_check_finite_rejects_samples_holding_nan_naming_the_key():
         assert summary["rejected_by_reason"] == {"non_finite": len(bad)}, summary
         log = fc.log(0)
         assert "non_finite: key 'score' holds 1 NaN or inf values of 3" in log, log[-3000:]
+
+
+def test_int32_token_ids_on_one_of_two_nodes_train_every_sample():
+    """Before: node 1's int32 samples were all rejected as schema_mismatch (200 of 400)."""
+    size = 400
+    args = [*_bad("odd_first", size), "--buffer", "16"]
+    node1 = ["--dataset-arg", "odd=int32_all"]
+    with FaultCluster(nodes=2, ranks_per_node=1, daemon_args=args, per_node_args=[[], node1]) as fc:
+        fc.train_to_the_end(90)
+        fc.assert_exactly_once(size)
+
+
+def test_nodes_whose_datasets_have_different_schemas_fail_naming_both():
+    """Node 1's samples have an extra key: each node's vote picks its own schema, and every
+    daemon fails the job at the first round naming both (no node trains the other's data)."""
+    size = 200
+    args = [*_bad("odd_first", size), "--buffer", "8"]
+    node1 = ["--dataset-arg", "odd=key_all"]
+    with FaultCluster(nodes=2, ranks_per_node=1, daemon_args=args, per_node_args=[[], node1]) as fc:
+        fc.start_trainers("--deadline-s", "120")
+        daemon_codes, trainer_codes = fc.wait_done(60)
+        assert daemon_codes == [1, 1] and trainer_codes == [0, 0], fc.describe()
+        both = "node 0: input_ids int64[*], labels int64[*]; node 1: input_ids int64[*], "
+        both += "labels int64[*], score float32[*]"
+        for message in _job_failed(fc):
+            assert f"different sample schemas ({both})" in message, message
+        assert fc.steps_seen(0) == 0 and fc.steps_seen(1) == 0, fc.describe()
