@@ -1,8 +1,10 @@
 """A schema_mismatch names the key that differs and both shapes and dtypes (issue 10): the
-daemon reads the first sample's header once and a mismatching sample's header on rejection."""
+daemon reads a header of the job's schema once and a mismatching sample's header on rejection.
+The job's schema is the one most of a node's first samples share (issue 24, schema_vote.py)."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -12,6 +14,8 @@ from odbclient.samples import schema_difference, schema_hash
 from odbclient.shm import SampleMeta, encode_into, encoded_size, read_meta
 from odbd.config import DaemonConfig
 from odbd.daemon.node_state import Locations, NodeState
+from odbd.ingest.schema_vote import SCHEMA_VOTE_WAIT_S
+from odbd.ingest.service import IngestService
 from odbd.world import World
 
 
@@ -143,3 +147,23 @@ def test_empty_samples_are_rejected_at_once_while_the_vote_is_open() -> None:
     outcome = state.commit(0, keys, where, lengths, lengths, np.array([1, 1], np.int64))
     assert [r.reason for r in outcome.rejections] == ["zero_length"]
     assert outcome.accepted.tolist() == [False, True] and state.schema_voting
+
+
+def test_the_ingest_sweep_closes_a_vote_open_for_the_wait_and_frees_the_losers() -> None:
+    """A node whose valid samples are few (most rejected by producers) or slow to come would
+    never reach the vote's count: the 1 s lease sweep closes it SCHEMA_VOTE_WAIT_S after it
+    first saw it open."""
+    config = DaemonConfig(world=World(1, 1), buffer=4, token_budget=64, dataset_size=40)
+    state = NodeState(config, 40)
+    assert _commit_one_by_one(state, [5, 9, 9]) == []
+    dropped: list = []
+    sweep = SimpleNamespace(
+        _state=state, _vote_seen_s=None, _drop_voted_out=dropped.extend, _on_progress=lambda: None
+    )
+    IngestService.close_schema_vote(sweep, 100.0)  # type: ignore[arg-type]
+    assert state.schema_voting and sweep._vote_seen_s == 100.0
+    IngestService.close_schema_vote(sweep, 100.0 + SCHEMA_VOTE_WAIT_S / 2)  # type: ignore[arg-type]
+    assert state.schema_voting
+    IngestService.close_schema_vote(sweep, 100.0 + SCHEMA_VOTE_WAIT_S)  # type: ignore[arg-type]
+    assert not state.schema_voting and state.schema_hash == 9
+    assert [r.reason for r in dropped] == ["schema_mismatch"] and state.buffered_now() == 2
