@@ -62,6 +62,7 @@ from odbclient.samples import (
     SampleForm,
     SampleRejected,
     fetch_sample,
+    promote_token_ids,
 )
 from odbclient.shm import ArenaView
 from odbclient.wire.odbd.v1 import ingest_pb2
@@ -113,6 +114,7 @@ class ProducerCore:
         # Validation and layout per sample structure (the daemon's --concat / patch source
         # included): a sample of a known structure is not checked again, only copied.
         self._planner = SamplePlanner(length_key=length_key, labels_key=labels_key, form=form)
+        self._token_keys = tuple(k for k in (length_key, labels_key) if k)
         self._lane_buffer = lane_buffer  # the lane's bytes: index 0 is lane offset 0
         self.lane = LaneAllocator(lane_offset, len(lane_buffer), LANE_HEADER_BYTES)
         self.in_flight = InFlightMark(lane_buffer)
@@ -157,7 +159,7 @@ class ProducerCore:
 
     def _make(self, view_key: int, identity: int, now_s: float) -> None:
         try:
-            sample = fetch_sample(self._dataset, identity)
+            sample = promote_token_ids(fetch_sample(self._dataset, identity), self._token_keys)
             facts, plan = self._planner.facts(sample)
             if not self.lane.fits_ever(facts.nbytes):
                 raise SampleRejected(
@@ -304,6 +306,7 @@ class Producer:
                 patch_count_key=welcome.patch_count_key,
                 concat_keys=tuple(welcome.concat_keys),
                 packed=welcome.packed,
+                check_finite=welcome.check_finite,
             ),
         )
 

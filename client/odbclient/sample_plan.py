@@ -18,6 +18,7 @@ but numpy arrays (torch tensors, after as_arrays) take the generic path every ti
 from __future__ import annotations
 
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,6 +28,7 @@ from odbclient.samples import (
     PLAIN_SAMPLES,
     SampleFacts,
     SampleForm,
+    check_finite,
     count_loss_tokens,
     inspect_sample,
 )
@@ -60,6 +62,8 @@ class SamplePlanner:
     def facts(self, sample: Any) -> tuple[SampleFacts, SamplePlan | None]:
         """The sample's facts, and its plan (None: encode it the generic way). Raises
         SampleRejected for an invalid sample, exactly as inspect_sample does."""
+        if self._form.check_finite and isinstance(sample, Mapping):
+            check_finite(sample)  # values, not structure: per sample, never cached
         structure = _structure(sample)
         if structure is None:
             return self._inspect(sample), None

@@ -57,6 +57,7 @@ class RejectReason(enum.StrEnum):
     BAD_CONCAT_KEY = "bad_concat_key"  # a --concat key is missing or has no first dimension
     BAD_PATCH_COUNT = "bad_patch_count"  # the patch key / count key is missing or not a count
     PACKED_LENGTH_MISMATCH = "packed_length_mismatch"  # packed: a 1-D key of another length
+    NON_FINITE = "non_finite"  # --check-finite: a float array holds NaN or inf
 
 
 class SampleRejected(Exception):
@@ -97,6 +98,34 @@ def fetch_sample(dataset: Any, identity: int) -> Any:
         ) from exc
     # type() first: isinstance against the Mapping ABC is 3x the cost, per sample
     return as_arrays(sample) if type(sample) is dict or isinstance(sample, Mapping) else sample
+
+
+# Integer dtypes a token id or label fits in losslessly as int64 (uint64 may not).
+_PROMOTED_INTS = frozenset({"int8", "int16", "int32", "uint8", "uint16", "uint32"})
+
+
+def promote_token_ids(sample: Any, keys: tuple[str, ...]) -> Any:
+    """`sample` with the integer arrays of `keys` (the daemon's --length-key and --labels-key:
+    token ids and labels) widened to int64, losslessly.
+
+    A tokenizer that returns int32 ids for some samples (or on one node) gave them another
+    schema than the int64 rest, and they were rejected as schema_mismatch, or, arriving first,
+    got every other sample rejected. int64 is what embedding lookups and cross-entropy targets
+    take (F.cross_entropy refuses int32 targets), so widening changes no value and nothing the
+    trainer can do with the batch. Other keys keep their dtype: an int32 attention mask is the
+    user's choice, and uint8 pixels would grow eightfold. Not a mapping: returned as is (the
+    planner rejects it)."""
+    if not isinstance(sample, Mapping):
+        return sample
+    widened: dict[str, Any] | None = None
+    for key in keys:
+        value: Any = sample.get(key)
+        if getattr(value, "dtype", None) is None or _dtype_name(value) not in _PROMOTED_INTS:
+            continue
+        if widened is None:
+            widened = dict(sample)
+        widened[key] = value.astype(np.int64) if isinstance(value, np.ndarray) else value.long()
+    return sample if widened is None else widened
 
 
 def as_arrays(sample: Mapping[str, Any]) -> Mapping[str, Any]:
@@ -220,6 +249,7 @@ class SampleForm:
     patch_count_key: str = ""  # or the integer value of this key
     concat_keys: tuple[str, ...] = ()  # must be present with a first dimension
     packed: bool = False  # --collate packed: 1-D keys must have the length key's length
+    check_finite: bool = False  # --check-finite: float arrays must hold no NaN or inf
 
 
 PLAIN_SAMPLES = SampleForm()  # no --concat, no patch budget
@@ -248,6 +278,38 @@ def inspect_sample(
         _check_packed_lengths(sample, length_key, length, form.concat_keys)
     patches = _patch_count(sample, form)
     return SampleFacts(nbytes, length, loss_tokens, schema_hash(sample), patches)
+
+
+_FLOAT_KINDS = frozenset("fc")
+
+
+def check_finite(sample: Mapping[str, Any]) -> None:
+    """Raises SampleRejected(NON_FINITE) naming the first float key holding NaN or inf, how
+    many and where (--check-finite). Integer and bool keys cannot hold either: not scanned."""
+    torch = sys.modules.get("torch")
+    for key, value in sample.items():
+        if torch is not None and isinstance(value, torch.Tensor):
+            if not (value.is_floating_point() or value.is_complex()):
+                continue
+            bad = ~torch.isfinite(value.detach().cpu())
+            count = int(bad.sum())
+            first = int(torch.nonzero(bad.reshape(-1))[0]) if count else 0
+        else:
+            array = np.asarray(value)
+            if array.dtype.kind not in _FLOAT_KINDS:
+                continue
+            if array.dtype.kind == "f" and np.isfinite(array).all():  # the usual sample: 1 scan
+                continue
+            bad_np = ~np.isfinite(array)
+            count = int(np.count_nonzero(bad_np))
+            first = int(np.flatnonzero(bad_np.reshape(-1))[0]) if count else 0
+        if count:
+            raise SampleRejected(
+                RejectReason.NON_FINITE,
+                f"key {key!r} holds {count} NaN or inf values of {int(np.prod(value.shape))} "
+                f"(the first at flat index {first}); fix the preprocessing that makes them, or "
+                "drop the daemon's --check-finite if they are meant",
+            )
 
 
 def _check_concat_keys(sample: Mapping[str, Any], concat_keys: tuple[str, ...]) -> None:
@@ -358,24 +420,27 @@ def schema_hash(sample: Mapping[str, Any]) -> int:
     )
 
 
-def schema_difference(first: SampleMeta, other: SampleMeta) -> str:
+def schema_difference(
+    first: SampleMeta, other: SampleMeta, reference: str = "the first sample"
+) -> str:
     """One line naming what makes `other` hash unlike `first` (the keys, dtypes and dimensions
-    after the first that schema_hash covers), with both shapes and dtypes."""
+    after the first that schema_hash covers), with both shapes and dtypes; `reference` names
+    what `first` stands for."""
     mine = {f.name: f for f in first.fields}
     theirs = {f.name: f for f in other.fields}
     if set(mine) != set(theirs):
         extra, missing = sorted(set(theirs) - set(mine)), sorted(set(mine) - set(theirs))
         parts = [f"has key {k!r} ({_field_text(theirs[k])})" for k in extra]
         parts += [f"lacks key {k!r} ({_field_text(mine[k])})" for k in missing]
-        return f"this sample {' and '.join(parts)} unlike the first sample"
+        return f"this sample {' and '.join(parts)} unlike {reference}"
     for key, f in mine.items():
         g = theirs[key]
         if (f.dtype, len(f.shape), f.shape[1:]) != (g.dtype, len(g.shape), g.shape[1:]):
             return (
-                f"key {key!r} is {_field_text(g)} here but {_field_text(f)} in the first sample; "
+                f"key {key!r} is {_field_text(g)} here but {_field_text(f)} in {reference}; "
                 "only the first dimension may differ between samples"
             )
-    return "keys, dtypes and shapes match the first sample's but the schema hashes differ"
+    return f"keys, dtypes and shapes match {reference} but the schema hashes differ"
 
 
 def _field_text(field: FieldMeta) -> str:

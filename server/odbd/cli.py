@@ -85,17 +85,25 @@ def daemon_parser() -> flags.OneLineParser:
     )
     world.add_argument(
         "--dataset-size",
-        type=count(0, flags.MAX_DATASET_SIZE),
+        type=count(1, flags.MAX_DATASET_SIZE),
         metavar="N",
         help="dataset length, with external producers (instead of --dataset)",
     )
     plan = p.add_argument_group("batching")
     # --token-budget and --buffer: PlannerConfig checks them (> 0) with messages naming the flag.
     plan.add_argument(
-        "--token-budget", type=int, default=12288, metavar="L", help="padded tokens per group"
+        "--token-budget",
+        type=flags.any_integer,
+        default=12288,
+        metavar="L",
+        help="padded tokens per group",
     )
     plan.add_argument(
-        "--buffer", type=int, default=1024, metavar="B", help="samples buffered per rank"
+        "--buffer",
+        type=flags.any_integer,
+        default=1024,
+        metavar="B",
+        help="samples buffered per rank",
     )
     plan.add_argument(
         "--seed",
@@ -169,8 +177,23 @@ def daemon_parser() -> flags.OneLineParser:
         help="pad value of a key (labels=-100 is built in; repeatable)",
     )
     plan.add_argument(
+        "--max-reject-fraction",
+        type=flags.fraction,
+        default=0.01,
+        metavar="F",
+        help="fail the job once an epoch rejects more than F of its samples over every node "
+        "(counts per reason, first ids and the fix in one line); 0 = any rejection fails, "
+        "1 = never",
+    )
+    plan.add_argument(
+        "--check-finite",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="producers reject (reason non_finite) a sample whose float keys hold NaN or inf",
+    )
+    plan.add_argument(
         "--steps-ahead",
-        type=count(0),
+        type=count(1),
         default=64,
         metavar="K",
         help="plan the next round once a rank has at most K steps queued",
@@ -496,6 +519,8 @@ def config_from_args(
         join_timeout_s=args.join_timeout,
         steps_ahead=args.steps_ahead,
         rewind_steps=args.rewind_steps,
+        max_reject_fraction=args.max_reject_fraction,
+        check_finite=args.check_finite,
         accumulate=args.accumulate,
         tokens_per_update=args.tokens_per_update,
         collate=Collate(args.collate),

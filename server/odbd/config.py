@@ -92,6 +92,10 @@ class DaemonConfig:
     lease_timeout_s: float = 60.0
     round_timeout_s: float = 300.0
     join_timeout_s: float = 120.0
+    # An epoch may lose at most this fraction of its samples to rejections (over every node)
+    # before the job fails; rejections.DEFAULT_MAX_REJECT_FRACTION.
+    max_reject_fraction: float = 0.01
+    check_finite: bool = False  # producers reject float keys holding NaN or inf
     stall_s: float = 1.0  # no ingest progress this long with trainers nearly starved: plan anyway
     rewind_steps: int = 4096  # steps per rank kept for rewinds (daemon/rewind.py)
     steps_ahead: int = 64  # plan the next round once a local rank has at most this many queued
@@ -139,8 +143,21 @@ class DaemonConfig:
                 "pass exactly one of --dataset MODULE:FACTORY (daemon-spawned producers) or "
                 "--dataset-size N (external producers connect to the socket)"
             )
-        if self.dataset_size is not None and self.dataset_size < 0:
-            raise ConfigError(f"--dataset-size must be >= 0, got {self.dataset_size}")
+        if self.dataset_size is not None and self.dataset_size < 1:
+            raise ConfigError(
+                f"--dataset-size must be >= 1, got {self.dataset_size}: an empty dataset trains "
+                "nothing; pass the dataset's len()"
+            )
+        if not 0.0 <= self.max_reject_fraction <= 1.0:
+            raise ConfigError(
+                f"--max-reject-fraction must be in 0..1, got {self.max_reject_fraction:g} "
+                "(0 fails on the first rejection, 1 never fails on rejections)"
+            )
+        if self.steps_ahead < 1:
+            raise ConfigError(
+                f"--steps-ahead must be >= 1, got {self.steps_ahead}: with 0 the next round is "
+                "planned only once a rank ran dry, so every round boundary stalls the trainers"
+            )
         if self.epochs < 0:
             raise ConfigError(f"--epochs must be >= 0 (0 = endless), got {self.epochs}")
         if self.workers < 0:
@@ -226,6 +243,13 @@ class DaemonConfig:
             **({"cost_model": self.cost_model.value} if self.cost_model.value != "fixed" else {}),
             "dataset_size": str(dataset_size),
             "length_key": self.length_key,
+            # Only when set (as below): every daemon must fail a job at the same count.
+            **(
+                {"max_reject_fraction": repr(self.max_reject_fraction)}
+                if self.max_reject_fraction != 0.01
+                else {}
+            ),
+            **({"check_finite": "true"} if self.check_finite else {}),
             # Only when set: daemons (and journals) of a release without updates still match
             # a job that does not use them, and refuse one that does.
             **({"accumulate": str(self.accumulate)} if self.accumulate != 1 else {}),

@@ -34,6 +34,10 @@ BOOLEAN_WORDS = {"1": True, "true": True, "yes": True, "on": True}
 BOOLEAN_WORDS |= {"0": False, "false": False, "no": False, "off": False}
 # A token argparse reads as a (negative) number, not as an option: "-1", "-0.5", "-1e3".
 _NUMBER = re.compile(r"-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
+# A value that starts like a negative number but is no number to argparse ("-16M", "-1.5G"):
+# after a flag that takes a value it is that value, so its type check can say what is wrong
+# (it was "unrecognized argument -16M", which named no flag).
+_NEGATIVE_LOOKING = re.compile(r"-\.?\d")
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
@@ -64,13 +68,31 @@ class OneLineParser(argparse.ArgumentParser):
     def parse_args(  # type: ignore[override]
         self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
     ) -> argparse.Namespace:
-        argv = list(sys.argv[1:] if args is None else args)
+        argv = self._join_negative_values(list(sys.argv[1:] if args is None else args))
         # argparse checks required flags before unknown ones, so `--wrold 2` would otherwise
         # be reported as a missing --world.
         unknown = first_unknown_option(argv, list(self._option_string_actions))
         if unknown is not None:
             self.error(f"unrecognized argument {unknown}{did_you_mean(unknown, self.options)}")
         return super().parse_args(argv, namespace)
+
+    def _join_negative_values(self, argv: list[str]) -> list[str]:
+        """`--shm-size -16M` as `--shm-size=-16M`: argparse would read -16M as an option."""
+        out: list[str] = []
+        i = 0
+        while i < len(argv):
+            token = argv[i]
+            action = self._option_string_actions.get(token)
+            takes_value = action is not None and action.nargs is None
+            if takes_value and i + 1 < len(argv) and _NEGATIVE_LOOKING.match(argv[i + 1]):
+                out.append(f"{token}={argv[i + 1]}")
+                i += 2
+                continue
+            if token == "--":
+                return out + argv[i:]
+            out.append(token)
+            i += 1
+        return out
 
     @property
     def options(self) -> list[str]:
@@ -115,15 +137,40 @@ def integer(minimum: int, maximum: int | None = None) -> Callable[[str], int]:
     bound = f">= {minimum}" if maximum is None else f"in {minimum}..{maximum}"
 
     def parse(text: str) -> int:
-        try:
-            value = int(text.strip())
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer {bound}, got {text!r}") from None
+        value = whole_number(text, bound)
         if value < minimum or (maximum is not None and value > maximum):
             raise argparse.ArgumentTypeError(f"expected an integer {bound}, got {text!r}")
         return value
 
     return _typed("integer", parse)
+
+
+def whole_number(text: str, bound: str = "") -> int:
+    """An integer, also written as a float that is one ("1e4", "12288.0"): environment files
+    and launchers write numbers that way, and Python's `invalid literal for int()` named neither
+    the value's flag nor what to write."""
+    want = f"an integer{' ' + bound if bound else ''}"
+    try:
+        return int(text.strip())
+    except ValueError:
+        pass
+    try:
+        value = float(text.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected {want}, got {text!r}") from None
+    if not math.isfinite(value) or not value.is_integer():
+        raise argparse.ArgumentTypeError(
+            f"expected {want}, got {text!r}, which is not a whole number"
+        )
+    return int(value)
+
+
+def any_integer(text: str) -> int:
+    """An integer of any sign (its range is checked by the config that takes it)."""
+    return whole_number(text)
+
+
+any_integer.__name__ = "integer"
 
 
 def seconds(*, allow_zero: bool) -> Callable[[str], float]:
@@ -153,6 +200,17 @@ def number(text: str) -> float:
     return value
 
 
+def fraction(text: str) -> float:
+    """A number in 0..1."""
+    try:
+        value = float(text.strip())
+    except ValueError:
+        value = math.nan
+    if not 0.0 <= value <= 1.0:  # NaN fails too
+        raise argparse.ArgumentTypeError(f"expected a fraction in 0..1 (e.g. 0.01), got {text!r}")
+    return value
+
+
 def size_bytes(text: str) -> int:
     """Bytes with an optional K/M/G/T suffix (powers of two): 512M, 4G, 1.5G, 1048576."""
     units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
@@ -164,8 +222,12 @@ def size_bytes(text: str) -> int:
         value = float(body)
     except ValueError:
         value = math.nan
-    if not math.isfinite(value) or value < 0:
+    if not math.isfinite(value):
         raise argparse.ArgumentTypeError(f"expected a size like 512M or 4G, got {text!r}")
+    if value <= 0:
+        raise argparse.ArgumentTypeError(
+            f"must be positive: expected a size like 512M or 4G, got {text!r}"
+        )
     return int(value * scale)
 
 

@@ -3,6 +3,7 @@ rejected, producers that cannot attach. Real daemons, producers and trainer proc
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -15,6 +16,7 @@ from tests.integration.harness import scaled
 pytestmark = pytest.mark.timeout(900)  # wait_done deadlines scale with the load (harness.scaled)
 
 CRASH_DATASET = str(Path(__file__).with_name("crash_dataset.py"))
+BAD_DATASET = str(Path(__file__).with_name("bad_dataset.py"))
 
 
 def _dataset(factory: str, size: int, workers: int = 1, **args: object) -> list[str]:
@@ -39,6 +41,7 @@ def _job_failed(fc: FaultCluster) -> list[str]:
 def test_every_sample_not_a_dict_fails_the_job_on_every_daemon_naming_the_reason(join):
     size = 200
     args = [*_dataset("tuples", size), "--buffer", "8", *([] if join else ["--no-join"])]
+    args += ["--max-reject-fraction", "1"]  # the epoch that trains nothing (budget: below)
     with FaultCluster(nodes=2, ranks_per_node=1, daemon_args=args) as fc:
         fc.start_trainers("--deadline-s", "120")
         daemon_codes, trainer_codes = fc.wait_done(60)
@@ -57,6 +60,7 @@ def test_every_sample_not_a_dict_fails_the_job_on_every_daemon_naming_the_reason
 def test_a_length_key_missing_from_every_sample_fails_the_job_with_the_fix():
     size = 120
     args = [*synthetic(size), "--length-key", "tokens", "--buffer", "8"]
+    args += ["--max-reject-fraction", "1"]  # the epoch that trains nothing (budget: below)
     with FaultCluster(nodes=1, ranks_per_node=2, daemon_args=args) as fc:
         fc.start_trainers("--deadline-s", "120")
         daemon_codes, trainer_codes = fc.wait_done(60)
@@ -131,6 +135,7 @@ def test_packed_samples_whose_labels_are_shorter_than_input_ids_are_rejected_nam
     sample's labels were shifted against its tokens. Now such a sample is rejected."""
     size, every = 120, 10
     args = [*_dataset("short_labels", size, every=every), "--buffer", "8", "--collate", "packed"]
+    args += ["--max-reject-fraction", "0.2"]  # 10 % rejected, on purpose
     with FaultCluster(nodes=1, ranks_per_node=2, daemon_args=args) as fc:
         fc.train_to_the_end(60)
         bad = set(range(0, size, every))
@@ -149,7 +154,7 @@ def test_first_and_last_samples_crash_under_one_worker_and_both_are_quarantined(
     size = 120
     crash = {0, size - 1}
     args = [*_dataset("crashing", size, workers=1, crash_at=f"0;{size - 1}", how="exit")]
-    args += ["--buffer", "8", "--no-shuffle"]
+    args += ["--buffer", "8", "--no-shuffle", "--max-reject-fraction", "0.05"]  # 2 of 120
     with FaultCluster(nodes=2, ranks_per_node=1, daemon_args=args) as fc:
         fc.train_to_the_end(60)
         _assert_quarantined(fc, size, crash)
@@ -205,7 +210,7 @@ def test_an_external_producer_killed_twice_by_one_sample_gets_it_quarantined():
     """The lane header works without the daemon's supervisor: an operator (here the test)
     restarts the external producer, and the second death on the same id quarantines it."""
     size, bad = 60, 7
-    args = ["--dataset-size", str(size), "--buffer", "8"]
+    args = ["--dataset-size", str(size), "--buffer", "8", "--max-reject-fraction", "0.05"]
     with FaultCluster(nodes=1, ranks_per_node=2, daemon_args=args) as fc:
         fc.start_trainers()
         assert _external_crashing_producer(fc, size, bad) == 3, fc.describe()
@@ -217,3 +222,119 @@ def test_an_external_producer_killed_twice_by_one_sample_gets_it_quarantined():
         fc.assert_clean_exit(daemon_codes, trainer_codes)
         fc.assert_aligned()
         _assert_quarantined(fc, size, {bad})
+
+
+# -- issue 24: bad data never passes silently ---------------------------------------------------
+
+
+def _bad(factory: str, size: int | None = None, **args: object) -> list[str]:
+    out = ["--dataset", f"{BAD_DATASET}:{factory}", "--workers", "1"]
+    if size is not None:
+        out += ["--dataset-arg", f"size={size}"]
+    for key, value in args.items():
+        out += ["--dataset-arg", f"{key}={value}"]
+    return out
+
+
+def test_an_int32_first_sample_among_int64_ones_is_promoted_and_every_sample_trains():
+    """Before: sample 0's int32 input_ids, committed first, set the job's schema and every
+    other sample was rejected as schema_mismatch (1 of 400 trained, exit 0)."""
+    size = 400
+    args = [*_bad("odd_first", size, odd="int32"), "--buffer", "16", "--no-shuffle"]
+    with FaultCluster(nodes=1, ranks_per_node=2, daemon_args=args) as fc:
+        fc.train_to_the_end(90)
+        fc.assert_exactly_once(size)
+        assert "schema_mismatch" not in fc.log(0), fc.log(0)[-3000:]
+
+
+def test_an_odd_first_sample_loses_the_schema_vote_and_the_good_samples_train():
+    """Sample 0 has an extra key: it is rejected naming both schemas, the 399 others train."""
+    size = 400
+    args = [*_bad("odd_first", size, odd="key"), "--buffer", "16", "--no-shuffle"]
+    with FaultCluster(nodes=1, ranks_per_node=2, daemon_args=args) as fc:
+        fc.train_to_the_end(90)
+        ids = fc.emitted_ids(0)
+        assert set(ids) == set(range(1, size)) and len(ids) == len(set(ids)), fc.describe()
+        for rank in range(fc.world):
+            summary = [r for r in fc.records(rank) if "epoch_end" in r][-1]["summary"]
+            assert summary["rejected_by_reason"] == {"schema_mismatch": 1}, summary
+        log = fc.log(0)
+        assert "rejected sample 0 (view 0): schema_mismatch: this sample has key 'score' " in log
+        votes = re.search(r"the job's schema is input_ids int64\[\*\], labels int64\[\*\] "
+                          r"\(chosen by (\d+) of the first (\d+) samples\)", log)  # fmt: skip
+        assert votes and int(votes[1]) == int(votes[2]) - 1 >= 15, log[-3000:]
+        assert "WARNING odbd.round: epoch 0 rejected 1 of 400 samples (0.25 %)" in log, log[-3000:]
+
+
+def test_85_percent_failing_reads_fail_the_job_in_one_line_with_counts_ids_and_the_fix():
+    """Before: 58 of 400 trained, the summary at INFO, and every process exited 0."""
+    size = 400
+    args = [*_bad("failing_reads", size, percent=85), "--buffer", "8", "--no-shuffle"]
+    with FaultCluster(nodes=1, ranks_per_node=2, daemon_args=args) as fc:
+        fc.start_trainers("--deadline-s", "120")
+        daemon_codes, trainer_codes = fc.wait_done(60)
+        assert daemon_codes == [1] and trainer_codes == [0], fc.describe()
+        for message in _job_failed(fc):
+            assert "past --max-reject-fraction 0.01 (preprocess_error: " in message, message
+            assert "first ids on this node: 0, 1, 2, 3, 4" in message, message
+            assert "raised OSError: read of shard for sample 0 failed" in message, message
+            assert "Fix: fix the exception __getitem__ raises" in message, message
+        errors = [line for line in fc.log(0).splitlines() if " ERROR " in line]
+        assert len(errors) == 1 and "past --max-reject-fraction" in errors[0], errors
+        print(f"\nFAULT 85 % failing reads: {fc.steps_seen(0)} steps trained, {errors[0]}")
+
+
+def test_an_empty_dataset_fails_before_the_first_round_and_the_trainers_are_told():
+    """Before: the daemon exited 0 and logged nothing."""
+    args = ["--dataset", f"{BAD_DATASET}:empty", "--workers", "1", "--buffer", "8"]
+    with FaultCluster(nodes=1, ranks_per_node=2, daemon_args=args) as fc:
+        fc.start_trainers("--deadline-s", "120")
+        daemon_codes, trainer_codes = fc.wait_done(60)
+        assert daemon_codes == [1] and trainer_codes == [0], fc.describe()
+        for message in _job_failed(fc):
+            assert f"--dataset {BAD_DATASET}:empty has len() 0" in message, message
+        errors = [line for line in fc.log(0).splitlines() if " ERROR " in line]
+        assert len(errors) == 1 and "has len() 0" in errors[0], errors
+
+
+def test_check_finite_rejects_samples_holding_nan_naming_the_key():
+    """Before: NaN in a float key went to the trainers unchecked (it still does by default)."""
+    size, every = 120, 40
+    args = [*_bad("nan_every", size, every=every), "--buffer", "8", "--check-finite"]
+    args += ["--max-reject-fraction", "0.05"]
+    with FaultCluster(nodes=1, ranks_per_node=2, daemon_args=args) as fc:
+        fc.train_to_the_end(60)
+        bad = set(range(0, size, every))
+        ids = fc.emitted_ids(0)
+        assert set(ids) == set(range(size)) - bad and len(ids) == len(set(ids)), fc.describe()
+        summary = [r for r in fc.records(0) if "epoch_end" in r][-1]["summary"]
+        assert summary["rejected_by_reason"] == {"non_finite": len(bad)}, summary
+        log = fc.log(0)
+        assert "non_finite: key 'score' holds 1 NaN or inf values of 3" in log, log[-3000:]
+
+
+def test_int32_token_ids_on_one_of_two_nodes_train_every_sample():
+    """Before: node 1's int32 samples were all rejected as schema_mismatch (200 of 400)."""
+    size = 400
+    args = [*_bad("odd_first", size), "--buffer", "16"]
+    node1 = ["--dataset-arg", "odd=int32_all"]
+    with FaultCluster(nodes=2, ranks_per_node=1, daemon_args=args, per_node_args=[[], node1]) as fc:
+        fc.train_to_the_end(90)
+        fc.assert_exactly_once(size)
+
+
+def test_nodes_whose_datasets_have_different_schemas_fail_naming_both():
+    """Node 1's samples have an extra key: each node's vote picks its own schema, and every
+    daemon fails the job at the first round naming both (no node trains the other's data)."""
+    size = 200
+    args = [*_bad("odd_first", size), "--buffer", "8"]
+    node1 = ["--dataset-arg", "odd=key_all"]
+    with FaultCluster(nodes=2, ranks_per_node=1, daemon_args=args, per_node_args=[[], node1]) as fc:
+        fc.start_trainers("--deadline-s", "120")
+        daemon_codes, trainer_codes = fc.wait_done(60)
+        assert daemon_codes == [1, 1] and trainer_codes == [0, 0], fc.describe()
+        both = "node 0: input_ids int64[*], labels int64[*]; node 1: input_ids int64[*], "
+        both += "labels int64[*], score float32[*]"
+        for message in _job_failed(fc):
+            assert f"different sample schemas ({both})" in message, message
+        assert fc.steps_seen(0) == 0 and fc.steps_seen(1) == 0, fc.describe()

@@ -35,6 +35,7 @@ def at(offsets: list[int]) -> Locations:
 
 def test_a_repeated_key_in_one_commit_is_buffered_once_and_its_repeat_freed() -> None:
     state = make_state()
+    state.schema_hash = 1  # as chosen by the schema vote (test_schema_mismatch tests the vote)
     keys = state.lease(producer=0, count=2, deadline=10.0)
     twice = np.array([keys[0], keys[0], keys[1]])
     ones = np.ones(3, np.int64)
@@ -47,11 +48,12 @@ def test_a_repeated_key_in_one_commit_is_buffered_once_and_its_repeat_freed() ->
 
 def test_each_row_is_accepted_rejected_or_stale_and_rejections_keep_row_order() -> None:
     state = make_state()
+    state.schema_hash = 7  # as chosen by the schema vote
     keys = state.lease(producer=0, count=5, deadline=10.0)
     other = state.lease(producer=1, count=1, deadline=10.0)
     rows = np.array([keys[0], keys[1], other[0], keys[2], keys[3]])
     lengths = np.array([4, 0, 4, 4, 4], np.int64)  # row 1: zero length
-    hashes = np.array([7, 7, 7, 9, 7], np.int64)  # row 3: another schema than row 0's
+    hashes = np.array([7, 7, 7, 9, 7], np.int64)  # row 3: another schema than the job's
     outcome = state.commit(0, rows, at([64, 128, 192, 256, 320]), lengths, lengths, hashes)
     assert outcome.accepted.tolist() == [True, False, False, False, True]
     assert outcome.stale.tolist() == [False, False, True, False, False]

@@ -1,8 +1,10 @@
 """A schema_mismatch names the key that differs and both shapes and dtypes (issue 10): the
-daemon reads the first sample's header once and a mismatching sample's header on rejection."""
+daemon reads a header of the job's schema once and a mismatching sample's header on rejection.
+The job's schema is the one most of a node's first samples share (issue 24, schema_vote.py)."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -12,6 +14,8 @@ from odbclient.samples import schema_difference, schema_hash
 from odbclient.shm import SampleMeta, encode_into, encoded_size, read_meta
 from odbd.config import DaemonConfig
 from odbd.daemon.node_state import Locations, NodeState
+from odbd.ingest.schema_vote import SCHEMA_VOTE_WAIT_S
+from odbd.ingest.service import IngestService
 from odbd.world import World
 
 
@@ -74,11 +78,13 @@ def test_node_state_rejects_a_mismatch_naming_the_key_when_it_can_read_headers()
     lengths = np.array([52, 1], np.int64)
     locations = Locations.in_lane(0, np.array([0, 64]), np.full(2, 8))
     outcome = state.commit(0, keys, locations, lengths, lengths, hashes)
-    rejected = outcome.rejections
-    assert outcome.num_accepted == 1 and [r.reason for r in rejected] == ["schema_mismatch"]
+    assert outcome.num_accepted == 2 and not outcome.rejections  # held for the schema vote
+    rejected = state.close_schema_vote()  # a tie: the schema that arrived first wins
+    assert [r.reason for r in rejected] == ["schema_mismatch"] and rejected[0].location
     assert rejected[0].detail.startswith(
-        "key 'input_ids' is int64 of shape [1, 37] here but int64 of shape [52] in the first "
-        "sample; only the first dimension may differ between samples; every sample needs"
+        "key 'input_ids' is int64 of shape [1, 37] here but int64 of shape [52] in the job's "
+        "schema; only the first dimension may differ between samples; the job's schema is "
+        "input_ids int64[*], labels int64[*] (chosen by 1 of the first 2 samples); every sample"
     ), rejected[0].detail
 
 
@@ -89,5 +95,75 @@ def test_without_a_header_reader_the_message_stays_generic() -> None:
     ones = np.ones(2, np.int64)
     hashes = np.array([1, 2], np.int64)
     locations = Locations.in_lane(0, np.array([0, 64]), np.full(2, 8))
-    rejected = state.commit(0, keys, locations, ones, ones, hashes).rejections
-    assert rejected[0].detail.startswith("keys, dtypes or shapes differ from the first sample's")
+    assert not state.commit(0, keys, locations, ones, ones, hashes).rejections
+    rejected = state.close_schema_vote()
+    assert rejected[0].detail.startswith("keys, dtypes or shapes differ from the job's schema")
+
+
+def _commit_one_by_one(state: NodeState, hashes: list[int]) -> list:
+    """Commits one sample per call (as producers do with few samples), returning every
+    rejection the commits gave, held-for-the-vote rejections included."""
+    out = []
+    keys = state.lease(producer=0, count=len(hashes), deadline=10.0)
+    for i, h in enumerate(hashes):
+        where = Locations.in_lane(0, np.array([64 * (i + 1)]), np.full(1, 8))
+        one = np.ones(1, np.int64)
+        outcome = state.commit(0, keys[i : i + 1], where, one * 5, one, np.array([h], np.int64))
+        out += outcome.rejections + outcome.voted_out
+    return out
+
+
+def test_an_odd_first_sample_loses_the_vote_and_every_good_sample_is_buffered() -> None:
+    """Issue 24: one sample of another schema committed first used to set the job's schema and
+    get every good sample rejected (1 of 400 trained)."""
+    config = DaemonConfig(world=World(1, 1), buffer=4, token_budget=64, dataset_size=40)
+    state = NodeState(config, 40)
+    size = state._vote_size()
+    assert size == 8  # two buffers of 4: no more may be leased before the vote closes
+    rejected = _commit_one_by_one(state, [7] + [3] * (size - 1))
+    assert state.schema_hash == 3 and state.schema_votes == (size - 1, size)
+    assert [(r.identity, r.reason) for r in rejected] == [
+        (int(state.identities_of(np.array([0]))[0]), "schema_mismatch")
+    ]
+    assert state.buffered_now() == size - 1 and not state.schema_voting
+
+
+def test_the_vote_closes_with_what_it_holds_when_the_sweep_says_so() -> None:
+    config = DaemonConfig(world=World(1, 1), buffer=4, token_budget=64, dataset_size=40)
+    state = NodeState(config, 40)
+    assert _commit_one_by_one(state, [5, 9, 9]) == []
+    assert state.schema_voting and state.buffered_now() == 0
+    rejected = state.close_schema_vote()
+    assert state.schema_hash == 9 and [r.reason for r in rejected] == ["schema_mismatch"]
+    assert state.buffered_now() == 2 and state.close_schema_vote() == []
+
+
+def test_empty_samples_are_rejected_at_once_while_the_vote_is_open() -> None:
+    config = DaemonConfig(world=World(1, 1), buffer=4, token_budget=64, dataset_size=40)
+    state = NodeState(config, 40)
+    keys = state.lease(producer=0, count=2, deadline=10.0)
+    where = Locations.in_lane(0, np.array([64, 128]), np.full(2, 8))
+    lengths = np.array([0, 5], np.int64)
+    outcome = state.commit(0, keys, where, lengths, lengths, np.array([1, 1], np.int64))
+    assert [r.reason for r in outcome.rejections] == ["zero_length"]
+    assert outcome.accepted.tolist() == [False, True] and state.schema_voting
+
+
+def test_the_ingest_sweep_closes_a_vote_open_for_the_wait_and_frees_the_losers() -> None:
+    """A node whose valid samples are few (most rejected by producers) or slow to come would
+    never reach the vote's count: the 1 s lease sweep closes it SCHEMA_VOTE_WAIT_S after it
+    first saw it open."""
+    config = DaemonConfig(world=World(1, 1), buffer=4, token_budget=64, dataset_size=40)
+    state = NodeState(config, 40)
+    assert _commit_one_by_one(state, [5, 9, 9]) == []
+    dropped: list = []
+    sweep = SimpleNamespace(
+        _state=state, _vote_seen_s=None, _drop_voted_out=dropped.extend, _on_progress=lambda: None
+    )
+    IngestService.close_schema_vote(sweep, 100.0)  # type: ignore[arg-type]
+    assert state.schema_voting and sweep._vote_seen_s == 100.0
+    IngestService.close_schema_vote(sweep, 100.0 + SCHEMA_VOTE_WAIT_S / 2)  # type: ignore[arg-type]
+    assert state.schema_voting
+    IngestService.close_schema_vote(sweep, 100.0 + SCHEMA_VOTE_WAIT_S)  # type: ignore[arg-type]
+    assert not state.schema_voting and state.schema_hash == 9
+    assert [r.reason for r in dropped] == ["schema_mismatch"] and state.buffered_now() == 2

@@ -202,6 +202,7 @@ class Daemon:
             lanes_full=lambda: self.ingest is not None and self.ingest.lanes_full(),
             producers=lambda: len(self.ingest.sessions) if self.ingest else 0,
             starting=lambda: self.supervisor.running() if self.supervisor else (0, 0.0),
+            slow_sample=lambda: self.ingest.slowest_sample() if self.ingest else None,
         )
         self._serve_metrics(lanes)
         if config.dataset is not None and config.workers > 0:
@@ -248,6 +249,7 @@ class Daemon:
             patch_count_key=self.config.patch_source[1] if self.config.max_patches else "",
             concat_keys=list(self.config.concat),
             packed=self.config.collate is Collate.PACKED,
+            check_finite=self.config.check_finite,
         )
 
     def _trainer_welcome(self) -> trainer_pb2.TrainerWelcome:

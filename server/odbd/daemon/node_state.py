@@ -21,6 +21,7 @@ from odbd.config import DaemonConfig
 from odbd.daemon.leases import NO_HOLDER, LeaseTable
 from odbd.errors import InvariantError
 from odbd.ingest.rejections import PRODUCER_CRASH
+from odbd.ingest.schema_vote import SCHEMA_VOTE_SAMPLES, describe_schema, winning_schema
 from odbd.planner.ledger import ViewLedger, ViewState
 from odbd.planner.sampler import num_views, sampler_identities, views_of_ranks
 from odbd.planner.types import IntArray, SampleTable, UnitOffer
@@ -130,9 +131,12 @@ class CommitOutcome:
     """What NodeState.commit decided for each row of a CommitBatch: exactly one of accepted
     (buffered), rejected, or stale (its key is no longer this producer's lease)."""
 
-    accepted: np.ndarray  # (n,) bool
+    accepted: np.ndarray  # (n,) bool (buffered, or held for the schema vote)
     rejections: list[Rejected]  # in row order; their bytes go back to the producer
     stale: np.ndarray  # (n,) bool; their bytes go back to the producer
+    # Samples held for the schema vote (this commit's or earlier ones, any producer's) that
+    # this commit's closing of the vote rejected: their lanes hold them until freed.
+    voted_out: list[Rejected] = field(default_factory=list)
 
     @property
     def num_accepted(self) -> int:
@@ -222,6 +226,23 @@ def _groups_of(values: IntArray) -> list[tuple[int, IntArray | slice]]:
     return [(v, values == v) for v in np.unique(values).tolist()]
 
 
+FIRST_REJECTED_IDS = 5  # named by a job that fails past --max-reject-fraction
+
+
+@dataclass(frozen=True, slots=True)
+class _Held:
+    """A committed sample held aside while the node's schema vote is open (schema_vote.py);
+    its lease has ended, it still counts against its unit's lease capacity (leased_in)."""
+
+    producer: int
+    key: int
+    location: Location
+    length: int
+    loss_tokens: int
+    schema_hash: int
+    patches: int
+
+
 class NodeState:
     """Leases, commits and buffers of one node; offers for rounds; nothing here blocks."""
 
@@ -235,8 +256,11 @@ class NodeState:
         self._units = [self._new_unit(u) for u in self._local_units()]
         self._num_local_views = sum(len(u.views) for u in self._units)  # per iteration
         self.leases = LeaseTable(self.views_per_iteration)
-        self.schema_hash: int | None = None
-        self.first_schema: SampleMeta | None = None  # the first sample's, to name a mismatch
+        self.schema_hash: int | None = None  # chosen by the vote over the first samples
+        self.first_schema: SampleMeta | None = None  # a sample of it, to name a mismatch
+        self.schema_text = ""  # describe_schema(): in round offers and mismatch details
+        self.schema_votes = (0, 0)  # (samples of the chosen schema, samples that voted)
+        self._held: list[_Held] = []  # while the vote is open
         # Reads a committed sample's header from shared memory; set by the daemon (I/O), None
         # in pure use, where a schema mismatch cannot say which key differs.
         self.sample_meta: Callable[[Location], SampleMeta] | None = None
@@ -244,6 +268,7 @@ class NodeState:
         self.rejected_total: Counter[str] = Counter()
         self.rejected_keys: list[int] = []  # since the last round, for the --state-dir journal
         self.first_rejection: dict[str, str] = {}  # reason -> "sample I: detail", for errors
+        self.first_rejected_ids: list[int] = []  # the job's first few, for a budget failure
         self.deaths: Counter[int] = Counter()  # identity -> producer deaths while making it
         self.paused = False  # no leases while a restart waits for the trainers' resume point
         # Producers may fill the next round's buffer while this one waits for its round (the
@@ -410,10 +435,10 @@ class NodeState:
             return CommitOutcome(held, [], ~held)
         bad_length = held & (lengths <= 0)
         candidates = np.flatnonzero(held & ~bad_length)
-        if self.schema_hash is None and candidates.size:  # the job's first sample sets it
-            first = int(candidates[0])
-            self.schema_hash = int(schema_hashes[first])
-            self.first_schema = self._schema_at(locations.at(first))  # read once per job
+        if self.schema_hash is None:
+            return self._commit_to_vote(
+                producer, keys, locations, lengths, loss_tokens, schema_hashes, patches, held
+            )
         mismatch = np.zeros_like(held)
         if candidates.size:
             mismatch[candidates] = schema_hashes[candidates] != self.schema_hash
@@ -433,6 +458,86 @@ class NodeState:
                 patches[rows],
             )
         return CommitOutcome(accepted, rejections, ~held)
+
+    # -- the schema vote (schema_vote.py) ----------------------------------------------------
+
+    @property
+    def schema_voting(self) -> bool:
+        """Samples are held aside until the node's schema is chosen."""
+        return self.schema_hash is None and bool(self._held)
+
+    def _vote_size(self) -> int:
+        """Samples the vote waits for: no more than the units may lease, nor than one
+        iteration's views of this node (a small dataset would never reach the default)."""
+        capacity = self.lease_capacity * len(self._units)
+        return max(1, min(SCHEMA_VOTE_SAMPLES, capacity, self._num_local_views))
+
+    def _commit_to_vote(
+        self,
+        producer: int,
+        keys: IntArray,
+        locations: Locations,
+        lengths: IntArray,
+        loss_tokens: IntArray,
+        schema_hashes: IntArray,
+        patches: IntArray,
+        held: np.ndarray,
+    ) -> CommitOutcome:
+        """A commit while the schema is not chosen yet: empty samples are rejected, the others
+        held aside (their lanes keep them); the vote closes once enough are held."""
+        bad_length = held & (lengths <= 0)
+        rejections = [
+            self._reject_row(int(keys[i]), True, locations.at(int(i)))
+            for i in np.flatnonzero(bad_length).tolist()
+        ]
+        votes = held & ~bad_length
+        rows = np.flatnonzero(votes)
+        if rows.size:
+            self.leases.end(keys[rows], held_by=producer)
+        for i in rows.tolist():
+            self._held.append(
+                _Held(
+                    producer, int(keys[i]), locations.at(i), int(lengths[i]),
+                    int(loss_tokens[i]), int(schema_hashes[i]), int(patches[i]),
+                )
+            )  # fmt: skip
+        voted_out = self.close_schema_vote() if len(self._held) >= self._vote_size() else []
+        return CommitOutcome(votes, rejections, ~held, voted_out)
+
+    def close_schema_vote(self) -> list[Rejected]:
+        """Chooses the schema most held samples share, buffers those and rejects the others
+        (returned: their bytes are to be freed). Also called by the ingest sweep once the vote
+        waited SCHEMA_VOTE_WAIT_S, so few or slow samples still start the job."""
+        if self.schema_hash is not None or not self._held:
+            return []
+        held, self._held = self._held, []
+        winner, votes = winning_schema([h.schema_hash for h in held])
+        self.schema_hash, self.schema_votes = winner, (votes, len(held))
+        first = next(h for h in held if h.schema_hash == winner)
+        self.first_schema = self._schema_at(first.location)  # read once per job
+        self.schema_text = describe_schema(self.first_schema, winner)
+        for producer in sorted({h.producer for h in held}):
+            rows = [h for h in held if h.producer == producer and h.schema_hash == winner]
+            if rows:
+                self._book(
+                    producer,
+                    np.asarray([h.key for h in rows], dtype=np.int64),
+                    Locations(
+                        np.asarray([h.location.lane for h in rows], dtype=np.int64),
+                        np.asarray([h.location.offset for h in rows], dtype=np.int64),
+                        np.asarray([h.location.nbytes for h in rows], dtype=np.int64),
+                    ),
+                    np.asarray([h.length for h in rows], dtype=np.int64),
+                    np.asarray([h.loss_tokens for h in rows], dtype=np.int64),
+                    np.asarray([h.patches for h in rows], dtype=np.int64),
+                    end_leases=False,
+                )
+        return [
+            self._count_rejection(h.key, "schema_mismatch", self._mismatch_detail(h.location),
+                                  h.location)
+            for h in held
+            if h.schema_hash != winner
+        ]  # fmt: skip
 
     def _accepts_every_row(
         self, held: np.ndarray, lengths: IntArray, schema_hashes: IntArray
@@ -455,10 +560,14 @@ class NodeState:
         lengths: IntArray,
         loss_tokens: IntArray,
         patches: IntArray,
+        *,
+        end_leases: bool = True,
     ) -> None:
-        """Buffers accepted rows (every key held by `producer`): their leases end, where they
-        lie is stored, and they join their unit's buffer."""
-        self.leases.end(keys, held_by=producer)
+        """Buffers accepted rows (every key held by `producer`): their leases end (samples held
+        for the schema vote had theirs ended), where they lie is stored, and they join their
+        unit's buffer."""
+        if end_leases:
+            self.leases.end(keys, held_by=producer)
         for it, mask, views in by_iteration(keys, self.views_per_iteration):
             self.iteration(it).store(
                 views, locations if isinstance(mask, slice) else locations.take(mask)
@@ -482,17 +591,25 @@ class NodeState:
             return self._reject_leased(
                 key, "zero_length", f"{self.config.length_key} has length 0", location
             )
+        return self._reject_leased(
+            key, "schema_mismatch", self._mismatch_detail(location), location
+        )
+
+    def _mismatch_detail(self, location: Location) -> str:
+        """Names both schemas: the node's (and how it was chosen) and this sample's."""
         first, this = self.first_schema, self._schema_at(location)
         what = (
-            schema_difference(first, this)
+            schema_difference(first, this, reference="the job's schema")
             if first is not None and this is not None
-            else "keys, dtypes or shapes differ from the first sample's"
+            else "keys, dtypes or shapes differ from the job's schema"
         )
-        detail = (
-            f"{what}; every sample needs the first sample's keys and dtypes, and the same "
-            "dimensions after the first; make them uniform in preprocessing"
+        votes, voters = self.schema_votes
+        chosen = f" (chosen by {votes} of the first {voters} samples)" if voters else ""
+        return (
+            f"{what}; the job's schema is {self.schema_text}{chosen}; every sample needs its "
+            "keys and dtypes, and the same dimensions after the first; make them uniform in "
+            "preprocessing"
         )
-        return self._reject_leased(key, "schema_mismatch", detail, location)
 
     def locations_of(self, keys: IntArray) -> Locations:
         """Where the committed samples of these (buffered or emitted) keys lie."""
@@ -573,6 +690,13 @@ class NodeState:
         self, key: int, reason: str, detail: str, location: Location | None
     ) -> Rejected:
         self.leases.end(np.asarray([key], dtype=np.int64))
+        return self._count_rejection(key, reason, detail, location)
+
+    def _count_rejection(
+        self, key: int, reason: str, detail: str, location: Location | None
+    ) -> Rejected:
+        """A rejected key whose lease has ended: it leaves its unit's lease budget and its
+        ledger, and is counted."""
         self._unit_of(key).leased_in[key // self.views_per_iteration] -= 1
         it, view = self._split(key)
         it.ledger.reject([view])
@@ -581,6 +705,8 @@ class NodeState:
         self.rejected_total[reason] += 1
         identity = int(it.identities[view])
         self.first_rejection.setdefault(reason, f"sample {identity}: {detail}")
+        if len(self.first_rejected_ids) < FIRST_REJECTED_IDS:
+            self.first_rejected_ids.append(identity)
         return Rejected(key, identity, reason, detail, location)
 
     # -- rounds ------------------------------------------------------------------------------

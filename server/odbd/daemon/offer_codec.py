@@ -3,14 +3,16 @@
 Layout, version 3 (all numbers little-endian):
     u32 magic 0x4f444252 ("ODBR"), u16 version, u16 reserved, u32 header_bytes
     header: UTF-8 JSON {"node", "epoch", "rejected": {reason: count}, "units": [[unit, dry, n]],
-            "observations": m}
+            "observations": m, "schema": [hash, text] | null}
     then per unit, n rows each of: int64 views, int32 lengths, int32 tokens, int32 ages,
     int32 patches (columns one after another)
     then m rows of float64 [padded tokens, sum of squared lengths, seconds]: this node's timed
     rank-steps since its last offer (cost_learning.py; at most MAX_OBSERVATIONS, ~1.5 KiB)
 Every daemon decodes every node's payload and feeds the same UnitOffers to plan_round, so the
 encoding must be exact (floats travel as their IEEE bytes, never as text) and the unit order
-fixed. Version 1 had no observations, version 2 no patches.
+fixed. Version 1 had no observations, version 2 no patches. "schema" is the node's sample
+schema once its vote chose one (ingest/schema_vote.py), so every daemon can check that the nodes
+agree; an offer without the key (a release before it) reads as null.
 """
 
 from __future__ import annotations
@@ -72,6 +74,7 @@ class NodeOffer:
     resume: tuple[int, int] | None = None  # first round after a restart: trainers' (epoch, step)
     # (m, 3) float64 [padded, sum_sq, seconds]: rank-steps timed by this node's trainers
     observations: np.ndarray = field(default_factory=lambda: np.zeros((0, 3)))
+    schema: tuple[int, str] | None = None  # (schema hash, description) once the node chose one
 
 
 def encode(offer: NodeOffer) -> bytes:
@@ -82,6 +85,7 @@ def encode(offer: NodeOffer) -> bytes:
         "resume": list(offer.resume) if offer.resume else None,
         "units": [[u.unit, u.dry, len(u.samples)] for u in offer.units],
         "observations": int(offer.observations.shape[0]),
+        "schema": list(offer.schema) if offer.schema else None,
     }
     head = json.dumps(header, separators=(",", ":")).encode()
     parts = [_PREFIX.pack(_MAGIC, _VERSION, 0, len(head)), head]
@@ -118,6 +122,7 @@ def decode(payload: bytes) -> NodeOffer:
     if pos != len(payload):
         raise InvariantError(f"round payload has {len(payload) - pos} trailing bytes")
     resume = header.get("resume")
+    schema = header.get("schema")
     return NodeOffer(
         int(header["node"]),
         int(header["epoch"]),
@@ -125,4 +130,5 @@ def decode(payload: bytes) -> NodeOffer:
         header["rejected"],
         tuple(resume) if resume else None,  # type: ignore[arg-type]
         observations.astype(np.float64).reshape(m, 3),
+        (int(schema[0]), str(schema[1])) if schema else None,
     )

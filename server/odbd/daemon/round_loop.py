@@ -32,7 +32,14 @@ from odbd.daemon.rewind import fresh_node_failure
 from odbd.daemon.updates import UpdateNumbering
 from odbd.errors import InvariantError, OdbdError
 from odbd.ingest.lanes import Lanes
-from odbd.ingest.rejections import empty_epoch_failure
+from odbd.ingest.rejections import (
+    budget_failure,
+    empty_dataset_failure,
+    empty_epoch_failure,
+    epoch_rejection_summary,
+    over_budget,
+)
+from odbd.ingest.schema_vote import schema_disagreement
 from odbd.metrics.stats import DaemonStats
 from odbd.planner.config import Collate, PlannerConfig
 from odbd.planner.cost_fit import FitConfig, FitState
@@ -55,9 +62,14 @@ def wait_reason(
     rejected: dict[str, int],
     lanes_full: bool,
     starting: tuple[int, float] = (0, 0.0),
+    slow: tuple[str, int, float] | None = None,
+    held_by_ranks: bool = False,
 ) -> str:
     """Why nothing arrives, as far as this node can tell, for the periodic wait line.
 
+    `slow`: (producer, identity, seconds) of the sample a producer has been making longest,
+    once past SLOW_SAMPLE_S (a 60 s dataset[i] read as "making samples" before).
+    `held_by_ranks`: ranks sit on undelivered steps (named before this reason by the caller).
     `starting`: the --workers processes alive and seconds since the first started. With none
     attached they are still in the dataset factory (it runs in every worker before it
     connects), which can take minutes for a real dataset: telling the operator to start
@@ -77,8 +89,18 @@ def wait_reason(
             "no producer is attached: start producers on this node (python -m "
             "odbclient.producer_main --socket ...), or see above why --workers stopped"
         )
+    if lanes_full and held_by_ranks:  # the ranks named first hold the space: not a size issue
+        return "every producer waits for lane space, which those undelivered steps hold"
     if lanes_full:
         return "every producer waits for lane space: raise --shm-size or lower --buffer"
+    if slow is not None:
+        name, identity, seconds_in = slow
+        return (
+            f"{producers} producers attached, and producer {name} has been inside "
+            f"dataset[{identity}] for {seconds_in:.0f} s; a sample that slow holds up the "
+            "round (speed up its preprocessing; a --workers process inside one sample for "
+            "--lease-timeout is killed as hung)"
+        )
     if buffered == 0 and rejected:
         return (
             f"{producers} producers attached but every sample since the last round was "
@@ -132,6 +154,7 @@ class RoundLoop:
         lanes_full: Callable[[], bool] = lambda: False,
         producers: Callable[[], int] = lambda: 0,
         starting: Callable[[], tuple[int, float]] = lambda: (0, 0.0),
+        slow_sample: Callable[[], tuple[str, int, float] | None] = lambda: None,
     ) -> None:
         self.config = config
         self.state = state
@@ -148,6 +171,7 @@ class RoundLoop:
         self.lanes_full_warned = False
         self.producers = producers  # producers attached now (for the wait line)
         self.starting = starting  # --workers processes alive, seconds since the first started
+        self.slow_sample = slow_sample  # IngestService.slowest_sample
         self.resume: tuple[int, int] | None = None  # set by restore(): announced in round 0
         self.round_seed_base = 0  # plans of a restarted job must not repeat the old seeds
         self.progress = asyncio.Event()
@@ -179,9 +203,14 @@ class RoundLoop:
         return EpochTally(0, 0, np.zeros(self.state.dataset_size, dtype=bool), Counter())
 
     async def run(self) -> None:
-        if self.config.epochs != 0 and self.state.dataset_size == 0:
-            self._end_job("the dataset is empty")
-            return
+        if self.state.dataset_size == 0:
+            # Refused before the first round, as a failed job rather than an exit at start-up:
+            # the trainers then raise JobFailedError with this line instead of waiting for a
+            # daemon that is gone (it exited 0 with "the dataset is empty" at INFO before).
+            self.failure = empty_dataset_failure(self.config.dataset)
+            self._end_job(self.failure, failed=True)
+            await self._tell_trainers()
+            raise JobFailed(self.failure)
         while not self.done:
             await self._wait_ready()
             offer = offer_codec.NodeOffer(
@@ -191,12 +220,15 @@ class RoundLoop:
                 rejected=self.state.take_rejected_delta(),
                 resume=self.resume if self.round_index == 0 else None,
                 observations=self.cost.take_new(),
+                schema=self._schema(),
             )
             self._exchanging, self._exchange_started_s = True, time.monotonic()
             payloads = await self.barrier.exchange(self.round_index, offer_codec.encode(offer))
             self._exchanging = False
             offers = [self._decode(node, p) for node, p in enumerate(payloads)]
             self._check_agreement(offers)
+            if self._schemas_disagree(offers) or self._past_budget():
+                break
             units = sorted((u for o in offers for u in o.units), key=lambda u: u.unit)
             planner = self._planner([o.observations for o in offers])
             plan = plan_round(units, planner, self.round_seed_base + self.round_index)
@@ -323,10 +355,17 @@ class RoundLoop:
                 rejected=dict(self.state.rejected),
                 lanes_full=self.lanes_full(),
                 starting=self.starting(),
+                slow=self.slow_sample(),
+                held_by_ranks=bool(lagging),
             )
         )
         if lagging:
-            return f"{producers}, and shared memory is held by undelivered steps ({ranks})"
+            # The rank first: it is the cause, and the lanes-full advice (raise --shm-size)
+            # read first sent operators to resize memory for a stopped trainer.
+            return (
+                f"shared memory is held by undelivered steps ({ranks}); a rank that stopped "
+                f"calling next() holds up the job, and meanwhile {producers}"
+            )
         return producers
 
     @property
@@ -373,6 +412,41 @@ class RoundLoop:
         for o in offers:
             self.tally.rejected.update(o.rejected)
             self.quota_consumed += sum(o.rejected.values()) if not self.config.join else 0
+
+    def _schema(self) -> tuple[int, str] | None:
+        schema_hash = self.state.schema_hash
+        return None if schema_hash is None else (schema_hash, self.state.schema_text)
+
+    def _schemas_disagree(self, offers: list[offer_codec.NodeOffer]) -> bool:
+        """Nodes that chose different sample schemas fail the job before this round is planned
+        (every daemon sees the same offers): one rule, so no node trains under a schema
+        another rejects."""
+        chosen = {o.node: o.schema for o in offers if o.schema is not None}
+        failure = schema_disagreement(chosen)
+        if failure is None:
+            return False
+        self.failure = failure
+        self._end_job(failure, failed=True)
+        return True
+
+    def _past_budget(self) -> bool:
+        """The epoch's rejections over every node passed --max-reject-fraction: the job fails
+        now, before this round is planned (every daemon decides it from the same offers)."""
+        assert self.tally.rejected is not None
+        total = sum(self.tally.rejected.values())
+        fraction = self.config.max_reject_fraction
+        if not over_budget(total, self.state.dataset_size, fraction):
+            return False
+        self.failure = budget_failure(
+            self.state.epoch,
+            self.tally.rejected,
+            self.state.dataset_size,
+            fraction,
+            self.state.first_rejected_ids,
+            self.state.first_rejection,
+        )
+        self._end_job(self.failure, failed=True)
+        return True
 
     def _planner(self, observations: list[np.ndarray]) -> PlannerConfig:
         """The planner config of this round: its cost model is learned from every node's
@@ -727,6 +801,13 @@ class RoundLoop:
             rejected_by_reason=dict(tally.rejected),
             num_identities=tally.num_seen,
         )
+        if tally.rejected:
+            log.warning(
+                "%s; the job goes on (at most --max-reject-fraction %g of an epoch may be "
+                "rejected); the first of each reason was logged when it happened",
+                epoch_rejection_summary(epoch, tally.rejected, self.state.dataset_size),
+                self.config.max_reject_fraction,
+            )
         log.info(
             "epoch %d done: %d steps, %d samples, %d identities of %d, rejected %s",
             epoch,

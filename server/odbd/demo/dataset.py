@@ -26,6 +26,13 @@ class SyntheticDataset:
         delay_s: float = 0.0,
         zero_length_every: int = 0,
     ) -> None:
+        if not isinstance(size, int) or size < 1:
+            # Said here, naming this factory's own argument: sample_lengths' message named
+            # the simulator's --num-samples, which neither odbd nor this factory has.
+            raise ValueError(
+                f"size must be an integer >= 1 (the number of samples), got {size!r}; "
+                "pass --dataset-arg size=N"
+            )
         self.lengths = sample_lengths(dist, size, seed)
         if zero_length_every > 0:
             self.lengths[::zero_length_every] = 0  # bad input, for rejection tests

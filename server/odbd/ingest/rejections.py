@@ -7,7 +7,7 @@ Pure except `RejectionLog`, which only decides *when* to log (the clock is passe
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 PRODUCER_CRASH = "producer_crash"  # the daemon's own reason: the id killed its producer twice
@@ -33,6 +33,8 @@ REJECT_FIXES: Mapping[str, str] = {
     "dimension) or the --patch-count-key integer; check the daemon's flags",
     "packed_length_mismatch": "with --collate packed, give every 1-D key as many entries as the "
     "--length-key array (truncate labels with input_ids), or --concat a per-sample vector",
+    "non_finite": "fix the preprocessing that yields NaN or inf (a division by zero, a log of "
+    "0, an overflow in float16), or drop --check-finite if such values are meant",
     PRODUCER_CRASH: "__getitem__ kills the process on the sample named (sys.exit, abort, a "
     "crash in a C extension); run it by hand on that sample",
 }
@@ -42,6 +44,67 @@ def samples_made(ingested: int, rejected: Mapping[str, int]) -> int:
     """Samples a node's producers finished (committed or rejected), for the supervisor's
     give-up rule: a quarantine is not a sample a producer made, so it is not counted."""
     return ingested + sum(n for reason, n in rejected.items() if reason != PRODUCER_CRASH)
+
+
+DEFAULT_MAX_REJECT_FRACTION = 0.01  # a real corpus has a few bad records; more is a broken pipeline
+_FIRST_IDS = 5  # sample ids named in a budget failure
+
+
+def empty_dataset_failure(dataset: str | None) -> str:
+    """Why a job over a dataset of no sample fails before its first round."""
+    what = f"--dataset {dataset} has len() 0" if dataset else "the dataset is empty"
+    return (
+        f"{what}: the job would train nothing, so it fails before its first round; check the "
+        "factory's --dataset-arg values and the data files it reads"
+    )
+
+
+def over_budget(rejected: int, dataset_size: int, max_fraction: float) -> bool:
+    """An epoch's rejections (over every node) past --max-reject-fraction of its samples.
+
+    Decided as soon as the count passes the budget, not at the epoch's end: the count only
+    grows within an epoch, so waiting would only train more of a broken pipeline's data."""
+    # 1 never fails: in --no-join jobs the count of an epoch can pass its size (rejections of
+    # the next pass of the sampler are counted as they come, before the quota moves on).
+    return max_fraction < 1.0 and rejected > max_fraction * max(dataset_size, 1)
+
+
+def budget_failure(
+    epoch: int,
+    rejected: Mapping[str, int],
+    dataset_size: int,
+    max_fraction: float,
+    first_ids: Sequence[int],
+    first_rejection: Mapping[str, str],
+) -> str:
+    """The one line a job past its rejection budget fails with: counts per reason, the first
+    ids, an example of the commonest reason and its fix, and how to raise the budget.
+    `first_ids` and `first_rejection` are this node's (the counts are global)."""
+    total = sum(rejected.values())
+    ranked = Counter(rejected).most_common()
+    counts = ", ".join(f"{reason}: {n}" for reason, n in ranked)
+    top = ranked[0][0]
+    example = first_rejection.get(top, "")
+    ids = ", ".join(str(i) for i in first_ids[:_FIRST_IDS])
+    return (
+        f"epoch {epoch} rejected {total} of {dataset_size} samples "
+        f"({100 * total / max(dataset_size, 1):.1f} %), past --max-reject-fraction "
+        f"{max_fraction:g} ({counts})"
+        + (f"; first ids on this node: {ids}" if ids else "")
+        + (f"; first {top}: {example}" if example else "")
+        + f". Fix: {REJECT_FIXES.get(top, 'fix the dataset')}; or, if this many bad samples "
+        "is expected, raise --max-reject-fraction"
+    )
+
+
+def epoch_rejection_summary(epoch: int, rejected: Mapping[str, int], dataset_size: int) -> str:
+    """The WARNING an epoch with any rejection ends with (counts over every node)."""
+    total = sum(rejected.values())
+    counts = ", ".join(f"{reason}: {n}" for reason, n in Counter(rejected).most_common())
+    return (
+        f"epoch {epoch} rejected {total} of {dataset_size} samples "
+        f"({100 * total / max(dataset_size, 1):.2f} %) over every node: {counts}"
+    )
 
 
 def empty_epoch_failure(

@@ -20,11 +20,14 @@ from odbd.daemon.node_state import Locations, NodeState, Rejected
 from odbd.daemon.remake import Rewinder
 from odbd.ingest.hung import InFlight, hung, track
 from odbd.ingest.lanes import Lane, Lanes
+from odbd.ingest.schema_vote import SCHEMA_VOTE_WAIT_S
 from odbd.ingest.validate import CommitRows, check_rejections, decode_commit
 from odbd.metrics.stats import DaemonStats
 from odbd.serve.hello import Refusal, hello_refusal
 
 log = logging.getLogger("odbd.ingest")
+
+SLOW_SAMPLE_S = 10.0  # a producer this long inside one dataset[i] is named in the wait line
 
 
 @dataclass(slots=True)
@@ -74,6 +77,7 @@ class IngestService:
         self._closed_for = ""  # the reason every producer's Shutdown gave
         # Samples made again for rewinds (negative view keys); set by the daemon.
         self.rewinder: Rewinder | None = None
+        self._vote_seen_s: float | None = None  # the sweep first saw the schema vote open
 
     def open(self, hello: ingest_pb2.ProducerHello) -> ProducerSession | Refusal | None:
         """The new producer's session; a Refusal (protocol, job, dataset size, no lane left);
@@ -170,6 +174,8 @@ class IngestService:
             self._on_rejected(rejected)
         if not every:
             self._send_free(session, locations.offsets[~outcome.accepted])  # rejected, stale
+        if outcome.voted_out:
+            self._drop_voted_out(outcome.voted_out)
         if outcome.rejections:
             self.pump_leases()  # rejected ids left the lease budget (see on_message)
         self._on_progress()
@@ -187,6 +193,7 @@ class IngestService:
         )
         rest = np.flatnonzero(~remade)
         rejections: list[Rejected] = []
+        voted_out: list[Rejected] = []
         if rest.size:
             outcome = self._state.commit(
                 session.producer,
@@ -199,6 +206,7 @@ class IngestService:
             )
             accepted[rest] = outcome.accepted
             rejections = outcome.rejections
+            voted_out = outcome.voted_out
         self._lanes.hold(session.lane.lane_id, where.offsets[accepted])
         self._stats.ingest_bytes += int(where.nbytes[accepted].sum())
         self._stats.ingest_samples += int(accepted.sum())
@@ -206,6 +214,8 @@ class IngestService:
             self._on_rejected(rejected)
         if not accepted.all():
             self._send_free(session, where.offsets[~accepted])
+        if voted_out:
+            self._drop_voted_out(voted_out)
         self.pump_leases()
         self._on_progress()
 
@@ -221,6 +231,35 @@ class IngestService:
                 identities=identities.astype("<i8").tobytes(),
             )
             session.outbox.put_nowait(ingest_pb2.IngestMessage(lease=grant))
+
+    def _drop_voted_out(self, voted_out: list[Rejected]) -> None:
+        """Samples held for the schema vote whose schema lost: counted as rejected, their
+        bytes freed in whichever lane holds them."""
+        for rejected in voted_out:
+            self._on_rejected(rejected)
+        where = [Locations.in_lane(r.location.lane, np.asarray([r.location.offset]),
+                                   np.asarray([r.location.nbytes]))
+                 for r in voted_out if r.location is not None]  # fmt: skip
+        self.give_back(self._lanes.free(where))
+        self.pump_leases()
+
+    def close_schema_vote(self, now: float) -> None:
+        """The sweep's part of the schema vote: one open SCHEMA_VOTE_WAIT_S since this sweep
+        first saw it closes with the samples it holds (a dataset with few valid samples, or slow
+        producers, would otherwise never start the job)."""
+        if not self._state.schema_voting:
+            self._vote_seen_s = None
+            return
+        if self._vote_seen_s is None:
+            self._vote_seen_s = now
+            return
+        if now - self._vote_seen_s < SCHEMA_VOTE_WAIT_S:
+            return
+        self._vote_seen_s = None
+        voted_out = self._state.close_schema_vote()
+        if voted_out:
+            self._drop_voted_out(voted_out)
+        self._on_progress()
 
     def pump_leases(self) -> None:
         """Grants pending sample ids to producers with credit."""
@@ -268,6 +307,7 @@ class IngestService:
         (`_end_hung`), then expired leases go back to the pool, except a sample its supervised
         worker is still making (its death, should it hang, must count against that sample)."""
         now = asyncio.get_running_loop().time()
+        self.close_schema_vote(now)
         self._end_hung(now)
         kept = {
             f.key
@@ -287,6 +327,19 @@ class IngestService:
             self._state.release(expired)
             self.pump_leases()
         return len(expired)
+
+    def slowest_sample(self) -> tuple[str, int, float] | None:
+        """(producer name, identity, seconds) of the sample a producer has been inside
+        dataset[i] for longest, once past SLOW_SAMPLE_S (as of the last sweep), for the wait
+        line; None if every producer is quicker."""
+        if not self._in_flight:
+            return None
+        now = asyncio.get_running_loop().time()
+        producer, flight = min(self._in_flight.items(), key=lambda item: item[1].since_s)
+        if now - flight.since_s < SLOW_SAMPLE_S or producer not in self.sessions:
+            return None
+        identity = int(self._state.identities_of(np.asarray([flight.key]))[0])
+        return self.sessions[producer].name, identity, now - flight.since_s
 
     def _holds(self, producer: int, key: int) -> bool:
         return producer in self.sessions and self._state.leases.holder(key) == producer

@@ -92,7 +92,7 @@ class Lane(_message.Message):
     def __init__(self, segment: _Optional[int] = ..., offset: _Optional[int] = ..., size: _Optional[int] = ...) -> None: ...
 
 class IngestWelcome(_message.Message):
-    __slots__ = ("job_id", "segments", "layout_version", "length_key", "labels_key", "lane", "lease_timeout_s", "dataset_size", "patch_key", "patch_count_key", "concat_keys", "packed")
+    __slots__ = ("job_id", "segments", "layout_version", "length_key", "labels_key", "lane", "lease_timeout_s", "dataset_size", "patch_key", "patch_count_key", "concat_keys", "packed", "check_finite")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     SEGMENTS_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -105,6 +105,7 @@ class IngestWelcome(_message.Message):
     PATCH_COUNT_KEY_FIELD_NUMBER: _ClassVar[int]
     CONCAT_KEYS_FIELD_NUMBER: _ClassVar[int]
     PACKED_FIELD_NUMBER: _ClassVar[int]
+    CHECK_FINITE_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     segments: _containers.RepeatedScalarFieldContainer[str]
     layout_version: int
@@ -117,7 +118,8 @@ class IngestWelcome(_message.Message):
     patch_count_key: str
     concat_keys: _containers.RepeatedScalarFieldContainer[str]
     packed: bool
-    def __init__(self, job_id: _Optional[str] = ..., segments: _Optional[_Iterable[str]] = ..., layout_version: _Optional[int] = ..., length_key: _Optional[str] = ..., labels_key: _Optional[str] = ..., lane: _Optional[_Union[Lane, _Mapping]] = ..., lease_timeout_s: _Optional[float] = ..., dataset_size: _Optional[int] = ..., patch_key: _Optional[str] = ..., patch_count_key: _Optional[str] = ..., concat_keys: _Optional[_Iterable[str]] = ..., packed: _Optional[bool] = ...) -> None: ...
+    check_finite: bool
+    def __init__(self, job_id: _Optional[str] = ..., segments: _Optional[_Iterable[str]] = ..., layout_version: _Optional[int] = ..., length_key: _Optional[str] = ..., labels_key: _Optional[str] = ..., lane: _Optional[_Union[Lane, _Mapping]] = ..., lease_timeout_s: _Optional[float] = ..., dataset_size: _Optional[int] = ..., patch_key: _Optional[str] = ..., patch_count_key: _Optional[str] = ..., concat_keys: _Optional[_Iterable[str]] = ..., packed: _Optional[bool] = ..., check_finite: _Optional[bool] = ...) -> None: ...
 
 class LeaseGrant(_message.Message):
     __slots__ = ("view_keys", "identities")
