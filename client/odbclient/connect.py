@@ -131,6 +131,7 @@ def _connect_framed(socket: str, path: str, *, who: str, timeout_s: float) -> so
     with none at `path` is a daemon older than this odbclient: that fails at once, by name.
     """
     deadline_s = time.monotonic() + timeout_s
+    refused_since_s: float | None = None  # the socket file exists but nothing listens
     while True:
         sock = socketlib.socket(socketlib.AF_UNIX, socketlib.SOCK_STREAM)
         try:
@@ -144,6 +145,13 @@ def _connect_framed(socket: str, path: str, *, who: str, timeout_s: float) -> so
                     f"than this odbclient ({who} protocol {PROTOCOL_VERSION}), or it is "
                     f"shutting down; install the same odbd release for the daemon and its {who}s"
                 ) from None
+            if isinstance(error, FileNotFoundError):
+                refused_since_s = None
+            else:
+                now_s = time.monotonic()
+                refused_since_s = now_s if refused_since_s is None else refused_since_s
+                if now_s - refused_since_s >= _DEAD_DAEMON_GRACE_S:
+                    raise DaemonUnavailableError(dead_daemon_message(socket, path, who)) from None
         except PermissionError:
             sock.close()
             raise DaemonUnavailableError(
@@ -162,6 +170,25 @@ def _connect_framed(socket: str, path: str, *, who: str, timeout_s: float) -> so
                 "connect_timeout_s"
             )
         time.sleep(_CONNECT_POLL_S)
+
+
+# A daemon listens as soon as it binds, and one starting again removes a dead one's socket
+# files before building its dataset: a socket file refused this long is a dead daemon's.
+_DEAD_DAEMON_GRACE_S = 1.0
+
+
+def dead_daemon_message(socket: str, path: str, who: str) -> str:
+    """A socket file with no listener: its daemon ran and ended without removing it."""
+    try:
+        bound = time.strftime("%H:%M:%S", time.localtime(os.stat(path).st_mtime))
+    except OSError:
+        bound = "?"
+    return (
+        f"the odbd daemon of unix:{socket} ran and is gone: its {who} socket {path} (bound at "
+        f"{bound}) is still there but nothing listens on it, so the daemon was killed (SIGKILL, "
+        "the OOM killer) or crashed before it could remove it; read its log for why, then "
+        "start the job again (its daemon on this node first: it removes the dead socket)"
+    )
 
 
 def accepts_connections(path: str) -> bool:

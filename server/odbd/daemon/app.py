@@ -22,12 +22,10 @@ import logging
 import math
 import os
 import signal
-import socket as socketlib
 import sys
 import time
 from collections.abc import Callable, Coroutine
 from functools import partial
-from pathlib import Path
 from typing import Any
 
 import grpc
@@ -57,6 +55,7 @@ from odbd.daemon.journal import Journal, check_header, replay
 from odbd.daemon.node_state import NodeState, Rejected
 from odbd.daemon.offer_codec import check_offer_fits
 from odbd.daemon.round_loop import RoundLoop
+from odbd.daemon.socket_claim import claim_socket_path
 from odbd.errors import ConfigError, OdbdError
 from odbd.grpc_guard import DecodeGuard
 from odbd.ingest.arena import Arena
@@ -141,7 +140,7 @@ class Daemon:
         world = config.world
         check_offer_fits(config.buffer, world.ranks_per_node, world.num_nodes)
         # First, before anything is created: a live daemon on this socket refuses the start.
-        _claim_socket_path(config.socket)
+        claim_socket_path(config.socket)
         self.arena = Arena.create(config.job_id, config.node_rank, config.shm_size)
         lanes = Lanes(self.arena, self._lane_bytes())
         # Read only for the first sample and mismatches: a schema_mismatch then names the key.
@@ -266,16 +265,16 @@ class Daemon:
 
     async def _serve_socket(self, trainer: TrainerService) -> None:
         path = self.config.socket
-        _claim_socket_path(path)  # again: a stale file may have appeared since startup began
+        claim_socket_path(path)  # again: a stale file may have appeared since startup began
         # The framed sockets first: a client that finds the gRPC socket answering but no step
         # (ingest) socket beside it may then conclude the daemon is older than protocol 6 (7).
         steps_path = steps_socket_path(path)
-        _claim_socket_path(steps_path)
+        claim_socket_path(steps_path)
         self.step_server = StepServer(trainer, steps_path)
         await self.step_server.start()
         assert self.ingest is not None
         ingest_path = ingest_socket_path(path)
-        _claim_socket_path(ingest_path)
+        claim_socket_path(ingest_path)
         self.ingest_server = IngestServer(self.ingest, ingest_path)
         await self.ingest_server.start()
         options = [
@@ -828,22 +827,6 @@ def is_serving(*, phase: str, peers_joined: bool, producers: int, external_produ
     if phase != "running" or not peers_joined:
         return False
     return external_producers or producers > 0
-
-
-def _claim_socket_path(path: str) -> None:
-    """Removes a stale socket file of a dead daemon; refuses one a live daemon answers on."""
-    if not os.path.exists(path):
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        return
-    probe = socketlib.socket(socketlib.AF_UNIX, socketlib.SOCK_STREAM)
-    try:
-        probe.connect(path)
-    except OSError:
-        os.unlink(path)  # nobody listens: a dead daemon's leftover
-        return
-    finally:
-        probe.close()
-    raise ConfigError(f"another daemon is serving on {path}; stop it or pass a different --socket")
 
 
 def run_daemon(config: DaemonConfig, dataset_size: int) -> int:
