@@ -5,11 +5,13 @@
 
 from __future__ import annotations
 
+import os
 import time
 
+from odbd.demo.cluster import ClusterSpec, LocalCluster
 from odbd.ingest.arena import reclaim_stale
 from tests.integration.faults_cluster import FaultCluster, synthetic
-from tests.integration.harness import scaled
+from tests.integration.harness import poll_until, scaled
 
 
 def test_a_rank_late_to_a_killed_daemon_is_told_at_once_that_it_ran_and_died() -> None:
@@ -28,3 +30,39 @@ def test_a_rank_late_to_a_killed_daemon_is_told_at_once_that_it_ran_and_died() -
         print(f"\nFAULT hub SIGKILLed before its trainer: rank 0 told in {took_s:.1f} s: {message}")
         assert took_s < scaled(20)
         assert reclaim_stale(fc.cluster.spec.job_id, node_rank=0)  # what a restart would do
+
+
+_CLASH = "another job runs on this host with the same --job-id"
+
+
+def test_two_jobs_started_at_once_with_one_job_id_are_told_of_the_clash() -> None:
+    """Each node rank's arena goes to one of the two jobs; a job that lost a node cannot form.
+    Its survivors blamed --peers (the hub: "node 1 never joined"; a spoke: "could not reach
+    the hub") and its losers said only that a running odbd holds the arena."""
+    job_id = f"clash{os.getpid()}"
+    args = [*synthetic(64), "--shm-size", "16M", "--join-timeout", f"{scaled(3):g}"]
+    jobs = [LocalCluster(ClusterSpec(nodes=2, ranks_per_node=1, job_id=job_id, daemon_args=args))
+            for _ in range(2)]  # fmt: skip
+    try:
+        for node in range(2):
+            for job in jobs:
+                job.start_node(node)
+        daemons = [(job, node) for job in jobs for node in range(2)]
+
+        def settled() -> bool:  # each daemon exited, or its job formed
+            return all(
+                job.processes[node].poll() is not None or "serving ranks" in job.log(node)
+                for job, node in daemons
+            )
+
+        poll_until(settled, "every daemon exited or served", timeout_s=60)
+        failed = [(job, node) for job, node in daemons if job.processes[node].poll() is not None]
+        assert failed, "two jobs with one --job-id on one host both formed"
+        for job, node in failed:
+            [error] = [line for line in job.log(node).splitlines() if "ERROR odbd:" in line]
+            assert _CLASH in error, error
+            assert error.index(_CLASH) < error.index("What this daemon saw"), error
+        print(f"\nFAULT job-id clash: {len(failed)} of 4 daemons failed, each naming it: {error}")
+    finally:
+        for job in jobs:
+            job.stop()

@@ -43,6 +43,7 @@ from odbclient.wire.odbd.v1 import (
     trainer_pb2_grpc,
 )
 from odbd.config import DaemonConfig
+from odbd.daemon.job_clash import find_clash
 from odbd.daemon.job_end import (
     Outcome,
     attach_failure,
@@ -58,7 +59,7 @@ from odbd.daemon.round_loop import RoundLoop
 from odbd.daemon.socket_claim import claim_socket_path
 from odbd.errors import ConfigError, OdbdError
 from odbd.grpc_guard import DecodeGuard
-from odbd.ingest.arena import Arena
+from odbd.ingest.arena import Arena, ArenaInUseError
 from odbd.ingest.ingest_socket import IngestServer
 from odbd.ingest.lanes import Lanes
 from odbd.ingest.rejections import RejectionLog, samples_made
@@ -68,6 +69,7 @@ from odbd.metrics.collector import DaemonCollector
 from odbd.metrics.stats import DaemonStats
 from odbd.planner.config import Collate
 from odbd.round import RoundBarrier, RoundConfig
+from odbd.round.errors import HandshakeError
 from odbd.serve.admin_service import AdminService
 from odbd.serve.rank_queue import QueuedItem, RankQueue
 from odbd.serve.step_socket import StepServer
@@ -88,6 +90,12 @@ _FAILURE_NOTICE_S = 5.0
 EXIT_USAGE = 2  # an operator error found at start-up (as for bad flags, cli.py)
 # What a forced exit (second signal) still does, synchronously, before os._exit.
 _FORCED_EXIT_STEPS = ("unlink shared memory", "remove the socket")
+
+
+# Another job with our --job-id on this host: looked for this often while the job forms, and
+# for this long after our arena was found taken (the other daemon may still be creating it).
+_CLASH_POLL_S = 0.5
+_CLASH_WAIT_S = 2.0
 
 
 class AttachTimeoutError(OdbdError):
@@ -132,6 +140,7 @@ class Daemon:
         self._job_formed = False  # startup completed: failures are no longer start-up errors
         self._ready_s = time.monotonic()  # attach deadlines of never-attached ranks count from here
         self._socket_id: tuple[int, int] | None = None  # (st_dev, st_ino) of the socket we bound
+        self._clash_seen = ""  # another job with our --job-id seen on this host while forming
 
     # -- startup -----------------------------------------------------------------------------
 
@@ -141,7 +150,16 @@ class Daemon:
         check_offer_fits(config.buffer, world.ranks_per_node, world.num_nodes)
         # First, before anything is created: a live daemon on this socket refuses the start.
         claim_socket_path(config.socket)
-        self.arena = Arena.create(config.job_id, config.node_rank, config.shm_size)
+        try:
+            self.arena = Arena.create(config.job_id, config.node_rank, config.shm_size)
+        except ArenaInUseError as error:
+            # A segment being created has no owner yet: give its daemon a moment to stamp it.
+            for _ in range(int(_CLASH_WAIT_S / _CLASH_POLL_S)):
+                named = self._named_clash(error, [config.node_rank])
+                if named is not error:
+                    raise named from None
+                await asyncio.sleep(_CLASH_POLL_S)
+            raise
         lanes = Lanes(self.arena, self._lane_bytes())
         # Read only for the first sample and mismatches: a schema_mismatch then names the key.
         self.state.sample_meta = lambda at: read_meta(
@@ -170,7 +188,14 @@ class Daemon:
         self._open_journal()
         await self._serve_socket(trainer)
         self.barrier = RoundBarrier(self._round_config())
-        await self.barrier.start()
+        others = [n for n in range(world.num_nodes) if n != config.node_rank]
+        watch = asyncio.ensure_future(self._watch_for_clash(others))
+        try:
+            await self.barrier.start()
+        except HandshakeError as error:  # a node never joined, or the hub never answered
+            raise self._named_clash(error, others) from None
+        finally:
+            watch.cancel()
         self.loop = RoundLoop(
             config=config,
             state=self.state,
@@ -246,6 +271,22 @@ class Daemon:
             concat_keys=list(self.config.concat),
             labels_key=self.config.labels_key,
         )
+
+    def _named_clash(self, error: OdbdError, node_ranks: list[int]) -> OdbdError:
+        """`error`, led by the clash when another job with our --job-id holds `node_ranks`
+        (now, or while the job was forming: the other job may have failed first)."""
+        config = self.config
+        clash = find_clash(config.job_id, node_ranks, config.peers, own_pid=os.getpid())
+        clash = clash or self._clash_seen
+        return type(error)(f"{clash}. What this daemon saw: {error}") if clash else error
+
+    async def _watch_for_clash(self, node_ranks: list[int]) -> None:
+        """While the job forms: remembers another job with our --job-id on this host."""
+        config = self.config
+        while node_ranks:
+            clash = find_clash(config.job_id, node_ranks, config.peers, own_pid=os.getpid())
+            self._clash_seen = clash or self._clash_seen
+            await asyncio.sleep(_CLASH_POLL_S)
 
     def _round_config(self) -> RoundConfig:
         config = self.config
