@@ -6,6 +6,9 @@
 from __future__ import annotations
 
 import os
+import signal
+import socket
+import subprocess
 import time
 
 from odbd.demo.cluster import ClusterSpec, LocalCluster
@@ -66,3 +69,48 @@ def test_two_jobs_started_at_once_with_one_job_id_are_told_of_the_clash() -> Non
     finally:
         for job in jobs:
             job.stop()
+
+
+JOIN_TIMEOUT_S = 2.0  # the spoke's; the hub's is long: it still waits when the spoke resumes
+
+
+def test_a_spoke_stopped_past_its_join_deadline_says_it_was_not_running() -> None:
+    """SIGSTOPped while it waited for the hub's Welcome, resumed after its join deadline: it
+    said "could not reach the hub ... start node 0's daemon" while the hub ran and waited."""
+    spec = ClusterSpec(
+        nodes=2,
+        ranks_per_node=1,
+        daemon_args=[*synthetic(64), "--shm-size", "16M", "--join-timeout", f"{JOIN_TIMEOUT_S:g}"],
+        per_node_args=[["--join-timeout", "600"]],
+    )
+    cluster = LocalCluster(spec)
+    hub_port = socket.create_server(("127.0.0.1", cluster.peer_ports[0]))  # not the hub yet
+    spoke: subprocess.Popen[bytes] | None = None
+    try:
+        log = open(cluster.tmp / "daemon1.log", "ab")  # noqa: SIM115
+        spoke = subprocess.Popen(cluster.command(1), stdout=log, stderr=subprocess.STDOUT)
+        log.close()
+        hub_port.settimeout(scaled(60))
+        knock, _ = hub_port.accept()  # the spoke is in its join: it connects to the hub
+        os.kill(spoke.pid, signal.SIGSTOP)
+        stopped = time.monotonic()
+        knock.close()
+        hub_port.close()
+        cluster.start_node(0)
+        poll_until(lambda: os.path.exists(cluster.sockets[0]), "the hub serves its socket")
+        # The fault itself: stopped past the spoke's deadline (its join timeout plus grace).
+        time.sleep(max(0.0, JOIN_TIMEOUT_S + 1.5 - (time.monotonic() - stopped)))
+        os.kill(spoke.pid, signal.SIGCONT)
+        spoke.wait(timeout=scaled(30))
+        assert spoke.returncode == 1, cluster.log(1)
+        [error] = [line for line in cluster.log(1).splitlines() if "ERROR odbd:" in line]
+        assert "node 1 was not running for" in error and "could not reach" not in error, error
+        assert cluster.processes[0].poll() is None, "the hub still waits for node 1"
+        print(f"\nFAULT spoke SIGSTOPped past its join deadline: {error}")
+    finally:
+        hub_port.close()
+        if spoke is not None and spoke.poll() is None:
+            os.kill(spoke.pid, signal.SIGCONT)
+            spoke.kill()
+            spoke.wait()
+        cluster.stop()
