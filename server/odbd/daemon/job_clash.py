@@ -56,7 +56,7 @@ def clash_message(job_id: str, ours: tuple[str, ...], others: Iterable[OtherDaem
         f"daemon's --peers are {','.join(ours)}): the two jobs' daemons take each other's "
         "node ranks (their shared memory is named by job id and node rank), so this job "
         "cannot form. Give each job its own --job-id (ODBD_JOB_ID), then start this job again "
-        "on every node"
+        "on every node (if that daemon is of this job, give every node the same --peers)"
     )
 
 

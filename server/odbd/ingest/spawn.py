@@ -47,9 +47,11 @@ class SpawnedProcess:
         return self._popen.returncode
 
     def _reap(self, loop: asyncio.AbstractEventLoop) -> None:
+        # A pidfd is readable only once the child ended. poll() reaps it; None means someone
+        # else reaped it first (a waitpid(-1) elsewhere): its status is lost, call it 255.
         code = self._popen.poll()
-        if code is None:  # not a real exit (a pidfd is readable only then); keep watching
-            return
+        if code is None:
+            self._popen.returncode = code = 255
         loop.remove_reader(self._pidfd)
         os.close(self._pidfd)
         if not self._exited.done():
