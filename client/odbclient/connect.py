@@ -173,8 +173,10 @@ def _connect_framed(socket: str, path: str, *, who: str, timeout_s: float) -> so
 
 
 # A daemon listens as soon as it binds, and one starting again removes a dead one's socket
-# files before building its dataset: a socket file refused this long is a dead daemon's.
-_DEAD_DAEMON_GRACE_S = 1.0
+# files before building its dataset, within seconds of its start: a socket file refused this
+# long is a dead daemon's, with no new one starting (a trainer started beside a restarted
+# daemon must not be told its daemon died while that one imports). 60 s before (issue 24).
+_DEAD_DAEMON_GRACE_S = 5.0
 
 
 def dead_daemon_message(socket: str, path: str, who: str) -> str:
@@ -185,7 +187,8 @@ def dead_daemon_message(socket: str, path: str, who: str) -> str:
         bound = "?"
     return (
         f"the odbd daemon of unix:{socket} ran and is gone: its {who} socket {path} (bound at "
-        f"{bound}) is still there but nothing listens on it, so the daemon was killed (SIGKILL, "
+        f"{bound}) is still there but nothing listened on it for {_DEAD_DAEMON_GRACE_S:g} s, "
+        "and no daemon started again there, so the daemon was killed (SIGKILL, "
         "the OOM killer) or crashed before it could remove it; read its log for why, then "
         "start the job again (its daemon on this node first: it removes the dead socket)"
     )
