@@ -137,6 +137,7 @@ def _connect_framed(socket: str, path: str, *, who: str, timeout_s: float) -> so
     must be this user or root (odbclient.local_trust), else UntrustedDaemonError.
     """
     deadline_s = time.monotonic() + timeout_s
+    refused_since_s: float | None = None  # the socket file exists but nothing listens
     while True:
         check_socket_owner(path, who=who)
         sock = socketlib.socket(socketlib.AF_UNIX, socketlib.SOCK_STREAM)
@@ -152,6 +153,13 @@ def _connect_framed(socket: str, path: str, *, who: str, timeout_s: float) -> so
                     f"than this odbclient ({who} protocol {PROTOCOL_VERSION}), or it is "
                     f"shutting down; install the same odbd release for the daemon and its {who}s"
                 ) from None
+            if isinstance(error, FileNotFoundError):
+                refused_since_s = None
+            else:
+                now_s = time.monotonic()
+                refused_since_s = now_s if refused_since_s is None else refused_since_s
+                if now_s - refused_since_s >= _DEAD_DAEMON_GRACE_S:
+                    raise DaemonUnavailableError(dead_daemon_message(socket, path, who)) from None
         except UntrustedDaemonError:
             sock.close()
             raise
@@ -173,6 +181,28 @@ def _connect_framed(socket: str, path: str, *, who: str, timeout_s: float) -> so
                 "connect_timeout_s"
             )
         time.sleep(_CONNECT_POLL_S)
+
+
+# A daemon listens as soon as it binds, and one starting again removes a dead one's socket
+# files before building its dataset, within seconds of its start: a socket file refused this
+# long is a dead daemon's, with no new one starting (a trainer started beside a restarted
+# daemon must not be told its daemon died while that one imports). 60 s before (issue 24).
+_DEAD_DAEMON_GRACE_S = 5.0
+
+
+def dead_daemon_message(socket: str, path: str, who: str) -> str:
+    """A socket file with no listener: its daemon ran and ended without removing it."""
+    try:
+        bound = time.strftime("%H:%M:%S", time.localtime(os.stat(path).st_mtime))
+    except OSError:
+        bound = "?"
+    return (
+        f"the odbd daemon of unix:{socket} ran and is gone: its {who} socket {path} (bound at "
+        f"{bound}) is still there but nothing listened on it for {_DEAD_DAEMON_GRACE_S:g} s, "
+        "and no daemon started again there, so the daemon was killed (SIGKILL, "
+        "the OOM killer) or crashed before it could remove it; read its log for why, then "
+        "start the job again (its daemon on this node first: it removes the dead socket)"
+    )
 
 
 def accepts_connections(path: str) -> bool:

@@ -2,8 +2,8 @@
 
 import os
 
-# The daemon spawns its producers (fork + exec) while gRPC threads run. With gRPC's fork
-# support on, every spawn logs "fork_posix.cc ... skipping fork() handlers"; the handlers only
-# serve a child that keeps using gRPC without exec, which no odbd child does. gRPC reads this
-# once, when it is imported: it must be set before any odbd module imports grpc.
+# gRPC's fork support (its pthread_atfork handlers) only serves a child that keeps using gRPC
+# without exec, which no odbd child does: producers are spawned with vfork + exec, which runs
+# no at-fork handler (odbd.ingest.spawn). gRPC reads this once, when it is imported: it must
+# be set before any odbd module imports grpc.
 os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "0")

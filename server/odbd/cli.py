@@ -17,6 +17,7 @@ from pathlib import Path
 
 from odbd import flag_files, flags
 from odbd.config import DEFAULT_PADS, DaemonConfig, default_socket, node_rank_from_environment
+from odbd.daemon.socket_claim import claim_daemon_sockets
 from odbd.dataset_size import dataset_size_of
 from odbd.errors import ConfigError
 from odbd.planner.config import Balance, Collate, Grouping, LossScaling
@@ -553,6 +554,9 @@ def run_daemon_command(argv: Sequence[str], environ: Mapping[str, str] | None = 
     )
     try:
         config = config_from_args(args, env)
+        # Before the dataset's build: a dead daemon's socket files would tell this node's
+        # clients meanwhile that their daemon died (and a live one's refuses the start now).
+        claim_daemon_sockets(config.socket)
         size = dataset_size_of(config)
     except (ConfigError, ValueError) as error:  # DatasetLoadError is a ValueError
         print(f"odbd: error: {error}", file=sys.stderr)

@@ -1,4 +1,4 @@
-from odbd.round.stall import MIN_STALL_S, StallWatch
+from odbd.round.stall import MIN_STALL_S, StallWatch, frozen_past_deadline
 
 
 def test_a_gap_between_ticks_is_a_stall_and_scheduling_noise_is_not():
@@ -25,3 +25,15 @@ def test_old_stalls_are_outside_the_window():
         watch.tick(quarter / 4)
     assert watch.longest_since(20.0, now_s=40.0) is None
     assert watch.longest_since(0.0, now_s=40.0).duration_s == 5.0
+
+
+def test_a_deadline_passed_only_while_frozen_is_told_apart_from_a_real_one():
+    """A spoke stopped 11.5 s into a 2 s join deadline ran 0.5 s: the pause, not the hub."""
+    watch = StallWatch(now_s=0.0)
+    watch.tick(0.25)
+    stall = watch.longest_since(0.0, now_s=12.0)  # resumed: the gap is still open
+    assert frozen_past_deadline(stall, elapsed_s=12.0, deadline_s=2.0)
+    for t in range(1, 13):  # ran the whole time: the hub is to blame
+        watch.tick(0.25 + t)
+    assert not frozen_past_deadline(watch.longest_since(13.0, 13.25), 13.0, 2.0)
+    assert not frozen_past_deadline(None, elapsed_s=3.0, deadline_s=2.0)

@@ -22,12 +22,10 @@ import logging
 import math
 import os
 import signal
-import socket as socketlib
 import sys
 import time
 from collections.abc import Callable, Coroutine
 from functools import partial
-from pathlib import Path
 from typing import Any
 
 import grpc
@@ -45,6 +43,7 @@ from odbclient.wire.odbd.v1 import (
     trainer_pb2_grpc,
 )
 from odbd.config import DaemonConfig
+from odbd.daemon.job_clash import find_clash
 from odbd.daemon.job_end import (
     Outcome,
     attach_failure,
@@ -58,9 +57,10 @@ from odbd.daemon.node_state import NodeState, Rejected
 from odbd.daemon.offer_codec import check_offer_fits
 from odbd.daemon.remake import Rewinder
 from odbd.daemon.round_loop import RoundLoop
+from odbd.daemon.socket_claim import claim_socket_path
 from odbd.errors import ConfigError, OdbdError
 from odbd.grpc_guard import DecodeGuard
-from odbd.ingest.arena import Arena
+from odbd.ingest.arena import Arena, ArenaInUseError
 from odbd.ingest.ingest_socket import IngestServer
 from odbd.ingest.lanes import Lanes
 from odbd.ingest.rejections import RejectionLog, samples_made
@@ -71,6 +71,7 @@ from odbd.metrics.http_server import start_metrics_server
 from odbd.metrics.stats import DaemonStats
 from odbd.planner.config import Collate
 from odbd.round import RoundBarrier, RoundConfig
+from odbd.round.errors import HandshakeError
 from odbd.serve.admin_service import AdminService
 from odbd.serve.rank_queue import QueuedItem, RankQueue
 from odbd.serve.step_socket import StepServer
@@ -91,6 +92,12 @@ _FAILURE_NOTICE_S = 5.0
 EXIT_USAGE = 2  # an operator error found at start-up (as for bad flags, cli.py)
 # What a forced exit (second signal) still does, synchronously, before os._exit.
 _FORCED_EXIT_STEPS = ("unlink shared memory", "remove the socket")
+
+
+# Another job with our --job-id on this host: looked for this often while the job forms, and
+# for this long after our arena was found taken (the other daemon may still be creating it).
+_CLASH_POLL_S = 0.5
+_CLASH_WAIT_S = 2.0
 
 
 class AttachTimeoutError(OdbdError):
@@ -138,6 +145,7 @@ class Daemon:
         self._job_formed = False  # startup completed: failures are no longer start-up errors
         self._ready_s = time.monotonic()  # attach deadlines of never-attached ranks count from here
         self._socket_id: tuple[int, int] | None = None  # (st_dev, st_ino) of the socket we bound
+        self._clash_seen = ""  # another job with our --job-id seen on this host while forming
 
     # -- startup -----------------------------------------------------------------------------
 
@@ -146,10 +154,19 @@ class Daemon:
         world = config.world
         check_offer_fits(config.buffer, world.ranks_per_node, world.num_nodes)
         # First, before anything is created: a live daemon on this socket refuses the start.
-        _claim_socket_path(config.socket)
+        claim_socket_path(config.socket)
         # Then the journal: one that is refused (a planted symlink) leaves nothing created.
         self._open_journal()
-        self.arena = Arena.create(config.job_id, config.node_rank, config.shm_size)
+        try:
+            self.arena = Arena.create(config.job_id, config.node_rank, config.shm_size)
+        except ArenaInUseError as error:
+            # A segment being created has no owner yet: give its daemon a moment to stamp it.
+            for _ in range(int(_CLASH_WAIT_S / _CLASH_POLL_S)):
+                named = self._named_clash(error, [config.node_rank])
+                if named is not error:
+                    raise named from None
+                await asyncio.sleep(_CLASH_POLL_S)
+            raise
         lanes = Lanes(self.arena, self._lane_bytes())
         # Read only for the first sample and mismatches: a schema_mismatch then names the key.
         self.state.sample_meta = lambda at: read_meta(
@@ -188,7 +205,14 @@ class Daemon:
         trainer.from_journal = self.journal_records is not None
         await self._serve_socket(trainer)
         self.barrier = RoundBarrier(self._round_config())
-        await self.barrier.start()
+        others = [n for n in range(world.num_nodes) if n != config.node_rank]
+        watch = asyncio.ensure_future(self._watch_for_clash(others))
+        try:
+            await self.barrier.start()
+        except HandshakeError as error:  # a node never joined, or the hub never answered
+            raise self._named_clash(error, others) from None
+        finally:
+            watch.cancel()
         self.loop = RoundLoop(
             config=config,
             state=self.state,
@@ -267,6 +291,22 @@ class Daemon:
             labels_key=self.config.labels_key,
         )
 
+    def _named_clash(self, error: OdbdError, node_ranks: list[int]) -> OdbdError:
+        """`error`, led by the clash when another job with our --job-id holds `node_ranks`
+        (now, or while the job was forming: the other job may have failed first)."""
+        config = self.config
+        clash = find_clash(config.job_id, node_ranks, config.peers, own_pid=os.getpid())
+        clash = clash or self._clash_seen
+        return type(error)(f"{clash}. What this daemon saw: {error}") if clash else error
+
+    async def _watch_for_clash(self, node_ranks: list[int]) -> None:
+        """While the job forms: remembers another job with our --job-id on this host."""
+        config = self.config
+        while node_ranks:
+            clash = find_clash(config.job_id, node_ranks, config.peers, own_pid=os.getpid())
+            self._clash_seen = clash or self._clash_seen
+            await asyncio.sleep(_CLASH_POLL_S)
+
     def _round_config(self) -> RoundConfig:
         config = self.config
         nodes = config.world.num_nodes
@@ -285,16 +325,16 @@ class Daemon:
 
     async def _serve_socket(self, trainer: TrainerService) -> None:
         path = self.config.socket
-        _claim_socket_path(path)  # again: a stale file may have appeared since startup began
+        claim_socket_path(path)  # again: a stale file may have appeared since startup began
         # The framed sockets first: a client that finds the gRPC socket answering but no step
         # (ingest) socket beside it may then conclude the daemon is older than protocol 6 (7).
         steps_path = steps_socket_path(path)
-        _claim_socket_path(steps_path)
+        claim_socket_path(steps_path)
         self.step_server = StepServer(trainer, steps_path)
         await self.step_server.start()
         assert self.ingest is not None
         ingest_path = ingest_socket_path(path)
-        _claim_socket_path(ingest_path)
+        claim_socket_path(ingest_path)
         self.ingest_server = IngestServer(self.ingest, ingest_path)
         await self.ingest_server.start()
         options = [
@@ -851,22 +891,6 @@ def is_serving(*, phase: str, peers_joined: bool, producers: int, external_produ
     if phase != "running" or not peers_joined:
         return False
     return external_producers or producers > 0
-
-
-def _claim_socket_path(path: str) -> None:
-    """Removes a stale socket file of a dead daemon; refuses one a live daemon answers on."""
-    if not os.path.exists(path):
-        Path(path).parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-        return
-    probe = socketlib.socket(socketlib.AF_UNIX, socketlib.SOCK_STREAM)
-    try:
-        probe.connect(path)
-    except OSError:
-        os.unlink(path)  # nobody listens: a dead daemon's leftover
-        return
-    finally:
-        probe.close()
-    raise ConfigError(f"another daemon is serving on {path}; stop it or pass a different --socket")
 
 
 def run_daemon(config: DaemonConfig, dataset_size: int) -> int:

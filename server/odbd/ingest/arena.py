@@ -235,6 +235,22 @@ def _being_created(path: Path) -> bool:
         return time.time() - path.stat().st_mtime < _CREATING_S
 
 
+def live_owners(job_id: str, node_rank: int, *, shm_dir: str = SHM_DIR) -> list[int]:
+    """Pids of the running daemons that own segments of `job_id`'s node `node_rank` here."""
+    pattern = re.compile(rf"odbd-{re.escape(job_id)}-{node_rank}-\d+")
+    owners = set()
+    for path in Path(shm_dir).glob(f"odbd-{job_id}-{node_rank}-*"):
+        if pattern.fullmatch(path.name) is None:
+            continue
+        try:
+            owner = _live_owner(str(path))
+        except PermissionError:
+            continue  # another user's: not a daemon of ours
+        if owner is not None:
+            owners.add(owner)
+    return sorted(owners)
+
+
 def _live_owner(path: str) -> int | None:
     """The pid of the live daemon owning a segment, or None when it is stale or half-created.
 

@@ -1,13 +1,15 @@
 """Spawns and supervises the daemon's producer processes (`--dataset MODULE:FACTORY --workers K`).
 
 Each worker is `python -m odbclient.producer_main`, a plain odbclient Producer: the daemon
-treats it exactly like an external producer. A worker that dies is restarted (its leases went
-back to the pool when its stream broke, and a sample that kept killing producers was
-quarantined). One that dies _MAX_DEATHS times within _RESTART_WINDOW_S with no sample made on
-the node in between cannot be kept alive: it is given up, and the job fails (on_give_up). A worker
-that keeps dying while the others make samples (say it fails at start-up) is restarted after a
-delay that doubles with each death in a row, up to _MAX_RESTART_DELAY_S, so it costs one start
-every half minute, not two a second.
+treats it exactly like an external producer. It is spawned (vfork + exec), never forked from
+this process, whose gRPC threads made forked producers crash at start-up (spawn.py).
+
+A worker that dies is restarted (its leases went back to the pool when its stream broke, and a
+sample that kept killing producers was quarantined). One that dies _MAX_DEATHS times within
+_RESTART_WINDOW_S with no sample made on the node in between cannot be kept alive: it is given
+up, and the job fails (on_give_up). A worker that keeps dying while the others make samples
+(say it fails at start-up) is restarted after a delay that doubles with each death in a row, up
+to _MAX_RESTART_DELAY_S, so it costs one start every half minute, not two a second.
 
 Stopping: workers run in their own session, so a terminal's Ctrl-C (SIGINT to the foreground
 process group) reaches only the daemon, which stops them itself: Shutdown on their stream,
@@ -27,6 +29,8 @@ import sys
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+
+from odbd.ingest.spawn import SpawnedProcess, spawn
 
 log = logging.getLogger("odbd.producers")
 
@@ -54,7 +58,7 @@ class SupervisorConfig:
 @dataclass(slots=True)
 class _Worker:
     name: str
-    process: asyncio.subprocess.Process | None = None
+    process: SpawnedProcess | None = None
     deaths: list[float] = field(default_factory=list)  # since the node last made a sample
     deaths_in_a_row: int = 0  # each within _HEALTHY_RUN_S of its start
     started_s: float = 0.0  # time.monotonic() when its current process started
@@ -116,9 +120,10 @@ class ProducerSupervisor:
         while not self._stopping:
             made = self._progress()
             started = worker.started_s = time.monotonic()
-            worker.process = await asyncio.create_subprocess_exec(
-                *_guarded(self.command(worker.name)),
-                start_new_session=True,  # a terminal's SIGINT is the daemon's to handle
+            # Spawned, never forked from this threaded process (spawn.py says why); in its
+            # own session, as a terminal's SIGINT is the daemon's to handle.
+            worker.process = spawn(
+                _guarded(self.command(worker.name)),
                 env={**os.environ, "ODBD_DAEMON_PID": str(os.getpid())},  # producer_guard
             )
             code = await worker.process.wait()

@@ -19,6 +19,7 @@ from odbd.round import auth
 from odbd.round.config import CHANNEL_OPTIONS, PROTOCOL_VERSION, RoundConfig
 from odbd.round.errors import HandshakeError, PeerLostError, RoundTimeoutError
 from odbd.round.server import JOIN_METHOD
+from odbd.round.stall import TICK_S, StallWatch, frozen_past_deadline
 from odbd.round.table import CompletedRound
 
 _ABORT_ERRORS: dict[int, type[OdbdError]] = {
@@ -40,6 +41,12 @@ _BUSY_RETRY_S = 0.5  # after RESOURCE_EXHAUSTED: the hub had too many handshakes
 def grace_s(timeout_s: float) -> float:
     """How much longer than the hub's deadline a spoke waits for the hub's verdict."""
     return min(5.0, max(0.5, 0.25 * timeout_s))
+
+
+async def _tick(watch: StallWatch, loop: asyncio.AbstractEventLoop) -> None:
+    while True:
+        await asyncio.sleep(TICK_S)
+        watch.tick(loop.time())
 
 
 def error_of_abort(abort: peer_pb2.Abort) -> OdbdError:
@@ -74,13 +81,23 @@ class Spoke:
         """Hello, the token challenge both ways (auth.py), then waits for Welcome (every node
         joined); raises HandshakeError. A hub busy with other handshakes is retried."""
         config = self._config
+        loop = asyncio.get_running_loop()
+        watch = StallWatch(started_s := loop.time())  # was this process itself frozen?
+        ticker = loop.create_task(_tick(watch, loop))
         try:
             async with asyncio.timeout(config.join_timeout_s + grace_s(config.join_timeout_s)):
                 while not await self._handshake():
                     await asyncio.sleep(_BUSY_RETRY_S)
                     self._call = self._join(wait_for_ready=True)
         except TimeoutError:
+            now_s = loop.time()
+            stall = watch.longest_since(started_s, now_s)
+            if frozen_past_deadline(stall, now_s - started_s, config.join_timeout_s):
+                assert stall is not None
+                raise HandshakeError(self._frozen_message(stall.duration_s)) from None
             raise HandshakeError(self._no_welcome_message()) from None
+        finally:
+            ticker.cancel()
         self._reader = asyncio.create_task(self._read())
 
     async def _handshake(self) -> bool:
@@ -134,6 +151,17 @@ class Spoke:
         if message.WhichOneof("kind") == "abort":
             raise error_of_abort(message.abort)
         return message
+
+    def _frozen_message(self, stalled_s: float) -> str:
+        timeout = self._config.join_timeout_s
+        return (
+            f"node {self._config.node_rank} was not running for {stalled_s:.1f} s of its "
+            f"{timeout:g} s join deadline (this daemon was stopped: SIGSTOP, a debugger, a "
+            f"paused VM or a starved host), so the deadline passed before it could join "
+            f"{self._hub}, reachable or not; the hub may still wait for it or may have given "
+            "up (see its log). Start the job again on every node, and keep this daemon "
+            "running while the job forms"
+        )
 
     def _no_welcome_message(self) -> str:
         timeout = self._config.join_timeout_s

@@ -43,3 +43,9 @@ class StallWatch:
         if now_s - self._last_tick_s >= MIN_STALL_S:
             candidates.append(Stall(self._last_tick_s, now_s))
         return max(candidates, key=lambda s: s.duration_s, default=None)
+
+
+def frozen_past_deadline(stall: Stall | None, elapsed_s: float, deadline_s: float) -> bool:
+    """A deadline passed only because this process was frozen: it ran for less than the
+    deadline (`elapsed_s` since the deadline's start, minus its longest stall)."""
+    return stall is not None and elapsed_s - stall.duration_s < deadline_s
