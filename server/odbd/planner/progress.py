@@ -97,6 +97,41 @@ def _job_fraction(job: JobShape, epoch: int, epoch_fraction: float, last: bool) 
     return min((epoch + epoch_fraction) / job.epochs, math.nextafter(1.0, 0.0))
 
 
+def capped_job_progress(
+    max_updates: int,
+    updates_before: int,
+    steps_before: int,
+    update_ends: list[bool],
+    update_shares: list[float],
+) -> tuple[list[float], list[int]]:
+    """job_fraction and job_steps_estimate of a round's steps in a step-based job (odbd
+    --max-updates N): exact from the first step, since the job's length is N updates.
+
+    Step i is (updates finished before it + its share of its own update) / N: without
+    accumulation each step is a whole update, so step k of the job reads (k + 1) / N; with
+    windows, micro-step j of an n-step update adds (j + 1) / n. 1.0 exactly on the job's last
+    step, below it before. `updates_before`, `steps_before`: of the job's earlier rounds;
+    `update_ends`, `update_shares`: per step, whether it ends its update and (j + 1) / n.
+    The step count is exact without windows (N); with them, the steps so far plus the
+    updates left at the mean steps per update so far."""
+    below_one = math.nextafter(1.0, 0.0)
+    fractions: list[float] = []
+    steps: list[int] = []
+    finished = updates_before
+    for i, (end, share) in enumerate(zip(update_ends, update_shares, strict=True)):
+        done_steps = steps_before + i + 1
+        if end and finished + 1 >= max_updates:
+            fractions.append(1.0)
+            steps.append(done_steps)
+        else:
+            fractions.append(min((finished + share) / max_updates, below_one))
+            per_update = done_steps / (finished + share)
+            left = max_updates - finished - share
+            steps.append(done_steps + max(round(left * per_update), 1))
+        finished += end
+    return fractions, steps
+
+
 @dataclass(frozen=True, slots=True)
 class StepFactsColumns:
     """A round's steps' StepFacts, one list per field (entry i is step i)."""

@@ -45,6 +45,7 @@ class TrainerService:
         on_free: Callable[[list[Locations]], None],
         on_delivered: Callable[[int, trainer_pb2.Delivered], None],
         on_hello: Callable[[trainer_pb2.TrainerHello], str | None] = lambda hello: None,
+        on_end_job: Callable[[int, trainer_pb2.EndJob], None] = lambda rank, end: None,
     ) -> None:
         self._job_id = job_id
         self._queues = queues
@@ -52,6 +53,7 @@ class TrainerService:
         self._on_free = on_free
         self._on_delivered = on_delivered
         self._on_hello = on_hello
+        self._on_end_job = on_end_job
 
     def admit(self, hello: trainer_pb2.TrainerHello) -> Refusal | None:
         """Why this hello must not attach (protocol, job, world, rank, resume point), else None.
@@ -112,6 +114,8 @@ class TrainerService:
             delivered = message.delivered
             self._on_free(attachment.queue.deliver(delivered.epoch, delivered.step))
             self._on_delivered(attachment.rank, delivered)
+        elif message.HasField("end_job"):  # after the Delivered of every step it trained
+            self._on_end_job(attachment.rank, message.end_job)
 
     def take_event(self, attachment: Attachment) -> bytes | None:
         """The next serialized TrainerEvent if one may be sent now, else None (no task, no
