@@ -520,8 +520,7 @@ def run_daemon_command(argv: Sequence[str], environ: Mapping[str, str] | None = 
     refuse_misspelt_variables(parser, env)
     apply_environment(parser, env)
     args = parser.parse_args(list(argv))
-    if args.max_updates and not _given("--epochs", argv, env):
-        args.epochs = 0  # a step-based job loops over as many epochs as it needs
+    default_epochs_for_max_updates(args, argv, env)
     # Before the dataset's build, which can take minutes and is said in the log meanwhile.
     logging.basicConfig(
         level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -535,6 +534,15 @@ def run_daemon_command(argv: Sequence[str], environ: Mapping[str, str] | None = 
     from odbd.daemon.app import run_daemon
 
     return run_daemon(config, size)
+
+
+def default_epochs_for_max_updates(
+    args: argparse.Namespace, argv: Sequence[str], environ: Mapping[str, str]
+) -> None:
+    """--max-updates without --epochs: the epochs are endless (the job loops over as many as
+    it needs); an --epochs the operator gave too is refused by DaemonConfig."""
+    if args.max_updates and not _given("--epochs", argv, environ):
+        args.epochs = 0
 
 
 def _given(flag: str, argv: Sequence[str], environ: Mapping[str, str]) -> bool:

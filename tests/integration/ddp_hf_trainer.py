@@ -184,6 +184,9 @@ def train_accelerate(args: argparse.Namespace, client: ODBClient, log: StepLog) 
                 optimizer.step()
                 optimizer.zero_grad()
                 steps += 1
+                if steps == args.max_steps:  # the loop's own cap: every rank ends the job here
+                    client.end_job()
+                    break
     return {"global_step": steps, "world": accelerator.num_processes}
 
 

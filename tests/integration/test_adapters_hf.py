@@ -207,6 +207,35 @@ def test_hf_trainer_max_steps_ends_an_endless_job_and_logs_true_rates(tmp_path: 
         assert epochs[-1] >= last["epoch"] and epochs[-1] <= last["epoch"] + 1, (epochs, last)
 
 
+def test_accelerate_loop_ends_an_endless_job_at_its_own_update_cap(tmp_path: Path) -> None:
+    """The Accelerate example's own cap with --accumulate 2 on an endless job: end_job() after
+    the 3rd update on every rank, 6 micro-steps each, and the daemon exits 0."""
+    cluster = odbd_cluster(
+        nodes=1, ranks_per_node=WORLD, data=DATA,
+        daemon_args=["--token-budget", "256", "--buffer", "8", "--epochs", "0",
+                     "--accumulate", "2"],
+    )  # fmt: skip
+    try:
+        cluster.start()
+        ranks = launch_ranks(
+            world=WORLD, nproc_per_node=WORLD, out_dir=tmp_path, sockets=cluster.sockets,
+            module="tests.integration.ddp_hf_trainer",
+            trainer_args=["--framework", "accelerate", "--max-steps", "3"],
+        )  # fmt: skip
+        codes = ranks.wait(150.0)
+        assert codes == [0] * WORLD, f"{codes}\n{ranks.logs()}\n{cluster.log(0)}"
+        assert cluster.wait(scaled(15)) == [0], cluster.log(0)
+        log = cluster.log(0)
+    finally:
+        cluster.stop()
+    assert "every rank called end_job()" in log and "lost" not in log, log
+    reports = Reports.read(tmp_path, WORLD)
+    for rank in range(WORLD):
+        steps = reports.steps(rank)
+        assert reports.done(rank)["global_step"] == 3 and len(steps) == 6, steps
+        assert [r["update"]["end"] for r in steps] == [False, True] * 3
+
+
 def test_hf_trainer_evaluates_an_eval_dataset_between_odbd_steps(tmp_path: Path) -> None:
     """eval_strategy="steps" with an eval_dataset: the Trainer's own eval batches (no loss
     scale) go through ODBTrainer.compute_loss between odbd's steps (found by hand: KeyError

@@ -187,6 +187,11 @@ class RoundLoop:
         # Per epoch, over every node: samples and loss tokens planned (StepBatch.progress).
         self.epoch_emitted: Counter[int] = Counter()
         self.epoch_tokens: Counter[int] = Counter()
+        # Samples and loss tokens of every step this daemon planned (all epochs, all nodes):
+        # with each round's offers, the mean tokens per sample that the job's fraction uses.
+        self.planned_samples = 0
+        self.planned_tokens = 0
+        self.token_floor: dict[int, float] = {}  # epoch -> its last step's token fraction
         self.updates = UpdateNumbering(self.state.planner, stats)
         # --max-updates: optimizer updates planned so far over every epoch; `capped` once the
         # round holding the job's last update is planned (the steps after it are not run).
@@ -620,6 +625,9 @@ class RoundLoop:
         # Python ints, once per round: the properties sum a (T, world) array on every access.
         global_samples = plan.stats.global_num_samples.tolist()
         global_tokens = plan.stats.global_num_tokens.tolist()
+        mean_tokens = self._mean_tokens(plan)
+        self.planned_samples += sum(global_samples[: len(step_epochs)])
+        self.planned_tokens += sum(global_tokens[: len(step_epochs)])
         steps_before: dict[int, int] = {}  # epoch -> steps of the epochs before it
         join, final_step = self.config.join, len(step_epochs) - 1 if plan.final else -1
         for i, epoch in enumerate(step_epochs):
@@ -638,9 +646,26 @@ class RoundLoop:
             facts.emitted.append(emitted)
             facts.tokens.append(tokens)
             facts.steps_before_epoch.append(steps_before[epoch])
+            facts.mean_tokens.append(mean_tokens)
+            facts.token_floor.append(self.token_floor.get(epoch, 0.0))
         facts.epoch.extend(step_epochs)
         facts.step.extend(step_numbers)
-        return steps_progress(job, facts)
+        progress = steps_progress(job, facts)
+        for epoch, fraction in zip(step_epochs, progress.epoch_token_fraction, strict=True):
+            self.token_floor[epoch] = fraction  # the last step of each epoch in the round wins
+        return progress
+
+    def _mean_tokens(self, plan: RoundPlan) -> float:
+        """Loss tokens per sample over every sample ingested so far, as every daemon sees it:
+        those of the steps planned before this round and those this round's offers hold
+        (emitted now or recirculated). Ingested in sampler order, so unbiased by which
+        samples the planner picks first (planner/progress.py); 0.0 before any sample."""
+        samples, tokens = self.planned_samples, self.planned_tokens
+        for unit in plan.units:
+            for table in (unit.emitted, unit.leftover):
+                samples += len(table)
+                tokens += int(table.tokens.sum())
+        return tokens / samples if samples else 0.0
 
     def _tally_identities(self, unit: UnitPlan, kept: int) -> None:
         g = self.state.planner.ranks_per_unit
