@@ -10,10 +10,12 @@ daemons and producers, ODBClient in one thread per rank.
 from __future__ import annotations
 
 import re
+import signal
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -42,7 +44,7 @@ Body = Callable[[int, ODBClient], object]
 Outcome = tuple[dict[int, Any], dict[int, BaseException]]
 
 
-def run_ranks(cluster: LocalCluster, body: Body) -> Outcome:
+def run_ranks(cluster: LocalCluster, body: Body, reader: str = "thread") -> Outcome:
     """body(rank, client) in one thread per rank; its results and errors by rank."""
     results: dict[int, Any] = {}
     errors: dict[int, BaseException] = {}
@@ -50,7 +52,8 @@ def run_ranks(cluster: LocalCluster, body: Body) -> Outcome:
     def run(rank: int) -> None:
         socket = cluster.sockets[cluster.node_of(rank)]
         try:
-            with ODBClient(rank=rank, socket=socket, deadline_s=scaled(60)) as client:
+            client = ODBClient(rank=rank, socket=socket, deadline_s=scaled(60), reader=reader)
+            with client:
                 results[rank] = body(rank, client)
         except BaseException as error:  # reported by the test thread
             errors[rank] = error
@@ -162,11 +165,15 @@ def _end_after(last: int, *, twice: bool = False) -> Body:
     return body
 
 
-@pytest.mark.parametrize("nodes", [1, 2], ids=["one-node", "two-nodes"])
-def test_end_job_on_every_rank_ends_an_endless_job_with_exit_0(nodes: int) -> None:
+@pytest.mark.parametrize(
+    ("nodes", "reader"),
+    [(1, "thread"), (2, "thread"), (1, "process")],
+    ids=["one-node", "two-nodes", "reader-process"],
+)
+def test_end_job_on_every_rank_ends_an_endless_job_with_exit_0(nodes: int, reader: str) -> None:
     with LocalCluster(_spec(nodes, 2 // nodes, "--epochs", "0")) as cluster:
         cluster.wait_sockets()
-        results, errors = run_ranks(cluster, _end_after(9, twice=True))
+        results, errors = run_ranks(cluster, _end_after(9, twice=True), reader)
         assert not errors, errors
         assert _exit_codes_soon(cluster) == [0] * nodes, cluster.log(0)
         logs = "".join(cluster.log(n) for n in range(nodes))
@@ -215,3 +222,36 @@ def test_end_job_at_different_steps_fails_at_once_naming_both() -> None:
     assert set(errors) == {0, 1}, errors
     message = str(errors[0])
     assert re.search(r"rank 0 at epoch \d+ step \d+; rank 1 at epoch \d+ step \d+", message)
+
+
+def test_max_updates_counts_the_updates_trained_before_a_restart(tmp_path: Path) -> None:
+    """A daemon restarted from --state-dir resumes the count: 3 updates, a crash, 5 more."""
+    spec = _spec(1, 2, "--max-updates", "8", "--state-dir", str(tmp_path / "state"))
+    with LocalCluster(spec) as cluster:
+        cluster.wait_sockets()
+
+        def first(rank: int, client: ODBClient) -> tuple[dict, list[float]]:
+            fractions: list[float] = []
+            while len(fractions) < 3:
+                for batch in client:
+                    fractions.append(batch.progress.job_fraction)
+                    if len(fractions) == 3:
+                        break
+            return client.state_dict(), fractions
+
+        before, errors = run_ranks(cluster, first)
+        assert not errors, errors
+        cluster.processes[0].send_signal(signal.SIGKILL)  # the crash, after a checkpoint
+        cluster.processes[0].wait()
+        cluster.start_node(0)
+
+        def second(rank: int, client: ODBClient) -> dict:
+            client.load_state_dict(before[rank][0])
+            return whole_job(rank, client)
+
+        after, errors = run_ranks(cluster, second)
+        assert not errors, errors
+        assert _exit_codes_soon(cluster) == [0], cluster.log(0)
+    for rank in range(2):
+        fractions = before[rank][1] + [p["job_fraction"] for *_, p in after[rank]["steps"]]
+        assert fractions == [(k + 1) / 8 for k in range(7)] + [1.0], fractions

@@ -545,6 +545,20 @@ class RoundLoop:
         self.stats.epochs_done = resume.epoch if self.config.join else 0
         self.resume = (resume.epoch, resume.step)
         self.round_seed_base = resume.incarnation * 1_000_000_000
+        self.updates_done = self._updates_before(resume.epoch, update)
+
+    def _updates_before(self, epoch: int, update: int) -> int:
+        """--max-updates after a restart: the updates trained before the resume point. Exact
+        without windows (a step is an update) and with --accumulate K (an epoch of n steps is
+        ceil(n / K) updates, its last one short); with --tokens-per-update the earlier epochs'
+        updates are counted as if of K = the mean steps per update of the resume epoch."""
+        if not self.state.planner.windows:
+            return sum(self.steps_in_epoch.values())
+        k = max(self.config.accumulate, 1)
+        if self.config.tokens_per_update and update:
+            k = max(round(self.steps_in_epoch[epoch] / update), 1)
+        earlier = sum(-(-n // k) for e, n in self.steps_in_epoch.items() if e < epoch)
+        return earlier + update
 
     def _number_steps(self, step_epochs: list[int]) -> list[int]:
         """Step index within its epoch, identical on every rank and daemon."""
