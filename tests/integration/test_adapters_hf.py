@@ -207,6 +207,7 @@ def test_hf_trainer_max_steps_ends_an_endless_job_and_logs_true_rates(tmp_path: 
         assert epochs[-1] >= last["epoch"] and epochs[-1] <= last["epoch"] + 1, (epochs, last)
 
 
+@pytest.mark.soak  # make soak: ~30 s of DDP ranks; the plain loop's end_job is in make test
 def test_accelerate_loop_ends_an_endless_job_at_its_own_update_cap(tmp_path: Path) -> None:
     """The Accelerate example's own cap with --accumulate 2 on an endless job: end_job() after
     the 3rd update on every rank, 6 micro-steps each, and the daemon exits 0."""

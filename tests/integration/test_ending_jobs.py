@@ -87,9 +87,14 @@ def _exit_codes_soon(cluster: LocalCluster) -> list[int | None]:
     return codes
 
 
-@pytest.mark.parametrize("nodes", [1, 2], ids=["one-node", "two-nodes"])
-def test_max_updates_ends_an_endless_job_after_exactly_n_steps(nodes: int) -> None:
-    with LocalCluster(_spec(nodes, 2 // nodes, "--epochs", "0", "--max-updates", "12")) as cluster:
+@pytest.mark.parametrize(
+    ("nodes", "mode"),
+    [(1, []), (2, []), (1, ["--no-join"])],
+    ids=["one-node", "two-nodes", "no-join"],
+)
+def test_max_updates_ends_an_endless_job_after_exactly_n_steps(nodes: int, mode: list) -> None:
+    spec = _spec(nodes, 2 // nodes, "--epochs", "0", "--max-updates", "12", *mode)
+    with LocalCluster(spec) as cluster:
         cluster.wait_sockets()
         results, errors = run_ranks(cluster, whole_job)
         assert not errors, errors
@@ -167,7 +172,11 @@ def _end_after(last: int, *, twice: bool = False) -> Body:
 
 @pytest.mark.parametrize(
     ("nodes", "reader"),
-    [(1, "thread"), (2, "thread"), (1, "process")],
+    [
+        (1, "thread"),
+        (2, "thread"),
+        pytest.param(1, "process", marks=pytest.mark.soak),  # make soak: a reader process each
+    ],
     ids=["one-node", "two-nodes", "reader-process"],
 )
 def test_end_job_on_every_rank_ends_an_endless_job_with_exit_0(nodes: int, reader: str) -> None:
@@ -189,7 +198,12 @@ def test_end_job_on_one_rank_only_fails_naming_the_other_after_the_deadline() ->
             for _ in client:
                 taken += 1
                 if rank == 0 and taken == 3:
-                    client.end_job()  # rank 1 never does: it trains on until the job fails
+                    called_s = time.monotonic()
+                    try:
+                        client.end_job()  # rank 1 never does: it trains on until the job fails
+                    finally:
+                        waited_s = time.monotonic() - called_s
+                        print(f"FAULT end_job() on rank 0 alone raised after {waited_s:.2f} s")
                 time.sleep(0.01)
         return None
 

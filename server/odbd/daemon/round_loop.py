@@ -823,7 +823,8 @@ class RoundLoop:
                 self.state.epoch = epoch
             self.tally.steps += 1
             self.tally.samples += int(plan.stats.global_num_samples[i])
-        if self.capped and self.quota_consumed >= (self.state.epoch + 1) * self.state.dataset_size:
+        n = self.state.dataset_size
+        if self.capped and n and self.quota_consumed >= (self.state.epoch + 1) * n:
             self._end_epoch(self.state.epoch)  # the job's last update ends this epoch too
         quota = self.config.epochs * self.state.dataset_size
         if self.config.epochs and self.quota_consumed >= quota:
