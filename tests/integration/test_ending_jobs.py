@@ -191,7 +191,8 @@ def test_end_job_on_every_rank_ends_an_endless_job_with_exit_0(nodes: int, reade
     assert "lost" not in logs and "undelivered" not in logs, logs
 
 
-def test_end_job_on_one_rank_only_fails_naming_the_other_after_the_deadline() -> None:
+@pytest.mark.parametrize("nodes", [1, 2], ids=["one-node", "two-nodes"])
+def test_end_job_on_one_rank_only_fails_naming_the_other_after_the_deadline(nodes: int) -> None:
     def body(rank: int, client: ODBClient) -> object:
         taken = 0
         while not client.job_ended:
@@ -207,14 +208,15 @@ def test_end_job_on_one_rank_only_fails_naming_the_other_after_the_deadline() ->
                 time.sleep(0.01)
         return None
 
-    with LocalCluster(_spec(1, 2, "--epochs", "0", "--end-timeout", "2")) as cluster:
+    with LocalCluster(_spec(nodes, 2 // nodes, "--epochs", "0", "--end-timeout", "2")) as cluster:
         cluster.wait_sockets()
         _, errors = run_ranks(cluster, body)
-        assert cluster.wait(scaled(10)) == [1], cluster.log(0)
-        log = cluster.log(0)
+        assert cluster.wait(scaled(10)) == [1] * nodes, cluster.log(0)
+        log = cluster.log(nodes - 1)  # every daemon says why, the missing rank's too
     assert set(errors) == {0, 1} and all(isinstance(e, JobFailedError) for e in errors.values())
     message = str(errors[0])
-    assert "rank 1 did not call ODBClient.end_job() within --end-timeout 2 s" in message
+    missing = "rank 1 (node 1)" if nodes == 2 else "rank 1"
+    assert f"{missing} did not call ODBClient.end_job() within --end-timeout 2 s" in message
     assert re.search(r"rank 0 calling it at epoch \d+ step \d+", message), message
     assert message.split(": ", 1)[1] in log
 
