@@ -271,3 +271,26 @@ def test_max_updates_counts_the_updates_trained_before_a_restart(tmp_path: Path)
     for rank in range(2):
         fractions = before[rank][1] + [p["job_fraction"] for *_, p in after[rank]["steps"]]
         assert fractions == [(k + 1) / 8 for k in range(7)] + [1.0], fractions
+
+
+def test_a_sigterm_right_after_end_job_is_not_steps_lost() -> None:
+    """A launcher stops its sidecars once the trainers exit: the SIGTERM that races the
+    daemons' own exit after end_job() drains nothing and exits 0 on both nodes."""
+    end = _end_after(9)
+    both_ended = threading.Barrier(2, timeout=scaled(60))
+
+    def body(rank: int, client: ODBClient) -> object:
+        trained = end(rank, client)
+        both_ended.wait()  # every rank's end_job() returned: the job's end is agreed
+        if rank == 0:  # one signal per daemon (a second one would force the exit)
+            for daemon in cluster.processes:
+                daemon.send_signal(signal.SIGTERM)
+        return trained
+
+    with LocalCluster(_spec(2, 1, "--epochs", "0")) as cluster:
+        cluster.wait_sockets()
+        _, errors = run_ranks(cluster, body)
+        assert not errors, errors
+        assert _exit_codes_soon(cluster) == [0, 0], cluster.log(0)
+        logs = cluster.log(0) + cluster.log(1)
+    assert "lost" not in logs and "undelivered" not in logs, logs
