@@ -205,7 +205,7 @@ class ODBClient:
             )
 
     def _epoch_batches(self, stream: TrainerStream | StagedStream) -> Generator[Batch, None, None]:
-        while True:
+        while self._job_end is None:  # end_job() inside the loop ends it at the next next()
             called_s = time.perf_counter()
             event = self._next_event(stream)
             if isinstance(event, Batch):
@@ -448,6 +448,46 @@ class ODBClient:
     @property
     def job_ended(self) -> bool:
         return self._job_end is not None
+
+    def end_job(self) -> None:
+        """Ends the whole job here: no rank trains another step, and the daemons exit 0.
+
+        Call it on every rank at the same step, i.e. after the same batch (its own loop
+        decided: early stopping, its own step cap), as DDP keeps the ranks in step anyway. It
+        reports every batch taken so far, tells the daemon this rank's end point (the first
+        step it did not train) and waits until every rank of the world has called it; then
+        `job_ended` is True, further iterations are empty, and the stream is closed. Batches
+        the daemon had already pushed past the end point are dropped, not trained (and not
+        counted as lost). Calling it again is a no-op.
+
+        Raises JobFailedError, naming the ranks, when ranks ended at different steps or some
+        rank did not call it within the daemons' --end-timeout (a rank that stops while the
+        others train on would leave them hanging in their next collective).
+        """
+        if self._failure is not None:
+            raise self._failure
+        if self._job_end is not None:
+            return
+        stream = self._connected()
+        stream.send_end_job(self._epoch, self._next_step)
+        while self._job_end is None:
+            event = self._next_event(stream)
+            if isinstance(event, Batch | EpochEnd):
+                continue  # planned past the end point: not trained (the daemon drops them)
+            if isinstance(event, JobEnd):
+                self._job_end = event
+                if event.failed:
+                    self._fail(JobFailedError(f"odbd ended the job on an error: {event.reason}"))
+            elif isinstance(event, Failure):
+                self._fail(event.error)
+            else:
+                self._fail(
+                    DaemonConnectionError(
+                        f"odbd on unix:{self.socket} closed the stream of rank {self.rank} "
+                        "while it waited in end_job() for the other ranks; check the daemon log"
+                    )
+                )
+        self.close()  # the daemon counts the rank as having taken the job's end
 
     def state_dict(self) -> dict[str, int]:
         """Where to resume: the first step of `epoch` not yet handed to the trainer.

@@ -36,6 +36,7 @@ from odbclient.framing import FrameBuffer
 from odbclient.reports import DEFAULT_PARK_AFTER_S, DEFAULT_POLL_S
 from odbclient.staging import (
     CLOSE,
+    END_JOB,
     FACTS,
     FLUSH,
     MEASURED,
@@ -163,6 +164,9 @@ class StagingReader:
                 self._flush_reports(force=True)
             elif packet[:1] == FLUSH:
                 self._flush_reports(force=True)
+            elif packet[:1] == END_JOB:
+                self._flush_reports(force=True)
+                self.stream.send_end_job(*pickle.loads(packet[1:]))
 
     def _detach(self) -> None:
         """The trainer closed: its last reports, then the daemon's detach (TrainerStream.close)."""

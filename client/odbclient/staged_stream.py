@@ -38,7 +38,7 @@ from odbclient.errors import (
     ProtocolError,
     ReaderProcessError,
 )
-from odbclient.staging import FLUSH, MEASURED, ControlPage, Report, staged_batch
+from odbclient.staging import END_JOB, FLUSH, MEASURED, ControlPage, Report, staged_batch
 from odbclient.stream import TrainerWorld, Welcome, daemon_says
 
 _START_ALLOWANCE_S = 60.0  # the reader process imports numpy and torch before it connects
@@ -241,6 +241,11 @@ class StagedStream:
         return staged_batch(owned, facts)
 
     # --- the reader process --------------------------------------------------------------------
+
+    def send_end_job(self, epoch: int, step: int) -> None:
+        """ODBClient.end_job: the reader process sends every report, then the EndJob."""
+        self.reports.flush()
+        self._peer.send(END_JOB + pickle.dumps((epoch, step)))  # blocking: it must arrive
 
     def _send(self, packet: bytes) -> bool:
         """One packet to the reader process, never blocking: False if it could not go now (a

@@ -70,6 +70,7 @@ _REPORT = struct.Struct("<QQQdd")  # reported, epoch, step, wait_s, compute_s
 _CONSUMED_AT, _SEQ_AT, _REPORT_AT, _PARKED_AT = 8, 16, 24, 64
 
 FLUSH, CLOSE, MEASURED = b"F", b"C", b"M"
+END_JOB = b"E"  # then pickled (epoch, step): ODBClient.end_job, after the reports
 
 
 class Report(NamedTuple):

@@ -309,6 +309,11 @@ class TrainerStream:
         if self._reader is not None and self._reader is not threading.current_thread():
             self._reader.join(timeout=timeout_s)
 
+    def send_end_job(self, epoch: int, step: int) -> None:
+        """ODBClient.end_job: every Delivered report first, then the EndJob (trainer.proto)."""
+        self.reports.flush()
+        self._send(trainer_pb2.TrainerMessage(end_job=trainer_pb2.EndJob(epoch=epoch, step=step)))
+
     def _send(self, message: trainer_pb2.TrainerMessage) -> None:
         """Writes one message (any thread). A broken socket is not raised here: the reader
         sees it too and queues the failure that next() raises with the reason."""

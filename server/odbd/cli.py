@@ -35,6 +35,7 @@ LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 USAGE = """odbd --world W --nproc-per-node G (--dataset MODULE:FACTORY | --dataset-size N) [flags]
        odbd {simulate,demo,status} [--help] ..."""
 EPILOG = "commands:\n" + "".join(f"  odbd {name:9} {what}\n" for name, what in SUBCOMMANDS.items())
+EPILOG += "  odbd --version  the installed odbd release\n"
 EPILOG += """
 environment:
   every flag also reads ODBD_<FLAG>, e.g. ODBD_WORLD=16, ODBD_JOIN=false, ODBD_PAD=input_ids=0;
@@ -114,6 +115,14 @@ def daemon_parser() -> flags.OneLineParser:
         help="sampler seed (as DistributedSampler)",
     )
     plan.add_argument("--epochs", type=count(0), default=1, metavar="E", help="0 = endless")
+    plan.add_argument(
+        "--max-updates",
+        type=count(0),
+        default=0,
+        metavar="N",
+        help="end the job after exactly N optimizer updates (= steps without --accumulate) on "
+        "every rank, looping over epochs, each reshuffled (0 = off; --epochs then defaults to 0)",
+    )
     plan.add_argument(
         "--join",
         action=argparse.BooleanOptionalAction,
@@ -338,6 +347,14 @@ def daemon_parser() -> flags.OneLineParser:
         "every local rank took its end (no fixed grace)",
     )
     safety.add_argument(
+        "--end-timeout",
+        type=seconds(allow_zero=False),
+        default=60.0,
+        metavar="S",
+        help="once a rank called ODBClient.end_job(), every rank must call it within S, else "
+        "the job fails naming the ranks that did not",
+    )
+    safety.add_argument(
         "--state-dir",
         type=Path,
         metavar="DIR",
@@ -492,6 +509,7 @@ def config_from_args(
         health_listen=args.health_listen,
         drain_timeout_s=args.drain_timeout,
         attach_timeout_s=args.attach_timeout,
+        end_timeout_s=args.end_timeout,
         dataset=args.dataset,
         dataset_args=tuple(args.dataset_arg),
         workers=args.workers,
@@ -500,6 +518,7 @@ def config_from_args(
         buffer=args.buffer,
         seed=args.seed,
         epochs=args.epochs,
+        max_updates=args.max_updates,
         join=args.join,
         shuffle=args.shuffle,
         loss_scaling=LossScaling(args.loss_scaling),
@@ -548,6 +567,7 @@ def run_daemon_command(argv: Sequence[str], environ: Mapping[str, str] | None = 
     refuse_misspelt_variables(parser, env)
     apply_environment(parser, env)
     args = parser.parse_args(list(argv))
+    default_epochs_for_max_updates(args, argv, env)
     # Before the dataset's build, which can take minutes and is said in the log meanwhile.
     logging.basicConfig(
         level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -566,9 +586,40 @@ def run_daemon_command(argv: Sequence[str], environ: Mapping[str, str] | None = 
     return run_daemon(config, size)
 
 
+def default_epochs_for_max_updates(
+    args: argparse.Namespace, argv: Sequence[str], environ: Mapping[str, str]
+) -> None:
+    """--max-updates without --epochs: the epochs are endless (the job loops over as many as
+    it needs); an --epochs the operator gave too is refused by DaemonConfig."""
+    if args.max_updates and not _given("--epochs", argv, environ):
+        args.epochs = 0
+
+
+def _given(flag: str, argv: Sequence[str], environ: Mapping[str, str]) -> bool:
+    """Whether the operator set `flag` (on the command line or in its ODBD_ variable)."""
+    variable = "ODBD_" + flag.lstrip("-").replace("-", "_").upper()
+    return variable in environ or any(a == flag or a.startswith(flag + "=") for a in argv)
+
+
+def version() -> str:
+    """The installed odbd release (its package metadata), as `odbd_build_info` shows it."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as installed
+
+    try:
+        return installed("odbd")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        from odbd.metrics.collector import VERSION
+
+        return VERSION
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     command = argv[0] if argv else ""
+    if command in ("--version", "-V"):
+        print(f"odbd {version()}")
+        return 0
     if command == "simulate":
         from odbd.simulate import main as simulate_main
 

@@ -74,6 +74,11 @@ class DaemonConfig:
     buffer: int = 1024
     seed: int = 0
     epochs: int = 1  # 0 = endless
+    # Step-based job: it ends after exactly this many optimizer updates on every rank, looping
+    # over epochs (each reshuffled); 0 = off. cli.py then runs the epochs endless (--epochs 0).
+    max_updates: int = 0
+    # Once a rank called ODBClient.end_job(), every other rank must call it within this long.
+    end_timeout_s: float = 60.0
     join: bool = True
     shuffle: bool = True
     loss_scaling: LossScaling = LossScaling.EXACT
@@ -160,6 +165,15 @@ class DaemonConfig:
             )
         if self.epochs < 0:
             raise ConfigError(f"--epochs must be >= 0 (0 = endless), got {self.epochs}")
+        if self.max_updates < 0:
+            raise ConfigError(f"--max-updates must be >= 0 (0 = off), got {self.max_updates}")
+        if self.max_updates and self.epochs:
+            raise ConfigError(
+                f"--max-updates {self.max_updates} ends the job by updates, looping over as many "
+                f"epochs as it needs, but --epochs is {self.epochs}: run it with --epochs 0"
+            )
+        if not self.end_timeout_s > 0:
+            raise ConfigError(f"--end-timeout must be > 0 seconds, got {self.end_timeout_s}")
         if self.workers < 0:
             raise ConfigError(f"--workers must be >= 0, got {self.workers}")
         if self.dataset is not None and self.workers == 0:
@@ -253,6 +267,7 @@ class DaemonConfig:
             # Only when set: daemons (and journals) of a release without updates still match
             # a job that does not use them, and refuse one that does.
             **({"accumulate": str(self.accumulate)} if self.accumulate != 1 else {}),
+            **({"max_updates": str(self.max_updates)} if self.max_updates else {}),
             **(
                 {"tokens_per_update": str(self.tokens_per_update)} if self.tokens_per_update else {}
             ),

@@ -139,8 +139,10 @@ def train_hf(args: argparse.Namespace, client: ODBClient, log: StepLog) -> dict[
                             eval_dataset=eval_dataset,
                             callbacks=[RecordSteps(), RecordEvals()])  # fmt: skip
     result = trainer.train()
+    history = trainer.state.log_history
     return {"global_step": result.global_step, "train_loss": result.training_loss,
-            "eval_losses": RecordEvals.losses}  # fmt: skip
+            "eval_losses": RecordEvals.losses, "final_log": history[-1] if history else {},
+            "logged_epochs": [h["epoch"] for h in history if "loss" in h]}  # fmt: skip
 
 
 class _Recorded:
@@ -182,6 +184,9 @@ def train_accelerate(args: argparse.Namespace, client: ODBClient, log: StepLog) 
                 optimizer.step()
                 optimizer.zero_grad()
                 steps += 1
+                if steps == args.max_steps:  # the loop's own cap: every rank ends the job here
+                    client.end_job()
+                    break
     return {"global_step": steps, "world": accelerator.num_processes}
 
 

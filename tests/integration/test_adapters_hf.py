@@ -25,6 +25,7 @@ from tests.integration.ddp_data import LongTailTokens  # noqa: E402
 from tests.integration.ddp_hf_trainer import flat_grad, tiny_llama  # noqa: E402
 from tests.integration.ddp_launch import Reports, launch_ranks, odbd_cluster  # noqa: E402
 from tests.integration.ddp_model import pad_collate  # noqa: E402
+from tests.integration.harness import scaled  # noqa: E402
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -162,6 +163,78 @@ def test_hf_trainer_follows_odbd_progress_without_max_steps(tmp_path: Path) -> N
     near_floor = [i for i, v in enumerate(lrs) if i >= 2 and v <= 0.01 * lr]
     assert near_floor and near_floor[0] >= 0.95 * (n - 1), (n, lrs)
     assert lrs[-1] <= 0.01 * lr, lrs
+
+
+def test_hf_trainer_max_steps_ends_an_endless_job_and_logs_true_rates(tmp_path: Path) -> None:
+    """max_steps on a running endless job (--epochs 0): exactly max_steps steps on every rank,
+    the schedule at its floor on the last, the daemon exits 0 (every rank called end_job()),
+    and the logs carry odbd's epoch and throughput (issue 23: the Trainer raised its cap at
+    every step and ran 170+ steps at LR 0; it logged 3.2e11 samples/s and epoch 9.1e-13)."""
+    cap, lr = 6, 1e-3
+    cluster = odbd_cluster(
+        nodes=1, ranks_per_node=WORLD, data=DATA,
+        daemon_args=["--token-budget", "256", "--buffer", "8", "--epochs", "0"],
+    )  # fmt: skip
+    try:
+        cluster.start()
+        ranks = launch_ranks(
+            world=WORLD, nproc_per_node=WORLD, out_dir=tmp_path, sockets=cluster.sockets,
+            module="tests.integration.ddp_hf_trainer",
+            trainer_args=["--framework", "hf", "--max-steps", str(cap), "--lr-schedule",
+                          "cosine", "--lr", str(lr)],
+        )  # fmt: skip
+        codes = ranks.wait(150.0)
+        assert codes == [0] * WORLD, f"{codes}\n{ranks.logs()}\n{cluster.log(0)}"
+        assert cluster.wait(scaled(15)) == [0], cluster.log(0)
+    finally:
+        cluster.stop()
+    reports = Reports.read(tmp_path, WORLD)
+    for rank in range(WORLD):
+        steps, done = reports.steps(rank), reports.done(rank)
+        assert len(steps) == cap and done["global_step"] == cap, (len(steps), done)
+        # Step k runs at the schedule of the k steps done before it (HF's convention).
+        cosine = [lr * 0.5 * (1 + math.cos(math.pi * k / cap)) for k in range(cap)]
+        assert [r["lr"] for r in steps] == pytest.approx(cosine, rel=1e-9), steps
+        assert {r["max_steps"] for r in steps} == {cap}
+        final = done["final_log"]
+        samples = sum(len(r["ids"]) for k in range(WORLD) for r in reports.steps(k))
+        assert final["train_samples_per_second"] == pytest.approx(
+            samples / final["train_runtime"], rel=0.01, abs=0.01
+        ), final
+        epochs = done["logged_epochs"]
+        assert epochs == sorted(epochs) and 0.01 < epochs[0] < epochs[-1] < 1 + cap, epochs
+        last = steps[-1]
+        assert epochs[-1] >= last["epoch"] and epochs[-1] <= last["epoch"] + 1, (epochs, last)
+
+
+@pytest.mark.soak  # make soak: ~30 s of DDP ranks; the plain loop's end_job is in make test
+def test_accelerate_loop_ends_an_endless_job_at_its_own_update_cap(tmp_path: Path) -> None:
+    """The Accelerate example's own cap with --accumulate 2 on an endless job: end_job() after
+    the 3rd update on every rank, 6 micro-steps each, and the daemon exits 0."""
+    cluster = odbd_cluster(
+        nodes=1, ranks_per_node=WORLD, data=DATA,
+        daemon_args=["--token-budget", "256", "--buffer", "8", "--epochs", "0",
+                     "--accumulate", "2"],
+    )  # fmt: skip
+    try:
+        cluster.start()
+        ranks = launch_ranks(
+            world=WORLD, nproc_per_node=WORLD, out_dir=tmp_path, sockets=cluster.sockets,
+            module="tests.integration.ddp_hf_trainer",
+            trainer_args=["--framework", "accelerate", "--max-steps", "3"],
+        )  # fmt: skip
+        codes = ranks.wait(150.0)
+        assert codes == [0] * WORLD, f"{codes}\n{ranks.logs()}\n{cluster.log(0)}"
+        assert cluster.wait(scaled(15)) == [0], cluster.log(0)
+        log = cluster.log(0)
+    finally:
+        cluster.stop()
+    assert "every rank called end_job()" in log and "lost" not in log, log
+    reports = Reports.read(tmp_path, WORLD)
+    for rank in range(WORLD):
+        steps = reports.steps(rank)
+        assert reports.done(rank)["global_step"] == 3 and len(steps) == 6, steps
+        assert [r["update"]["end"] for r in steps] == [False, True] * 3
 
 
 def test_hf_trainer_evaluates_an_eval_dataset_between_odbd_steps(tmp_path: Path) -> None:

@@ -143,6 +143,10 @@ def _fake_loop(n: int, epochs: int, join: bool, rejected: int) -> SimpleNamespac
         epoch_emitted=Counter(),
         epoch_tokens=Counter(),
         quota_consumed=0,
+        planned_samples=0,
+        planned_tokens=0,
+        token_floor={},
+        _mean_tokens=lambda plan: 0.0,  # no offers here: the pre-issue-23 token fraction
     )
 
 

@@ -44,6 +44,11 @@ class ODBBatches:
         self.loss_scale_key = loss_scale_key
         self.on_epoch_end = on_epoch_end
         self.last: Batch | None = None
+        # Over every rank, of the steps handed out (fillers added here excluded): true
+        # throughput for logs, whatever a framework's own count assumes.
+        self.steps_taken = 0
+        self.samples_taken = 0
+        self.tokens_taken = 0
         self._epoch: Iterator[Batch] | None = None  # the client's epoch iterator, while live
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor | int]]:
@@ -52,6 +57,9 @@ class ODBBatches:
         for batch in self._epoch:
             self._check_update(batch)
             self.last = batch
+            self.steps_taken += 1
+            self.samples_taken += batch.global_num_samples
+            self.tokens_taken += batch.global_num_tokens
             scale = torch.tensor(batch.loss_scale, dtype=torch.float64)
             yield {**batch.tensors, self.loss_scale_key: scale}
             if batch.update_end and batch.update_num_steps < k:

@@ -38,8 +38,14 @@ in micro-steps that vary, which the Trainer's fixed K-batch chunks cannot follow
 the plain torch or Accelerate loop (docs/training.md). Logs carry `tokens_per_update`, the loss
 tokens of the last update over every rank.
 
-`max_steps` is optional: when set (> 0) it caps the run (and the schedule then follows
-whichever of the cap and the job ends first); training otherwise ends with odbd's job.
+Ending: training ends with odbd's job (its --epochs or --max-updates), or earlier at the
+Trainer's own cap, as the Trainer reads them: `max_steps` (> 0) optimizer steps, else
+`num_train_epochs` epochs (fractions too). At that cap every rank calls `ODBClient.end_job()`
+after the same step, so the daemons end the job there and exit 0, e.g. `max_steps` on an endless
+(`--epochs 0`) job. The LR schedule follows whichever of the cap and odbd's job ends first.
+Logs carry odbd's true epoch (epoch index + the fraction of it trained) and the final
+`train_samples_per_second`, `train_steps_per_second` and `train_tokens_per_second` count the
+samples and loss tokens trained over every rank, and the optimizer steps, in this `train()`.
 """
 
 from __future__ import annotations
@@ -88,6 +94,10 @@ class ODBTrainer(Trainer):
             min_lr_rate=_min_lr_rate(self.args),
         )
         self.odb_max_steps = self.args.max_steps if self.args.max_steps > 0 else None
+        # As the Trainer reads them: max_steps wins over num_train_epochs.
+        epochs = float(self.args.num_train_epochs)
+        self.odb_max_epochs = epochs if self.odb_max_steps is None and epochs > 0 else None
+        self._odb_taken_at_train: tuple[int, int] = (0, 0)  # (samples, tokens) at train()
         self.odb_resume_epoch = 0  # odbd's epoch at the checkpoint train() resumes from
         if self.odb_max_steps is None:
             self.args.max_steps = _NO_CAP
@@ -109,6 +119,8 @@ class ODBTrainer(Trainer):
         trial: Any = None,
         ignore_keys_for_eval: list[str] | None = None,
     ) -> Any:
+        batches = self.odb_batches
+        self._odb_taken_at_train = (batches.samples_taken, batches.tokens_taken)
         checkpoint = self._odb_checkpoint(resume_from_checkpoint)
         if checkpoint is None:
             return super().train(resume_from_checkpoint, trial, ignore_keys_for_eval)
@@ -201,18 +213,44 @@ class ODBTrainer(Trainer):
             assert optimizer is not None, "create_optimizer() runs before create_scheduler()"
             self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(
                 optimizer,
-                lambda step: lr_factor(self.odb_schedule, self.odb_fraction(), step),
+                lambda step: lr_factor(self.odb_schedule, self.odb_fraction(step), step),
             )
             self._created_lr_scheduler = True
         return self.lr_scheduler
 
-    def odb_fraction(self) -> float:
-        """How much of the run is trained: odbd's job fraction, or of the max_steps cap."""
+    def odb_fraction(self, steps_done: int | None = None) -> float:
+        """How much of the run is trained: odbd's job fraction, or of the Trainer's own cap
+        (max_steps, else num_train_epochs) when that ends the run first."""
         last = self.odb_batches.last
         fraction = last.progress.job_fraction if last is not None else 0.0
         if self.odb_max_steps is not None:
-            fraction = max(fraction, min(self.state.global_step / self.odb_max_steps, 1.0))
+            # The scheduler's own count of optimizer steps done: it reads the fraction after
+            # step k before the Trainer counts that step in global_step.
+            done = self.state.global_step if steps_done is None else steps_done
+            fraction = max(fraction, min(done / self.odb_max_steps, 1.0))
+        elif self.odb_max_epochs is not None:
+            fraction = max(fraction, min(self.odb_epoch() / self.odb_max_epochs, 1.0))
         return fraction
+
+    def odb_epoch(self) -> float:
+        """odbd's epoch as a float: the epoch's index plus the share of its steps trained
+        (exactly the next integer after an epoch's last step). The Trainer's own would divide
+        by the max_steps stand-in of an unknown epoch length (9.1e-13)."""
+        last = self.odb_batches.last
+        if last is None:
+            return 0.0
+        progress = last.progress
+        if progress.epoch_steps_exact and last.step + 1 >= progress.epoch_steps_estimate:
+            return float(last.epoch + 1)
+        share = (last.step + 1) / max(progress.epoch_steps_estimate, last.step + 2)
+        return last.epoch + share
+
+    def odb_cap_reached(self) -> bool:
+        """The Trainer's own cap (max_steps, else num_train_epochs) is reached after this
+        optimizer step: the same on every rank, which trained the same steps."""
+        if self.odb_max_steps is not None:
+            return self.state.global_step >= self.odb_max_steps
+        return self.odb_max_epochs is not None and self.odb_epoch() >= self.odb_max_epochs
 
     def compute_loss(
         self,
@@ -239,7 +277,22 @@ class ODBTrainer(Trainer):
         last = self.odb_batches.last
         if last is not None and "loss" in logs:
             logs = {**logs, "tokens_per_update": float(last.update_tokens)}
+        if last is not None:
+            self.state.epoch = self.odb_epoch()  # Trainer.log writes it into logs["epoch"]
+        runtime = logs.get("train_runtime")
+        if runtime:  # train()'s final metrics: counted from what was trained, not max_steps
+            samples, tokens = self._odb_taken_at_train
+            batches = self.odb_batches
+            logs = {
+                **logs,
+                "train_samples_per_second": round((batches.samples_taken - samples) / runtime, 3),
+                "train_steps_per_second": round(self._odb_steps_this_train() / runtime, 3),
+                "train_tokens_per_second": round((batches.tokens_taken - tokens) / runtime, 3),
+            }
         super().log(logs, *args, **kwargs)
+
+    def _odb_steps_this_train(self) -> int:
+        return self.state.global_step - int(getattr(self, "_initial_global_step", 0))
 
     def _odb_epoch_ended(self) -> None:
         # The epoch ran out without a step marked last (e.g. a flush round with no step): the
@@ -273,7 +326,13 @@ class ODBProgress(TrainerCallback):
         if self.trainer.odb_max_steps is not None:
             estimate = min(estimate, self.trainer.odb_max_steps)
         epoch_ends = progress.epoch_steps_exact and batch.step + 1 == progress.epoch_steps_estimate
-        job_ends = epoch_ends and batches.finish_epoch()
+        job_last = progress.job_fraction >= 1.0  # e.g. --max-updates: mid-epoch
+        job_ends = (epoch_ends or job_last) and batches.finish_epoch()
+        if not job_ends and self.trainer.odb_cap_reached():
+            # The Trainer's own cap: every rank ends the job here, so the daemons exit 0
+            # rather than wait for steps nobody will take (it raised max_steps instead).
+            batches.client.end_job()
+            job_ends = True
         # Never below the steps trained + 1 before the job's end: the Trainer stops at max_steps.
         state.max_steps = state.global_step if job_ends else max(estimate, state.global_step + 1)
         _set_progress_bar_total(self.trainer, state.max_steps)

@@ -104,6 +104,11 @@ class AttachTimeoutError(OdbdError):
     """A local rank stayed away past --attach-timeout: the job cannot end with every step."""
 
 
+class EndJobError(OdbdError):
+    """ODBClient.end_job() calls that cannot end the job (different steps, or a rank missing
+    past --end-timeout): daemon/end_requests.py says which ranks."""
+
+
 class Daemon:
     def __init__(self, config: DaemonConfig, dataset_size: int) -> None:
         self.config = config
@@ -201,6 +206,7 @@ class Daemon:
             on_hello=self._on_trainer_hello,
             rewinder=self.rewinder,
             node=config.node_rank,
+            on_end_job=self._on_end_job,
         )
         trainer.from_journal = self.journal_records is not None
         await self._serve_socket(trainer)
@@ -227,6 +233,7 @@ class Daemon:
             producers=lambda: len(self.ingest.sessions) if self.ingest else 0,
             starting=lambda: self.supervisor.running() if self.supervisor else (0, 0.0),
             slow_sample=lambda: self.ingest.slowest_sample() if self.ingest else None,
+            free=lambda locations: self._free(lanes, locations),
         )
         self._serve_metrics(lanes)
         if config.dataset is not None and config.workers > 0:
@@ -547,6 +554,10 @@ class Daemon:
 
     # -- callbacks ---------------------------------------------------------------------------
 
+    def _on_end_job(self, rank: int, end: trainer_pb2.EndJob) -> None:
+        if self.loop is not None:
+            self.loop.request_end(rank, end.epoch, end.step)
+
     def _on_producer_restart(self) -> None:
         self.stats.producers_restarted += 1
 
@@ -675,6 +686,15 @@ class Daemon:
             overdue = overdue_ranks(ranks, timeout_s)
             if overdue:
                 raise AttachTimeoutError(attach_failure(overdue, timeout_s))
+            self._check_end_requests()
+
+    def _check_end_requests(self) -> None:
+        """end_job() calls that failed the job (different steps, a rank past --end-timeout)."""
+        loop = self.loop
+        if loop is not None and loop.ending:
+            reason = loop.failure or loop.end_overdue(time.monotonic())
+            if reason:
+                raise EndJobError(reason)
 
     async def _end_job(self) -> None:
         """3. Waits until every local rank took the job's end (job_end.end_verdict)."""
@@ -687,6 +707,7 @@ class Daemon:
                 stopping=self._stop.is_set(),
                 stop_overdue=now_s > self._stop_deadline_s,
             )
+            self._check_end_requests()  # every step was planned: this node decides alone
             if verdict.outcome is Outcome.DONE:
                 if not self._stop.is_set():
                     self.phase = "done"

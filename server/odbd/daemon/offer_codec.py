@@ -3,7 +3,8 @@
 Layout, version 3 (all numbers little-endian):
     u32 magic 0x4f444252 ("ODBR"), u16 version, u16 reserved, u32 header_bytes
     header: UTF-8 JSON {"node", "epoch", "rejected": {reason: count}, "units": [[unit, dry, n]],
-            "observations": m, "schema": [hash, text] | null}
+            "observations": m, "schema": [hash, text] | null, and "ended": [[rank, epoch, step]]
+            once a rank called end_job}
     then per unit, n rows each of: int64 views, int32 lengths, int32 tokens, int32 ages,
     int32 patches (columns one after another)
     then m rows of float64 [padded tokens, sum of squared lengths, seconds]: this node's timed
@@ -75,6 +76,9 @@ class NodeOffer:
     # (m, 3) float64 [padded, sum_sq, seconds]: rank-steps timed by this node's trainers
     observations: np.ndarray = field(default_factory=lambda: np.zeros((0, 3)))
     schema: tuple[int, str] | None = None  # (schema hash, description) once the node chose one
+    # ODBClient.end_job() of this node's ranks so far: (rank, epoch, step) each, the first step
+    # the rank did not train (daemon/end_requests.py); in the header only when non-empty
+    ended: tuple[tuple[int, int, int], ...] = ()
 
 
 def encode(offer: NodeOffer) -> bytes:
@@ -87,6 +91,8 @@ def encode(offer: NodeOffer) -> bytes:
         "observations": int(offer.observations.shape[0]),
         "schema": list(offer.schema) if offer.schema else None,
     }
+    if offer.ended:
+        header["ended"] = [list(e) for e in offer.ended]
     head = json.dumps(header, separators=(",", ":")).encode()
     parts = [_PREFIX.pack(_MAGIC, _VERSION, 0, len(head)), head]
     for unit in offer.units:
@@ -131,4 +137,5 @@ def decode(payload: bytes) -> NodeOffer:
         tuple(resume) if resume else None,  # type: ignore[arg-type]
         observations.astype(np.float64).reshape(m, 3),
         (int(schema[0]), str(schema[1])) if schema else None,
+        tuple((int(r), int(e), int(s)) for r, e, s in header.get("ended", [])),
     )

@@ -26,6 +26,13 @@ from odbclient.wire.odbd.v1 import trainer_pb2
 from odbd.config import DaemonConfig
 from odbd.daemon import offer_codec, payload_checks
 from odbd.daemon.cost_learning import CostLearner
+from odbd.daemon.end_requests import (
+    EndDecision,
+    EndOutcome,
+    Point,
+    end_decision,
+    missing_failure,
+)
 from odbd.daemon.journal import Journal, ResumeState
 from odbd.daemon.node_state import Locations, NodeState
 from odbd.daemon.rewind import fresh_node_failure
@@ -43,7 +50,13 @@ from odbd.ingest.schema_vote import schema_disagreement
 from odbd.metrics.stats import DaemonStats
 from odbd.planner.config import Collate, PlannerConfig
 from odbd.planner.cost_fit import FitConfig, FitState
-from odbd.planner.progress import JobShape, ProgressColumns, StepFactsColumns, steps_progress
+from odbd.planner.progress import (
+    JobShape,
+    ProgressColumns,
+    StepFactsColumns,
+    capped_job_progress,
+    steps_progress,
+)
 from odbd.planner.round import plan_round, units_of_node
 from odbd.planner.types import RoundPlan, SampleTable, UnitPlan
 from odbd.round import RoundBarrier
@@ -155,6 +168,7 @@ class RoundLoop:
         producers: Callable[[], int] = lambda: 0,
         starting: Callable[[], tuple[int, float]] = lambda: (0, 0.0),
         slow_sample: Callable[[], tuple[str, int, float] | None] = lambda: None,
+        free: Callable[[list[Locations]], None] = lambda locations: None,
     ) -> None:
         self.config = config
         self.state = state
@@ -172,6 +186,14 @@ class RoundLoop:
         self.producers = producers  # producers attached now (for the wait line)
         self.starting = starting  # --workers processes alive, seconds since the first started
         self.slow_sample = slow_sample  # IngestService.slowest_sample
+        self.free = free  # shared memory of steps dropped unsent (past a rank's end_job point)
+        # ODBClient.end_job() points (end_requests.py decides what they mean): this node's
+        # ranks' as their streams say them, and every rank's as the rounds carried them. Only
+        # the latter decide the job's end, so every daemon decides it in the same round.
+        self.end_points_local: dict[int, Point] = {}
+        self.end_requests: dict[int, Point] = {}
+        self._end_unsent = False  # a local rank's point is not in an offer yet
+        self.end_first_s: float | None = None  # time.monotonic() of the first point heard of
         self.resume: tuple[int, int] | None = None  # set by restore(): announced in round 0
         self.round_seed_base = 0  # plans of a restarted job must not repeat the old seeds
         self.progress = asyncio.Event()
@@ -190,7 +212,16 @@ class RoundLoop:
         # Per epoch, over every node: samples and loss tokens planned (StepBatch.progress).
         self.epoch_emitted: Counter[int] = Counter()
         self.epoch_tokens: Counter[int] = Counter()
+        # Samples and loss tokens of every step this daemon planned (all epochs, all nodes):
+        # with each round's offers, the mean tokens per sample that the job's fraction uses.
+        self.planned_samples = 0
+        self.planned_tokens = 0
+        self.token_floor: dict[int, float] = {}  # epoch -> its last step's token fraction
         self.updates = UpdateNumbering(self.state.planner, stats)
+        # --max-updates: optimizer updates planned so far over every epoch; `capped` once the
+        # round holding the job's last update is planned (the steps after it are not run).
+        self.updates_done = 0
+        self.capped = False
         self.cost = CostLearner(config.cost_model, self.state.planner.cost, FitConfig())
         self._offer_limits = payload_checks.OfferLimits(
             units_of_node=[
@@ -221,7 +252,9 @@ class RoundLoop:
                 resume=self.resume if self.round_index == 0 else None,
                 observations=self.cost.take_new(),
                 schema=self._schema(),
+                ended=self._local_end_points(),
             )
+            self._end_unsent = False
             self._exchanging, self._exchange_started_s = True, time.monotonic()
             payloads = await self.barrier.exchange(self.round_index, offer_codec.encode(offer))
             self._exchanging = False
@@ -232,6 +265,8 @@ class RoundLoop:
             units = sorted((u for o in offers for u in o.units), key=lambda u: u.unit)
             planner = self._planner([o.observations for o in offers])
             plan = plan_round(units, planner, self.round_seed_base + self.round_index)
+            if self._ends_by_request(offers):
+                break  # every rank called end_job(): this round's steps would be past the end
             self._apply(plan, offers)
             self._record_round(plan)
             self.on_planned(plan)
@@ -243,7 +278,10 @@ class RoundLoop:
     # -- 1. readiness ------------------------------------------------------------------------
 
     def _queued_min(self) -> int:
-        return min(q.queued_steps() for q in self.queues.values())
+        """Fewest steps queued for a rank that still trains (0 once every local rank ended:
+        its node must keep offering rounds, or the others' end points could never arrive)."""
+        live = [q.queued_steps() for q in self.queues.values() if q.end_point is None]
+        return min(live, default=0)
 
     async def _wait_ready(self) -> None:
         reported = ""  # the last reason sent to the hub, so an unchanged wait sends nothing
@@ -253,6 +291,8 @@ class RoundLoop:
                 self.abort(self.fatal)
                 await self._tell_trainers()
                 raise JobFailed(self.fatal)
+            if self._end_unsent:
+                return  # a local rank's end_job() point goes to every node with this round
             room = self._queued_min() <= self.config.steps_ahead
             if room and (self.state.units_ready() or self._round_rejected()):
                 return
@@ -472,9 +512,12 @@ class RoundLoop:
         quota_before = self.quota_consumed
         step_epochs = self._step_epochs(plan)
         kept = len(step_epochs)
+        steps_before = sum(self.steps_in_epoch.values())
         step_numbers = self._number_steps(step_epochs)
-        progress = self._plan_progress(plan, quota_before, step_epochs, step_numbers)
         updates = self.updates.of_round(plan, step_epochs, self.round_index)
+        progress = self._plan_progress(plan, quota_before, step_epochs, step_numbers)
+        if self.config.max_updates:
+            progress = self._capped_progress(progress, updates, steps_before)
         if self.journal is not None:
             rejected: Counter[str] = Counter()
             for o in offers:
@@ -487,6 +530,8 @@ class RoundLoop:
                 self._queue_unit(plan, unit, step_epochs, step_numbers, progress, updates)
         self._record_steps(plan, kept)
         self._advance_epochs(plan, step_epochs)
+        if self.capped:
+            self._end_job(f"--max-updates {self.config.max_updates} reached")
 
     def _record_round(self, plan: RoundPlan) -> None:
         """Round facts for /metrics; every daemon records the same global numbers."""
@@ -577,6 +622,20 @@ class RoundLoop:
         self.stats.epochs_done = resume.epoch if self.config.join else 0
         self.resume = (resume.epoch, resume.step)
         self.round_seed_base = resume.incarnation * 1_000_000_000
+        self.updates_done = self._updates_before(resume.epoch, update)
+
+    def _updates_before(self, epoch: int, update: int) -> int:
+        """--max-updates after a restart: the updates trained before the resume point. Exact
+        without windows (a step is an update) and with --accumulate K (an epoch of n steps is
+        ceil(n / K) updates, its last one short); with --tokens-per-update the earlier epochs'
+        updates are counted as if of K = the mean steps per update of the resume epoch."""
+        if not self.state.planner.windows:
+            return sum(self.steps_in_epoch.values())
+        k = max(self.config.accumulate, 1)
+        if self.config.tokens_per_update and update:
+            k = max(round(self.steps_in_epoch[epoch] / update), 1)
+        earlier = sum(-(-n // k) for e, n in self.steps_in_epoch.items() if e < epoch)
+        return earlier + update
 
     def _number_steps(self, step_epochs: list[int]) -> list[int]:
         """Step index within its epoch, identical on every rank and daemon."""
@@ -587,18 +646,59 @@ class RoundLoop:
         return numbers
 
     def _step_epochs(self, plan: RoundPlan) -> list[int]:
+        limit = self._steps_within_cap(plan)
         if self.config.join:
-            return [self.state.epoch] * plan.num_steps
+            return [self.state.epoch] * min(plan.num_steps, limit)
         per_step = plan.stats.global_num_samples.tolist()
         n = max(self.state.dataset_size, 1)
         quota = self.config.epochs * self.state.dataset_size if self.config.epochs else None
-        epochs = []
+        epochs: list[int] = []
         for count in per_step:
             if quota is not None and self.quota_consumed >= quota:
+                break
+            if len(epochs) >= limit:
                 break
             epochs.append(self.quota_consumed // n)
             self.quota_consumed += count
         return epochs
+
+    def _steps_within_cap(self, plan: RoundPlan) -> int:
+        """How many of the round's steps --max-updates lets run: up to the step that ends the
+        job's last update (then `capped`), else all. An update ends at every step without
+        windows, else at each window's last step (the same on every daemon)."""
+        if not self.config.max_updates:
+            return plan.num_steps
+        ends = [True] * plan.num_steps
+        if self.state.planner.windows:
+            ends = [False] * plan.num_steps
+            for end in plan.windows.ends.tolist():
+                ends[int(end) - 1] = True
+        left = self.config.max_updates - self.updates_done
+        done = 0
+        for i, end in enumerate(ends):
+            done += end
+            if done >= left:
+                self.capped = True
+                self.updates_done += done
+                return i + 1
+        self.updates_done += done
+        return plan.num_steps
+
+    def _capped_progress(
+        self,
+        progress: ProgressColumns,
+        updates: list[trainer_pb2.Update | None],
+        steps_before: int,
+    ) -> ProgressColumns:
+        """--max-updates: the job's fraction and step count are exact from the first step."""
+        kept = len(progress.job_fraction)
+        ends = [u is None or u.end for u in updates]
+        done_before = self.updates_done - sum(ends)  # _steps_within_cap counted this round
+        shares = [1.0 if u is None else (u.step_in_update + 1) / u.num_steps for u in updates]
+        fraction, steps = capped_job_progress(
+            self.config.max_updates, done_before, steps_before, ends[:kept], shares[:kept]
+        )
+        return dataclasses.replace(progress, job_fraction=fraction, job_steps_estimate=steps)
 
     def _plan_progress(
         self, plan: RoundPlan, quota_before: int, step_epochs: list[int], step_numbers: list[int]
@@ -616,6 +716,9 @@ class RoundLoop:
         # Python ints, once per round: the properties sum a (T, world) array on every access.
         global_samples = plan.stats.global_num_samples.tolist()
         global_tokens = plan.stats.global_num_tokens.tolist()
+        mean_tokens = self._mean_tokens(plan)
+        self.planned_samples += sum(global_samples[: len(step_epochs)])
+        self.planned_tokens += sum(global_tokens[: len(step_epochs)])
         steps_before: dict[int, int] = {}  # epoch -> steps of the epochs before it
         join, final_step = self.config.join, len(step_epochs) - 1 if plan.final else -1
         for i, epoch in enumerate(step_epochs):
@@ -634,9 +737,26 @@ class RoundLoop:
             facts.emitted.append(emitted)
             facts.tokens.append(tokens)
             facts.steps_before_epoch.append(steps_before[epoch])
+            facts.mean_tokens.append(mean_tokens)
+            facts.token_floor.append(self.token_floor.get(epoch, 0.0))
         facts.epoch.extend(step_epochs)
         facts.step.extend(step_numbers)
-        return steps_progress(job, facts)
+        progress = steps_progress(job, facts)
+        for epoch, fraction in zip(step_epochs, progress.epoch_token_fraction, strict=True):
+            self.token_floor[epoch] = fraction  # the last step of each epoch in the round wins
+        return progress
+
+    def _mean_tokens(self, plan: RoundPlan) -> float:
+        """Loss tokens per sample over every sample ingested so far, as every daemon sees it:
+        those of the steps planned before this round and those this round's offers hold
+        (emitted now or recirculated). Ingested in sampler order, so unbiased by which
+        samples the planner picks first (planner/progress.py); 0.0 before any sample."""
+        samples, tokens = self.planned_samples, self.planned_tokens
+        for unit in plan.units:
+            for table in (unit.emitted, unit.leftover):
+                samples += len(table)
+                tokens += int(table.tokens.sum())
+        return tokens / samples if samples else 0.0
 
     def _tally_identities(self, unit: UnitPlan, kept: int) -> None:
         g = self.state.planner.ranks_per_unit
@@ -675,7 +795,7 @@ class RoundLoop:
                     step_epochs[step], step_numbers[step], progress_messages[step], updates[step],
                     patch_weight,
                 ))  # fmt: skip
-            self.queues[rank].push(items)
+            self.free(self.queues[rank].push(items))
 
     def _count_oversized(self, emitted: SampleTable) -> None:
         """Counts emitted samples over the token or patch budget; warns once per budget.
@@ -768,7 +888,7 @@ class RoundLoop:
         if self.config.join:
             self.tally.steps += len(step_epochs)
             self.tally.samples += int(plan.stats.global_num_samples[: len(step_epochs)].sum())
-            if plan.final:
+            if plan.final and len(step_epochs) == plan.num_steps:  # not cut by --max-updates
                 self._end_epoch(self.state.epoch)
                 self.state.epoch += 1
                 if self.config.epochs and self.state.epoch >= self.config.epochs:
@@ -780,6 +900,9 @@ class RoundLoop:
                 self.state.epoch = epoch
             self.tally.steps += 1
             self.tally.samples += int(plan.stats.global_num_samples[i])
+        n = self.state.dataset_size
+        if self.capped and n and self.quota_consumed >= (self.state.epoch + 1) * n:
+            self._end_epoch(self.state.epoch)  # the job's last update ends this epoch too
         quota = self.config.epochs * self.state.dataset_size
         if self.config.epochs and self.quota_consumed >= quota:
             self._end_epoch(self.state.epoch)
@@ -830,6 +953,86 @@ class RoundLoop:
         end = trainer_pb2.JobEnd(reason=reason, failed=failed)
         for queue in self.queues.values():
             queue.push([QueuedItem(self.state.epoch, -1, trainer_pb2.TrainerEvent(job_end=end))])
+
+    # -- ODBClient.end_job() ------------------------------------------------------------------
+
+    def request_end(self, rank: int, epoch: int, step: int) -> None:
+        """A local rank called end_job() before (epoch, step): it takes nothing from there on
+        (its queue drops those steps now), and its point goes to every node with the next
+        round, offered at once. Once every round is planned (`done`), no round can carry it:
+        this node's own ranks decide for it alone."""
+        if rank in self.end_points_local or self.failure is not None:
+            return  # end_job() twice: the client sends it once; a resent one changes nothing
+        point = self._normalized((epoch, step))
+        self.end_points_local[rank] = point
+        if self.end_first_s is None:
+            self.end_first_s = time.monotonic()
+        self.free(self.queues[rank].end_at(*point))
+        log.info("rank %d called end_job() at epoch %d step %d", rank, *point)
+        if self.done:
+            self._decide_end(end_decision(self.queues, self.end_points_local), local=True)
+            return
+        self._end_unsent = True
+        self.progress.set()
+
+    def _normalized(self, point: Point) -> Point:
+        """(e, n) with n the final step count of epoch e is (e + 1, 0): a rank that left its
+        loop before taking the epoch's end trained the same steps as one that took it."""
+        epoch, step = point
+        if epoch < self.state.epoch and step >= self.steps_in_epoch[epoch]:
+            return epoch + 1, 0
+        return point
+
+    @property
+    def ending(self) -> bool:
+        """A rank called end_job() (here, or on another node as far as rounds told)."""
+        return bool(self.end_points_local or self.end_requests)
+
+    def _local_end_points(self) -> tuple[tuple[int, int, int], ...]:
+        return tuple((r, e, s) for r, (e, s) in sorted(self.end_points_local.items()))
+
+    def _ends_by_request(self, offers: list[offer_codec.NodeOffer]) -> bool:
+        """Merges every node's end_job() points (the same on every daemon after a round);
+        True once they end the job here."""
+        for offer in offers:
+            for rank, epoch, step in offer.ended:
+                self.end_requests.setdefault(rank, (epoch, step))
+        if self.end_requests and self.end_first_s is None:
+            self.end_first_s = time.monotonic()
+        world = range(self.state.planner.world.world_size)
+        return self._decide_end(end_decision(world, self.end_requests), local=False)
+
+    def _decide_end(self, decision: EndDecision, *, local: bool) -> bool:
+        if decision.outcome is EndOutcome.FAIL:
+            self.failure = decision.reason
+            self.abort(decision.reason)
+            return True
+        if decision.outcome is not EndOutcome.END or local:
+            return False  # local (every round planned): the queued job's end follows as is
+        assert decision.point is not None
+        for queue in self.queues.values():
+            self.free(queue.end_at(*decision.point))
+        log.info("%s: the job ends there; steps planned after it are dropped", decision.reason)
+        self._end_job(decision.reason)
+        return True
+
+    def end_overdue(self, now_s: float) -> str | None:
+        """The failure once --end-timeout passed since the first end_job() point heard of
+        with some rank's point still unknown (every rank's, or this node's own once no round
+        can carry points any more); None otherwise."""
+        if self.end_first_s is None or self.failure is not None:
+            return None
+        if now_s - self.end_first_s < self.config.end_timeout_s:
+            return None
+        world = self.state.planner.world
+        ranks = self.queues if self.done else range(world.world_size)
+        requests = {**self.end_requests, **self.end_points_local}
+        if self.done:
+            requests = {r: p for r, p in requests.items() if r in self.queues}
+        if end_decision(ranks, requests).outcome is not EndOutcome.WAIT:
+            return None
+        nodes = {r: r // world.ranks_per_node for r in range(world.world_size)}
+        return missing_failure(ranks, requests, self.config.end_timeout_s, nodes)
 
     def give_up(self, reason: str) -> None:
         """This node cannot make samples any more: the job fails at once (peers see it go)."""

@@ -32,14 +32,16 @@ class UpdateNumbering:
     ) -> list[trainer_pb2.Update | None]:
         """Each kept step's StepBatch.update (None without windows: the wire stays as before).
 
-        Windows need join mode (DaemonConfig), so a round's steps are all kept and belong to
-        one epoch; its updates are numbered on from the epoch's previous rounds."""
+        Windows need join mode (DaemonConfig), so a round's steps belong to one epoch and are
+        all kept, unless --max-updates cut the round after the job's last update; its updates
+        are numbered on from the epoch's previous rounds."""
         if not self.planner.windows or not step_epochs:
             return [None] * len(step_epochs)
-        assert len(step_epochs) == plan.num_steps, "windows run in join mode only"
+        kept = len(step_epochs)
+        assert kept <= plan.num_steps, "windows run in join mode only"
         windows, epoch = plan.windows, step_epochs[0]
         first = self.in_epoch[epoch]
-        self.in_epoch[epoch] += len(windows)
+        self.in_epoch[epoch] += int((windows.ends <= kept).sum())
         self.stats.epoch_updates = self.in_epoch[epoch]
         self.stats.record_updates(
             (windows.ends - windows.starts).tolist(), windows.num_tokens.tolist()
@@ -48,7 +50,7 @@ class UpdateNumbering:
         out: list[trainer_pb2.Update | None] = []
         for w in range(len(windows)):
             start, end = int(windows.starts[w]), int(windows.ends[w])
-            for step in range(start, end):
+            for step in range(start, min(end, kept)):
                 out.append(
                     trainer_pb2.Update(
                         index=first + w,

@@ -77,6 +77,9 @@ class RankQueue:
         self.history = StepHistory(history_steps)
         self.gated = False
         self.ever_sent = False  # a step went out to a trainer of this daemon process
+        # ODBClient.end_job(): (epoch, step) of the first step the rank will not train; items
+        # from there on are dropped as they come (end_at), the job's end excepted.
+        self.end_point: tuple[int, int] | None = None
 
     @property
     def attached(self) -> bool:
@@ -93,10 +96,45 @@ class RankQueue:
             self._job_end_sent = None
         self._attached = value
 
-    def push(self, items: list[QueuedItem]) -> None:
+    def push(self, items: list[QueuedItem]) -> list[Locations]:
+        """Queues `items`; after end_at, those past the end point are dropped instead and
+        their locations returned (to free: nobody will take them)."""
+        freed: list[Locations] = []
+        if self.end_point is not None:
+            freed = [loc for item in items if self._past_end(item) for loc in item.locations]
+            items = [item for item in items if not self._past_end(item)]
         self._items.extend(items)
         self._num_steps += sum(1 for item in items if item.is_step)
         self._changed.set()
+        return freed
+
+    def end_at(self, epoch: int, step: int) -> list[Locations]:
+        """The rank's trainer called end_job() before (epoch, step): it takes nothing from
+        there on, so queued items past it go (sent or not: the client skips them) and so does
+        every later push; the job's end stays. Returns the dropped items' locations."""
+        self.end_point = (epoch, step)
+        kept: deque[QueuedItem] = deque()
+        freed: list[Locations] = []
+        sent = 0
+        for i, item in enumerate(self._items):
+            if self._past_end(item):
+                freed += item.locations
+                continue
+            kept.append(item)
+            sent += i < self._sent
+        self._items, self._sent = kept, sent
+        self._num_steps = sum(1 for item in kept if item.is_step)
+        self._sent_steps = sum(1 for i, item in enumerate(kept) if i < sent and item.is_step)
+        self._changed.set()
+        return freed
+
+    def _past_end(self, item: QueuedItem) -> bool:
+        """At or after the end point: a step from it on, an epoch's end from its epoch on."""
+        if self.end_point is None or item.job_end is not None:
+            return False
+        if item.is_step:
+            return (item.epoch, item.step) >= self.end_point
+        return item.epoch >= self.end_point[0]
 
     def queued_steps(self) -> int:
         return self._num_steps

@@ -50,6 +50,7 @@ class TrainerService:
         rewinder: Rewinder | None = None,
         node: int = 0,
         from_journal: bool = False,
+        on_end_job: Callable[[int, trainer_pb2.EndJob], None] = lambda rank, end: None,
     ) -> None:
         self._job_id = job_id
         self._queues = queues
@@ -60,6 +61,7 @@ class TrainerService:
         self.rewinder = rewinder  # None: resume points before the last delivered are refused
         self._node = node
         self.from_journal = from_journal  # restarted from --state-dir (app._resume checks)
+        self._on_end_job = on_end_job
 
     def admit(self, hello: trainer_pb2.TrainerHello) -> Refusal | None:
         """Why this hello must not attach (protocol, job, world, rank, resume point), else None.
@@ -142,6 +144,8 @@ class TrainerService:
             delivered = message.delivered
             self._on_free(attachment.queue.deliver(delivered.epoch, delivered.step))
             self._on_delivered(attachment.rank, delivered)
+        elif message.HasField("end_job"):  # after the Delivered of every step it trained
+            self._on_end_job(attachment.rank, message.end_job)
 
     def take_event(self, attachment: Attachment) -> bytes | None:
         """The next serialized TrainerEvent if one may be sent now, else None (no task, no

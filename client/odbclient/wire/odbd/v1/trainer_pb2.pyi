@@ -58,13 +58,23 @@ class StepTime(_message.Message):
     compute_s: float
     def __init__(self, epoch: _Optional[int] = ..., step: _Optional[int] = ..., compute_s: _Optional[float] = ...) -> None: ...
 
+class EndJob(_message.Message):
+    __slots__ = ("epoch", "step")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    epoch: int
+    step: int
+    def __init__(self, epoch: _Optional[int] = ..., step: _Optional[int] = ...) -> None: ...
+
 class TrainerMessage(_message.Message):
-    __slots__ = ("hello", "delivered")
+    __slots__ = ("hello", "delivered", "end_job")
     HELLO_FIELD_NUMBER: _ClassVar[int]
     DELIVERED_FIELD_NUMBER: _ClassVar[int]
+    END_JOB_FIELD_NUMBER: _ClassVar[int]
     hello: TrainerHello
     delivered: Delivered
-    def __init__(self, hello: _Optional[_Union[TrainerHello, _Mapping]] = ..., delivered: _Optional[_Union[Delivered, _Mapping]] = ...) -> None: ...
+    end_job: EndJob
+    def __init__(self, hello: _Optional[_Union[TrainerHello, _Mapping]] = ..., delivered: _Optional[_Union[Delivered, _Mapping]] = ..., end_job: _Optional[_Union[EndJob, _Mapping]] = ...) -> None: ...
 
 class PadValue(_message.Message):
     __slots__ = ("key", "value")
