@@ -28,6 +28,7 @@ from odbd.daemon import offer_codec
 from odbd.daemon.cost_learning import CostLearner
 from odbd.daemon.journal import Journal, ResumeState
 from odbd.daemon.node_state import Locations, NodeState
+from odbd.daemon.trained import StepCounts, steps_trained
 from odbd.daemon.updates import UpdateNumbering
 from odbd.errors import InvariantError, OdbdError
 from odbd.ingest.lanes import Lanes
@@ -409,6 +410,18 @@ class RoundLoop:
             if unit.unit in local:
                 self._queue_unit(plan, unit, step_epochs, step_numbers, progress, updates)
         self._record_steps(plan, kept)
+        if kept:
+            s = self.stats
+            s.planned_epoch, s.planned_epoch_steps_so_far = step_epochs[-1], step_numbers[-1] + 1
+            s.planned_epoch_steps = progress.epoch_steps_estimate[-1]
+            s.planned_epoch_steps_exact = progress.epoch_steps_exact[-1]
+            for epoch, steps, exact in zip(
+                step_epochs, progress.epoch_steps_estimate, progress.epoch_steps_exact, strict=False
+            ):
+                if exact:
+                    s.exact_epoch_steps[epoch] = steps
+            for epoch in sorted(s.exact_epoch_steps)[:-8]:  # only the trainers' recent epochs
+                del s.exact_epoch_steps[epoch]
         self._advance_epochs(plan, step_epochs)
 
     def _record_round(self, plan: RoundPlan) -> None:
@@ -678,7 +691,15 @@ class RoundLoop:
         if update is not None:
             batch.update.CopyFrom(update)
         freed = [emitted.locations.take(rows)] if not idle else []
-        return QueuedItem(epoch, number, batch.SerializeToString(), freed)
+        counts = StepCounts(
+            samples=facts.num_samples[step][rank],
+            loss_tokens=facts.num_tokens[step][rank],
+            real_tokens=facts.real_tokens[step][rank],
+            padded_tokens=facts.padded_tokens[step][rank],
+            global_samples=facts.global_num_samples[step],
+            epoch_last=progress.epoch_steps_exact and number + 1 == progress.epoch_steps_estimate,
+        )
+        return QueuedItem(epoch, number, batch.SerializeToString(), freed, counts)
 
     def _learn_schema(self, where: tuple[int, int], nbytes: int) -> None:
         meta = read_meta(self.read_sample(where[0], where[1], nbytes))
@@ -724,14 +745,19 @@ class RoundLoop:
             rejected_by_reason=dict(tally.rejected),
             num_identities=tally.num_seen,
         )
+        # Planned, not trained: the queues hold up to --steps-ahead of its steps (a small epoch
+        # is planned whole at start-up). "epoch N trained" follows when the trainers took it.
+        taken = steps_trained(epoch, [q.trained for q in self.queues.values()])
         log.info(
-            "epoch %d done: %d steps, %d samples, %d identities of %d, rejected %s",
+            "epoch %d planned: %d steps, %d samples, %d identities of %d, rejected %s; "
+            "trained so far: %s",
             epoch,
             tally.steps,
             tally.samples,
             end.num_identities,
             self.state.dataset_size,
             dict(tally.rejected) or "none",
+            "every step" if taken is None else f"{taken} of its {tally.steps} steps",
         )
         for queue in self.queues.values():
             queue.push([QueuedItem(epoch, -1, trainer_pb2.TrainerEvent(epoch_end=end))])
@@ -818,6 +844,7 @@ class _StepColumns:
     num_samples: list[list[int]]  # [step][rank]
     num_tokens: list[list[int]]  # [step][rank]
     padded_tokens: list[list[int]]  # [step][rank]
+    real_tokens: list[list[int]]  # [step][rank]
     global_num_samples: list[int]  # [step]
     global_num_tokens: list[int]  # [step]
     slot_sum_sq: list[float]  # [slot]: sum of squared lengths (the cost model's l^2 feature)
@@ -832,6 +859,7 @@ class _StepColumns:
             stats.num_samples.tolist(),
             stats.num_tokens.tolist(),
             stats.padded_tokens.tolist(),
+            stats.real_tokens.tolist(),
             stats.global_num_samples.tolist(),
             stats.global_num_tokens.tolist(),
             _slot_sums(lengths * lengths, unit.slot_offsets, num_slots),

@@ -11,6 +11,7 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from odbd.daemon.trained import NodeTrained
 from odbd.planner.config import CostModel
 
 if TYPE_CHECKING:
@@ -79,7 +80,16 @@ class DaemonStats:
     cost_fit: CostFit | None = None  # the cost model fit of the last round (cost_fit.py)
     cost_learned: bool = False  # the planner used the fitted model in the last round
     fixed_cost: CostModel = field(default_factory=CostModel)  # what it uses otherwise
-    epoch: int = 0
+    epoch: int = 0  # being planned (ahead of training by the queued steps)
+    # The epoch planned last: its steps so far and after, as the planner estimates them, exact
+    # once it planned the epoch's last step (planner/progress.py), and its steps planned so far.
+    planned_epoch: int = 0  # epoch of the step planned last
+    planned_epoch_steps: int = 0
+    planned_epoch_steps_exact: bool = False
+    planned_epoch_steps_so_far: int = 0
+    exact_epoch_steps: dict[int, int] = field(default_factory=dict)  # epoch -> steps, recent
+    # What the local ranks' trainers took (daemon/trained.py): the queues' own RankTrained.
+    trained: NodeTrained = field(default_factory=NodeTrained)
     epoch_samples: int = 0  # emitted this epoch, every rank
     epoch_identities: int = 0
     epochs_done: int = 0
