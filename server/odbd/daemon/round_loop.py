@@ -36,6 +36,7 @@ from odbd.ingest.rejections import empty_epoch_failure
 from odbd.metrics.stats import DaemonStats
 from odbd.planner.config import Collate, PlannerConfig
 from odbd.planner.cost_fit import FitConfig, FitState
+from odbd.planner.estimate import round_estimates
 from odbd.planner.progress import JobShape, ProgressColumns, StepFactsColumns, steps_progress
 from odbd.planner.round import plan_round
 from odbd.planner.types import RoundPlan, SampleTable, UnitPlan
@@ -166,6 +167,7 @@ class RoundLoop:
         # Per epoch, over every node: samples and loss tokens planned (StepBatch.progress).
         self.epoch_emitted: Counter[int] = Counter()
         self.epoch_tokens: Counter[int] = Counter()
+        self.held_estimates: dict[int, int] = {}  # epoch -> its steps as estimated last round
         self.updates = UpdateNumbering(self.state.planner, stats)
         self.cost = CostLearner(config.cost_model, self.state.planner.cost, FitConfig())
 
@@ -572,7 +574,10 @@ class RoundLoop:
             facts.steps_before_epoch.append(steps_before[epoch])
         facts.epoch.extend(step_epochs)
         facts.step.extend(step_numbers)
-        return steps_progress(job, facts)
+        # One estimate per round and epoch, held while near (planner/estimate.py).
+        settled = round_estimates(job, facts, steps_progress(job, facts), self.held_estimates)
+        self.held_estimates = settled.held
+        return settled.progress
 
     def _tally_identities(self, unit: UnitPlan, kept: int) -> None:
         g = self.state.planner.ranks_per_unit
