@@ -70,3 +70,20 @@ def test_the_trained_line_comes_once_per_epoch_every_local_rank_finished() -> No
     [line] = node.on_report(2.0, 0.5)
     assert line.startswith("epoch 0 trained: local ranks 0,1 took its last step")
     assert node.on_report(3.0, 0.5) == []
+
+
+def test_a_step_of_a_later_epoch_means_the_earlier_ones_were_trained() -> None:
+    r = RankTrained()
+    r.add(0, 3, counts())  # epoch 0's last step carried no epoch_last (join flush: no step)
+    r.add(1, 0, counts())
+    assert r.epochs_trained == 1
+
+
+def test_after_a_resume_no_line_for_epochs_trained_before_it() -> None:
+    a = RankTrained()
+    node = NodeTrained(ranks={0: a})
+    a.add(2, 7, counts())  # resumed in epoch 2
+    assert node.on_report(1.0, 0.1) == []
+    a.add(2, 8, counts(last=True))
+    [line] = node.on_report(2.0, 0.1)
+    assert line.startswith("epoch 2 trained")

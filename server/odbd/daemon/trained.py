@@ -40,12 +40,18 @@ class RankTrained:
     epoch_steps: int = 0  # `epoch`'s steps up to the newest delivered (its step index + 1)
     # the job's samples, every rank, in `epoch`'s steps delivered (since this daemon started)
     epoch_global_samples: int = 0
-    epochs_trained: int = 0  # epochs whose last step this rank delivered
+    epochs_trained: int = 0  # epochs before the one being trained, or ended with its last step
     last_step: tuple[int, int] | None = None  # (epoch, step) delivered last
+    first_epoch: int | None = None  # of the first step delivered (after a resume: not 0)
 
     def add(self, epoch: int, step: int, counts: StepCounts) -> None:
+        if self.first_epoch is None:
+            self.first_epoch = epoch
         if epoch != self.epoch:
             self.epoch, self.epoch_steps, self.epoch_global_samples = epoch, 0, 0
+        # A step of epoch e: the epochs before it are trained, even one whose last step no
+        # step carried (a join-mode flush round that planned nothing).
+        self.epochs_trained = max(self.epochs_trained, epoch)
         self.steps += 1
         self.samples += counts.samples
         self.loss_tokens += counts.loss_tokens
@@ -157,6 +163,10 @@ class NodeTrained:
         """After a Delivered report (its queue's RankTrained updated): records the rate and
         returns the log line of each epoch every local rank has now trained to the end."""
         self.rate.record(now_s, self.total("samples"), self.total("loss_tokens"), took_s)
+        firsts = [r.first_epoch for r in self.ranks.values()]
+        if self.epochs_logged == 0 and firsts and None not in firsts:
+            # resumed (--state-dir) in a later epoch: the earlier ones were trained before
+            self.epochs_logged = min(e for e in firsts if e is not None)
         lines = []
         while self.epochs_logged < epochs_trained(self.ranks.values()):
             lines.append(self._trained_line(self.epochs_logged, now_s))

@@ -11,7 +11,7 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from odbd.daemon.trained import NodeTrained
+from odbd.daemon.trained import NodeTrained, RankTrained
 from odbd.planner.config import CostModel
 
 if TYPE_CHECKING:
@@ -141,6 +141,7 @@ class DaemonStats:
         )
         for rank in config.local_ranks:
             stats.rank(rank)
+            stats.trained.ranks[rank] = RankTrained()  # the daemon puts its queues' in place
         return stats
 
     def rank(self, rank: int) -> RankStats:
