@@ -52,10 +52,12 @@ def test_status_during_a_slow_step_separates_planned_from_trained(capsys) -> Non
         trainer = threading.Thread(target=train, args=(socket,))
         trainer.start()
         try:
-            poll_until(
-                lambda: admin_status(socket).ranks[0].delivered_steps == HOLD_AT,
-                f"the trainer delivered its first {HOLD_AT} steps",
-            )
+
+            def held() -> bool:
+                rank = admin_status(socket).ranks[0]
+                return rank.delivered_steps == HOLD_AT and rank.queued_steps > 0
+
+            poll_until(held, f"the trainer delivered {HOLD_AT} steps and more are planned")
             assert status.main(["--socket", socket, "--json"]) == 0
             reply = json.loads(capsys.readouterr().out)
             assert status.main(["--socket", socket]) == 0
