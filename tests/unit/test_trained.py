@@ -87,3 +87,11 @@ def test_after_a_resume_no_line_for_epochs_trained_before_it() -> None:
     a.add(2, 8, counts(last=True))
     [line] = node.on_report(2.0, 0.1)
     assert line.startswith("epoch 2 trained")
+
+
+def test_many_reports_a_second_keep_few_points_and_the_same_rate() -> None:
+    rate = DeliveryRate(window_s=10.0, resolution_s=0.5)
+    for i in range(1, 2001):  # 200 reports a second for 10 s, 1 sample each
+        rate.record(i / 200, i, 10 * i, took_s=0.005)
+    assert len(rate.times) <= 10 / 0.5 + 3
+    assert rate.rate(10.0).samples_per_s == pytest.approx(200, rel=0.06)

@@ -100,6 +100,7 @@ class DeliveryRate:
     """
 
     window_s: float = RATE_WINDOW_S
+    resolution_s: float = 0.5  # a point per this much time at most (see record)
     times: list[float] = field(default_factory=list)
     samples: list[int] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)
@@ -108,7 +109,12 @@ class DeliveryRate:
         """Running totals after a report at now_s that covered took_s of trainer time."""
         if not self.times:
             self._append(now_s - max(took_s, 0.0), 0, 0)
-        self._append(now_s, samples, tokens)
+        if len(self.times) >= 3 and now_s - self.times[-2] < self.resolution_s:
+            # the newest point moves instead: at most window / resolution points, however
+            # many reports a second the trainers send (each is O(points) to trim below)
+            self.times[-1], self.samples[-1], self.tokens[-1] = now_s, samples, tokens
+        else:
+            self._append(now_s, samples, tokens)
         cut = bisect.bisect_right(self.times, now_s - self.window_s) - 1
         if cut > 0:
             del self.times[:cut], self.samples[:cut], self.tokens[:cut]
