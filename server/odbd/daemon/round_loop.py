@@ -412,18 +412,9 @@ class RoundLoop:
             if unit.unit in local:
                 self._queue_unit(plan, unit, step_epochs, step_numbers, progress, updates)
         self._record_steps(plan, kept)
-        if kept:
-            s = self.stats
-            s.planned_epoch, s.planned_epoch_steps_so_far = step_epochs[-1], step_numbers[-1] + 1
-            s.planned_epoch_steps = progress.epoch_steps_estimate[-1]
-            s.planned_epoch_steps_exact = progress.epoch_steps_exact[-1]
-            for epoch, steps, exact in zip(
-                step_epochs, progress.epoch_steps_estimate, progress.epoch_steps_exact, strict=False
-            ):
-                if exact:
-                    s.exact_epoch_steps[epoch] = steps
-            for epoch in sorted(s.exact_epoch_steps)[:-8]:  # only the trainers' recent epochs
-                del s.exact_epoch_steps[epoch]
+        self.stats.record_planned(
+            step_epochs, step_numbers, progress.epoch_steps_estimate, progress.epoch_steps_exact
+        )
         self._advance_epochs(plan, step_epochs)
 
     def _record_round(self, plan: RoundPlan) -> None:

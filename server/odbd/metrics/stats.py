@@ -124,6 +124,21 @@ class DaemonStats:
             self.update_steps.observe(n)
             self.update_tokens.observe(t)
 
+    def record_planned(
+        self, epochs: list[int], numbers: list[int], estimates: list[int], exact: list[bool]
+    ) -> None:
+        """A round's kept steps (epoch, number, epoch length estimate, exact): where planning
+        stands, and the exact lengths `odbd status` shows next to the trainers' position."""
+        if not epochs:
+            return
+        self.planned_epoch, self.planned_epoch_steps_so_far = epochs[-1], numbers[-1] + 1
+        self.planned_epoch_steps, self.planned_epoch_steps_exact = estimates[-1], exact[-1]
+        for epoch, steps, known in zip(epochs, estimates, exact, strict=True):
+            if known:
+                self.exact_epoch_steps[epoch] = steps
+        for epoch in sorted(self.exact_epoch_steps)[:-8]:  # the trainers' recent epochs only
+            del self.exact_epoch_steps[epoch]
+
     @classmethod
     def for_config(cls, config: DaemonConfig, dataset_size: int) -> DaemonStats:
         """Stats with every local rank present from the start.
