@@ -163,9 +163,9 @@ def _trained(reply: admin_pb2.StatusReply) -> str:
     steps = _of(reply.trained_epoch_steps, total, total > 0)
     return (
         f"trained  epoch {reply.trained_epoch} step {steps}  samples "
-        f"{reply.trained_epoch_samples}  epochs done {reply.epochs_trained}  "
-        f"{reply.trained_samples_per_s:.1f} samples/s  {reply.trained_tokens_per_s:.0f} tokens/s "
-        f"(last {reply.rate_window_s:g} s)"
+        f"{reply.trained_epoch_samples} (every rank)  epochs done {reply.epochs_trained}  "
+        f"node {reply.trained_samples_per_s:.1f} samples/s  {reply.trained_tokens_per_s:.0f} "
+        f"tokens/s (last {reply.rate_window_s:g} s)"
     )
 
 

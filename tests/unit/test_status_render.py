@@ -69,8 +69,8 @@ def test_status_separates_planned_from_trained_with_throughput_and_padding() -> 
     )  # fmt: skip
     assert "phase draining (every step planned; trainers still to take 40)" in text
     assert "planned  epoch 1 step 31 of 31  steps 62" in text
-    assert "trained  epoch 0 step 28 of 31  samples 1400" in text
-    assert "12.5 samples/s  1250 tokens/s (last 30 s)" in text
+    assert "trained  epoch 0 step 28 of 31  samples 1400 (every rank)" in text
+    assert "node 12.5 samples/s  1250 tokens/s (last 30 s)" in text
     assert "delivered  padding 25.0%  overlap 99.0%  queued 40 steps" in text
 
 
