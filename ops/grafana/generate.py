@@ -52,6 +52,9 @@ QUOTA_RANK = (
     f"sum by (rank) (odbd_emitted_samples_total{J}) / scalar("
     f"max(odbd_job_quota_samples{J} > 0) / max(odbd_world_ranks{J}))"
 )
+# What the trainers took (delivered steps), against the planned quota above: the planner runs
+# up to --steps-ahead steps ahead of training. Every rank counts its own samples, hence sum().
+QUOTA_TRAINED = f"sum(odbd_delivered_samples_total{J}) / max(odbd_job_quota_samples{J} > 0)"
 EPOCH_PROGRESS = f"max(odbd_epoch_emitted_samples{J}) / max(odbd_epoch_quota_samples{J} > 0)"
 EPOCH_COVERAGE = f"max(odbd_epoch_identities_covered{J}) / max(odbd_epoch_quota_samples{J} > 0)"
 
@@ -398,15 +401,50 @@ def serving(b: Board) -> None:
         NEUTRAL,
         w=6,
     )
+    b.series(
+        "Trained samples / s",
+        [
+            (rate("odbd_delivered_samples_total"), "job"),
+            (rate("odbd_delivered_samples_total", "rank"), "rank {{rank}}"),
+        ],
+        "short",
+        "Samples in the steps the trainers took (delivered), not planned: the planner runs "
+        "up to --steps-ahead steps ahead. `odbd status` shows the same over its last 30 s.",
+        NEUTRAL,
+    )
+    b.series(
+        "Trained loss tokens / s",
+        [
+            (rate("odbd_delivered_loss_tokens_total"), "job"),
+            (rate("odbd_delivered_loss_tokens_total", "rank"), "rank {{rank}}"),
+        ],
+        "short",
+        "Loss-bearing tokens in the steps the trainers took.",
+        NEUTRAL,
+    )
+    b.series(
+        "Epoch: planned vs trained",
+        [
+            (f"max(odbd_epoch{J})", "planned"),
+            (f"min(odbd_trained_epoch{J})", "trained (slowest rank)"),
+            (f"max(odbd_epochs_total{J})", "planned in full"),
+            (f"min(odbd_trained_epochs_total{J})", "trained in full (slowest rank)"),
+        ],
+        "short",
+        "The epoch the planner is in and the one the trainers are in; epochs planned to the "
+        "end and trained to the end. A small epoch is planned in full at start-up.",
+        NEUTRAL,
+    )
 
 
 def quota(b: Board) -> None:
     b.row("5. Quota and coverage")
     b.series(
         "Job quota",
-        [(QUOTA, "job"), (QUOTA_RANK, "rank {{rank}}")],
+        [(QUOTA, "planned"), (QUOTA_TRAINED, "trained"), (QUOTA_RANK, "planned, rank {{rank}}")],
         "percentunit",
-        "Samples emitted / (epochs x N); per rank against its 1/W share.",
+        "Samples planned (emitted) and trained (in delivered steps) / (epochs x N); per rank "
+        "against its 1/W share.",
         w=12,
     )
     b.series(

@@ -65,6 +65,12 @@ def test_progress_is_identical_monotone_and_exact_at_each_end(mode: list[str]) -
             assert values == sorted(values), (epoch, key, values)
         last = epoch_rows[-1]
         assert last["epoch_steps_exact"] and last["epoch_steps_estimate"] == len(epoch_rows)
+        # exact from the round planning the epoch's last step on: a suffix, with the true count
+        exact = [p["epoch_steps_exact"] for p in epoch_rows]
+        assert exact == sorted(exact), exact
+        assert {p["epoch_steps_estimate"] for p in epoch_rows if p["epoch_steps_exact"]} == {
+            len(epoch_rows)
+        }
         assert last["epoch_sample_fraction"] == 1.0 and last["epoch_token_fraction"] == 1.0
         assert all(p["epoch_sample_fraction"] < 1.0 for p in epoch_rows[:-1])
     jobs = [p["job_fraction"] for _, _, p in rows]

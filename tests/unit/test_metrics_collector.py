@@ -162,3 +162,24 @@ def test_cost_model_families_show_the_fixed_model_until_a_fit_is_used():
     assert errors == {"fitted": 0.03, "fixed": 0.2}
     assert f["odbd_cost_model_observations"].samples[0].value == 512
     assert f["odbd_cost_model_learned"].samples[0].value == 1
+
+
+def test_trained_families_count_delivered_steps_apart_from_planned_ones():
+    from odbd.daemon.trained import StepCounts
+
+    stats = DaemonStats.for_config(config(epochs=2), 100)
+    before = families(render(stats))
+    for name in ("odbd_delivered_samples", "odbd_delivered_loss_tokens", "odbd_trained_epochs"):
+        assert [s.value for s in before[name].samples] == [0.0, 0.0], name  # ranks 2 and 3
+    stats.trained.ranks[3].add(0, 0, StepCounts(5, 50, 45, 60, 9, epoch_last=True))
+    stats.planned_epoch_steps, stats.planned_epoch_steps_exact = 12, True
+    after = families(render(stats))
+
+    def value(name: str, rank: str = "3") -> float:
+        return next(s.value for s in after[name].samples if s.labels.get("rank") == rank)
+
+    assert value("odbd_delivered_samples") == 5 and value("odbd_delivered_loss_tokens") == 50
+    assert value("odbd_delivered_padded_tokens") == 60 and value("odbd_trained_epochs") == 1
+    assert value("odbd_delivered_samples", "2") == 0
+    assert after["odbd_epoch_steps_estimate"].samples[0].value == 12
+    assert after["odbd_epoch_steps_exact"].samples[0].value == 1

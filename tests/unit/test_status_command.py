@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import socket as socketlib
 from collections.abc import Iterator
 from concurrent import futures
@@ -94,3 +95,14 @@ def test_bad_status_input_exits_2_with_one_line(argv, environ, names, capsys):
         status.main(argv, environ=environ)
     err = capsys.readouterr().err
     assert stop.value.code == 2 and names in err and err.count("\n") == 1, err
+
+
+@pytest.mark.timeout(60)
+def test_status_json_is_one_object_with_counts_as_numbers(daemon_socket, capsys):
+    assert status.main(["--socket", daemon_socket, "--json"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("\n") == 1
+    reply = json.loads(out)
+    assert reply["job_id"] == "from-the-env-socket" and reply["phase"] == "running"
+    # uint64 fields: numbers (proto3's JSON mapping would give "0"), zeros included
+    assert reply["planned_steps"] == 0 and reply["trained_samples_per_s"] == 0.0

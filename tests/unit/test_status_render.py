@@ -50,3 +50,32 @@ def test_status_shows_the_cost_model_in_use_and_its_fit() -> None:
     text = render(reply(cost_model=fitted))
     assert "cost model auto: learned a=1 b=0.002 c=1500" in text
     assert "2e-06 s/token, 4e-09 s/token², 3 ms/step, error 3.1% (fixed model 25.0%)" in text
+
+
+def test_status_separates_planned_from_trained_with_throughput_and_padding() -> None:
+    rank = admin_pb2.RankStatus(
+        rank=0, attached=True, queued_steps=40, delivered_steps=28, wait_s=1.0, compute_s=99.0,
+        delivered_samples=700, delivered_loss_tokens=70000, delivered_real_tokens=75000,
+        delivered_padded_tokens=100000, trained_epoch=0, trained_epoch_steps=28,
+    )  # fmt: skip
+    text = render(
+        reply(
+            ranks=[rank], phase="draining", planned_epoch=1, planned_epoch_steps=31,
+            planned_epoch_steps_exact=True, planned_epoch_steps_so_far=31, planned_steps=62,
+            trained_epoch=0, trained_epoch_steps=28, trained_epoch_planned_steps=31,
+            trained_epoch_samples=1400, trained_samples_per_s=12.5, trained_tokens_per_s=1250,
+            rate_window_s=30,
+        )
+    )  # fmt: skip
+    assert "phase draining (every step planned; trainers still to take 40)" in text
+    assert "planned  epoch 1 step 31 of 31  steps 62" in text
+    assert "trained  epoch 0 step 28 of 31  samples 1400 (every rank)" in text
+    assert "node 12.5 samples/s  1250 tokens/s (last 30 s)" in text
+    assert "delivered  padding 25.0%  overlap 99.0%  queued 40 steps" in text
+
+
+def test_status_before_any_delivery_says_nothing_was_trained() -> None:
+    idle = admin_pb2.RankStatus(rank=0, attached=False, queued_steps=9)
+    text = render(reply(ranks=[idle], planned_epoch_steps=13, planned_epoch_steps_so_far=9))
+    assert "planned  epoch 0 step 9 of ~13" in text
+    assert "trained  nothing yet" in text

@@ -13,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from odbd.daemon.round_loop import RoundLoop
+from odbd.planner.estimate import round_estimates
 from odbd.planner.progress import (
     JobShape,
     Progress,
@@ -131,6 +132,7 @@ def _reference_plan_progress(
             steps_before_epoch=steps_before[epoch],
         )
         progress.append(step_progress(job, facts))
+        loop.facts.append(facts)
     return progress
 
 
@@ -147,6 +149,8 @@ def _fake_loop(n: int, epochs: int, join: bool, rejected: int) -> SimpleNamespac
         planned_tokens=0,
         token_floor={},
         _mean_tokens=lambda plan: 0.0,  # no offers here: the pre-issue-23 token fraction
+        held_estimates={},  # RoundLoop's, for planner.estimate
+        facts=[],  # the reference's StepFacts of the last round
     )
 
 
@@ -188,9 +192,20 @@ def test_plan_progress_is_the_per_step_loop(
             ours.steps_in_epoch[e] += 1
         theirs.steps_in_epoch = Counter(ours.steps_in_epoch)  # as _number_steps left them
         got = RoundLoop._plan_progress(ours, plan, quota, step_epochs, numbers)  # type: ignore[arg-type]
-        want = _reference_plan_progress(
+        theirs.facts = []
+        per_step = _reference_plan_progress(
             theirs, samples.tolist(), (samples * 7).tolist(), final, quota, step_epochs, numbers
         )
+        # then one estimate per round and epoch (planner/estimate.py), as the daemon does
+        job = JobShape(dataset_size=n, epochs=epochs)
+        settled = round_estimates(
+            job,
+            StepFactsColumns.of_rows(theirs.facts),
+            ProgressColumns.of_rows(per_step),
+            theirs.held_estimates,
+        )
+        theirs.held_estimates = settled.held
+        want = [settled.progress.row(i) for i in range(len(per_step))]
         assert [_bits(got.row(i)) for i in range(len(want))] == [_bits(p) for p in want]
         assert ours.epoch_emitted == theirs.epoch_emitted
         assert ours.epoch_tokens == theirs.epoch_tokens

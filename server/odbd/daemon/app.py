@@ -73,6 +73,7 @@ from odbd.planner.config import Collate
 from odbd.round import RoundBarrier, RoundConfig
 from odbd.round.errors import HandshakeError
 from odbd.serve.admin_service import AdminService
+from odbd.serve.progress_status import progress_fields, trained_fields
 from odbd.serve.rank_queue import QueuedItem, RankQueue
 from odbd.serve.step_socket import StepServer
 from odbd.serve.trainer_service import LegacyTrainRefusal, TrainerService
@@ -130,6 +131,7 @@ class Daemon:
         self.rejections: list[Rejected] = []
         self._rejection_log = RejectionLog()
         self.stats = DaemonStats.for_config(config, dataset_size)
+        self.stats.trained.ranks = {rank: q.trained for rank, q in self.queues.items()}
         self.metrics_address = ""
         self.phase = "starting"
         self.journal: Journal | None = None
@@ -473,6 +475,7 @@ class Daemon:
                 delivered_steps=self.stats.rank(rank).delivered_steps,
                 wait_s=self.stats.rank(rank).wait_s,
                 compute_s=self.stats.rank(rank).compute_s,
+                **trained_fields(q.trained),
             )
             for rank, q in sorted(self.queues.items())
         ]
@@ -497,6 +500,7 @@ class Daemon:
             last_error=self.last_error,
             waiting_for=loop.waiting_for if loop else "",
             cost_model=self._cost_model_status(),
+            **progress_fields(self.stats, time.monotonic()),
         )
 
     def _cost_model_status(self) -> admin_pb2.CostModelStatus:
@@ -566,6 +570,9 @@ class Daemon:
         rank_stats.wait_s += delivered.wait_s
         rank_stats.compute_s += delivered.compute_s
         rank_stats.delivered_steps += max(delivered.steps, 1)
+        took_s = delivered.wait_s + delivered.compute_s
+        for line in self.stats.trained.on_report(time.monotonic(), took_s):
+            log.info("%s", line)
         if self.loop is not None:
             for timed in delivered.measured:
                 self.loop.cost.measured(rank, timed.epoch, timed.step, timed.compute_s)

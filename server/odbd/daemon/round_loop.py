@@ -36,6 +36,7 @@ from odbd.daemon.end_requests import (
 from odbd.daemon.journal import Journal, ResumeState
 from odbd.daemon.node_state import Locations, NodeState
 from odbd.daemon.rewind import fresh_node_failure
+from odbd.daemon.trained import StepCounts, steps_trained
 from odbd.daemon.updates import UpdateNumbering
 from odbd.errors import InvariantError, OdbdError
 from odbd.ingest.lanes import Lanes
@@ -50,6 +51,7 @@ from odbd.ingest.schema_vote import schema_disagreement
 from odbd.metrics.stats import DaemonStats
 from odbd.planner.config import Collate, PlannerConfig
 from odbd.planner.cost_fit import FitConfig, FitState
+from odbd.planner.estimate import round_estimates
 from odbd.planner.progress import (
     JobShape,
     ProgressColumns,
@@ -217,6 +219,7 @@ class RoundLoop:
         self.planned_samples = 0
         self.planned_tokens = 0
         self.token_floor: dict[int, float] = {}  # epoch -> its last step's token fraction
+        self.held_estimates: dict[int, int] = {}  # epoch -> its steps as estimated last round
         self.updates = UpdateNumbering(self.state.planner, stats)
         # --max-updates: optimizer updates planned so far over every epoch; `capped` once the
         # round holding the job's last update is planned (the steps after it are not run).
@@ -529,6 +532,9 @@ class RoundLoop:
             if unit.unit in local:
                 self._queue_unit(plan, unit, step_epochs, step_numbers, progress, updates)
         self._record_steps(plan, kept)
+        self.stats.record_planned(
+            step_epochs, step_numbers, progress.epoch_steps_estimate, progress.epoch_steps_exact
+        )
         self._advance_epochs(plan, step_epochs)
         if self.capped:
             self._end_job(f"--max-updates {self.config.max_updates} reached")
@@ -744,7 +750,10 @@ class RoundLoop:
         progress = steps_progress(job, facts)
         for epoch, fraction in zip(step_epochs, progress.epoch_token_fraction, strict=True):
             self.token_floor[epoch] = fraction  # the last step of each epoch in the round wins
-        return progress
+        # One estimate per round and epoch, held while near (planner/estimate.py).
+        settled = round_estimates(job, facts, progress, self.held_estimates)
+        self.held_estimates = settled.held
+        return settled.progress
 
     def _mean_tokens(self, plan: RoundPlan) -> float:
         """Loss tokens per sample over every sample ingested so far, as every daemon sees it:
@@ -875,7 +884,15 @@ class RoundLoop:
         if update is not None:
             batch.update.CopyFrom(update)
         freed = [emitted.locations.take(rows)] if not idle else []
-        return QueuedItem(epoch, number, batch.SerializeToString(), freed)
+        counts = StepCounts(
+            samples=facts.num_samples[step][rank],
+            loss_tokens=facts.num_tokens[step][rank],
+            real_tokens=facts.real_tokens[step][rank],
+            padded_tokens=facts.padded_tokens[step][rank],
+            global_samples=facts.global_num_samples[step],
+            epoch_last=progress.epoch_steps_exact and number + 1 == progress.epoch_steps_estimate,
+        )
+        return QueuedItem(epoch, number, batch.SerializeToString(), freed, counts)
 
     def _learn_schema(self, where: tuple[int, int], nbytes: int) -> None:
         meta = read_meta(self.read_sample(where[0], where[1], nbytes))
@@ -931,14 +948,19 @@ class RoundLoop:
                 epoch_rejection_summary(epoch, tally.rejected, self.state.dataset_size),
                 self.config.max_reject_fraction,
             )
+        # Planned, not trained: the queues hold up to --steps-ahead of its steps (a small epoch
+        # is planned whole at start-up). "epoch N trained" follows when the trainers took it.
+        taken = steps_trained(epoch, [q.trained for q in self.queues.values()])
         log.info(
-            "epoch %d done: %d steps, %d samples, %d identities of %d, rejected %s",
+            "epoch %d planned: %d steps, %d samples, %d identities of %d, rejected %s; "
+            "trained so far: %s",
             epoch,
             tally.steps,
             tally.samples,
             end.num_identities,
             self.state.dataset_size,
             dict(tally.rejected) or "none",
+            "every step" if taken is None else f"{taken} of its {tally.steps} steps",
         )
         for queue in self.queues.values():
             queue.push([QueuedItem(epoch, -1, trainer_pb2.TrainerEvent(epoch_end=end))])
@@ -1105,6 +1127,7 @@ class _StepColumns:
     num_samples: list[list[int]]  # [step][rank]
     num_tokens: list[list[int]]  # [step][rank]
     padded_tokens: list[list[int]]  # [step][rank]
+    real_tokens: list[list[int]]  # [step][rank]
     global_num_samples: list[int]  # [step]
     global_num_tokens: list[int]  # [step]
     slot_sum_sq: list[float]  # [slot]: sum of squared lengths (the cost model's l^2 feature)
@@ -1119,6 +1142,7 @@ class _StepColumns:
             stats.num_samples.tolist(),
             stats.num_tokens.tolist(),
             stats.padded_tokens.tolist(),
+            stats.real_tokens.tolist(),
             stats.global_num_samples.tolist(),
             stats.global_num_tokens.tolist(),
             _slot_sums(lengths * lengths, unit.slot_offsets, num_slots),

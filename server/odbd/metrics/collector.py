@@ -57,6 +57,7 @@ class DaemonCollector(Collector):
         info.add_metric([VERSION, str(s.node_rank)], 1)
         yield info
         yield from self._rank_families(s)
+        yield from _trained_families(s)
         yield from self._global_families(s)
         yield from self._ingest_families(s)
         yield from _cost_model_families(s)
@@ -73,12 +74,12 @@ class DaemonCollector(Collector):
 
     def _rank_families(self, s: DaemonStats) -> Iterator[Metric]:
         fields = (
-            ("steps_total", "steps served to the rank", "steps"),
-            ("idle_steps_total", "alignment fillers served to the rank", "idle_steps"),
-            ("emitted_samples_total", "samples served to the rank", "samples"),
-            ("real_tokens_total", "real (unpadded) tokens served", "real_tokens"),
-            ("padded_tokens_total", "padded tokens (max length x count) served", "padded_tokens"),
-            ("loss_tokens_total", "loss-bearing tokens served", "loss_tokens"),
+            ("steps_total", "steps planned for the rank (queued or delivered)", "steps"),
+            ("idle_steps_total", "alignment fillers planned for the rank", "idle_steps"),
+            ("emitted_samples_total", "samples planned for the rank", "samples"),
+            ("real_tokens_total", "real (unpadded) tokens planned", "real_tokens"),
+            ("padded_tokens_total", "padded tokens (max length x count) planned", "padded_tokens"),
+            ("loss_tokens_total", "loss-bearing tokens planned", "loss_tokens"),
             ("trainer_wait_seconds_total", "time the trainer blocked in next()", "wait_s"),
             ("trainer_compute_seconds_total", "time the trainer spent between next()", "compute_s"),
             ("delivered_steps_total", "steps the trainer acknowledged", "delivered_steps"),
@@ -101,7 +102,11 @@ class DaemonCollector(Collector):
             ("rounds", "alignment rounds completed", s.rounds),
             ("alignment_splits", "groups split to reach a round's step count", s.splits),
             ("recirculated_samples", "samples returned to the buffer by alignment", s.recirculated),
-            ("epochs", "epochs completed", s.epochs_done),
+            (
+                "epochs",
+                "epochs planned in full (trained: odbd_trained_epochs_total)",
+                s.epochs_done,
+            ),
             (
                 "updates",
                 "optimizer updates planned (--accumulate / --tokens-per-update)",
@@ -121,7 +126,21 @@ class DaemonCollector(Collector):
             family = HistogramMetricFamily(name, help_text)
             family.add_metric([], h.cumulative(), sum_value=h.total)
             yield family
-        yield GaugeMetricFamily("odbd_epoch", "epoch being served", value=s.epoch)
+        yield GaugeMetricFamily(
+            "odbd_epoch",
+            "epoch being planned, ahead of training by the queued steps (odbd_trained_epoch)",
+            value=s.epoch,
+        )
+        yield GaugeMetricFamily(
+            "odbd_epoch_steps_estimate",
+            "steps of the epoch planned last, as estimated from the steps planned so far",
+            value=s.planned_epoch_steps,
+        )
+        yield GaugeMetricFamily(
+            "odbd_epoch_steps_exact",
+            "1 once odbd_epoch_steps_estimate is exact (the epoch's last step is planned)",
+            value=int(s.planned_epoch_steps_exact),
+        )
         yield GaugeMetricFamily(
             "odbd_job_quota_samples",
             "samples the job emits in all: epochs x N (0 = endless)",
@@ -136,7 +155,7 @@ class DaemonCollector(Collector):
         )
         yield GaugeMetricFamily(
             "odbd_epoch_emitted_samples",
-            "samples emitted this epoch, every rank",
+            "samples planned this epoch, every rank (trained: odbd_delivered_samples_total)",
             value=s.epoch_samples,
         )
         yield GaugeMetricFamily(
@@ -181,6 +200,39 @@ class DaemonCollector(Collector):
         for reason in sorted(set(KNOWN_REJECT_REASONS) | set(s.rejected)):
             rejected.add_metric([reason], s.rejected[reason])
         yield rejected
+
+
+_TRAINED = (
+    # (name without odbd_, type, help, RankTrained attribute)
+    ("delivered_samples", "counter", "samples in the steps the trainer took", "samples"),
+    ("delivered_loss_tokens", "counter", "loss-bearing tokens the trainer took", "loss_tokens"),
+    ("delivered_real_tokens", "counter", "real (unpadded) tokens the trainer took", "real_tokens"),
+    (
+        "delivered_padded_tokens",
+        "counter",
+        "padded tokens the trainer took (1 - real / padded: its padding)",
+        "padded_tokens",
+    ),
+    ("trained_epochs", "counter", "epochs whose last step the trainer took", "epochs_trained"),
+    ("trained_epoch", "gauge", "epoch of the newest step the trainer took", "epoch"),
+    (
+        "trained_epoch_steps",
+        "gauge",
+        "steps of odbd_trained_epoch up to the newest the trainer took",
+        "epoch_steps",
+    ),
+)
+
+
+def _trained_families(s: DaemonStats) -> Iterator[Metric]:
+    """Per local rank, what its trainer took (daemon/trained.py), apart from the planned
+    families above: the queue holds up to --steps-ahead planned steps between the two."""
+    for name, kind, help_text, attr in _TRAINED:
+        family_type = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
+        family = family_type(f"odbd_{name}", help_text, labels=["rank"])
+        for rank, trained in sorted(s.trained.ranks.items()):
+            family.add_metric([str(rank)], getattr(trained, attr))
+        yield family
 
 
 COST_TERMS = ("tokens", "sq", "const")  # a per padded token, b per squared length, c per step

@@ -11,6 +11,7 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from odbd.daemon.trained import NodeTrained, RankTrained
 from odbd.planner.config import CostModel
 
 if TYPE_CHECKING:
@@ -79,7 +80,16 @@ class DaemonStats:
     cost_fit: CostFit | None = None  # the cost model fit of the last round (cost_fit.py)
     cost_learned: bool = False  # the planner used the fitted model in the last round
     fixed_cost: CostModel = field(default_factory=CostModel)  # what it uses otherwise
-    epoch: int = 0
+    epoch: int = 0  # being planned (ahead of training by the queued steps)
+    # The epoch planned last: its steps so far and after, as the planner estimates them, exact
+    # once it planned the epoch's last step (planner/progress.py), and its steps planned so far.
+    planned_epoch: int = 0  # epoch of the step planned last
+    planned_epoch_steps: int = 0
+    planned_epoch_steps_exact: bool = False
+    planned_epoch_steps_so_far: int = 0
+    exact_epoch_steps: dict[int, int] = field(default_factory=dict)  # epoch -> steps, recent
+    # What the local ranks' trainers took (daemon/trained.py): the queues' own RankTrained.
+    trained: NodeTrained = field(default_factory=NodeTrained)
     epoch_samples: int = 0  # emitted this epoch, every rank
     epoch_identities: int = 0
     epochs_done: int = 0
@@ -114,6 +124,21 @@ class DaemonStats:
             self.update_steps.observe(n)
             self.update_tokens.observe(t)
 
+    def record_planned(
+        self, epochs: list[int], numbers: list[int], estimates: list[int], exact: list[bool]
+    ) -> None:
+        """A round's kept steps (epoch, number, epoch length estimate, exact): where planning
+        stands, and the exact lengths `odbd status` shows next to the trainers' position."""
+        if not epochs:
+            return
+        self.planned_epoch, self.planned_epoch_steps_so_far = epochs[-1], numbers[-1] + 1
+        self.planned_epoch_steps, self.planned_epoch_steps_exact = estimates[-1], exact[-1]
+        for epoch, steps, known in zip(epochs, estimates, exact, strict=True):
+            if known:
+                self.exact_epoch_steps[epoch] = steps
+        for epoch in sorted(self.exact_epoch_steps)[:-8]:  # the trainers' recent epochs only
+            del self.exact_epoch_steps[epoch]
+
     @classmethod
     def for_config(cls, config: DaemonConfig, dataset_size: int) -> DaemonStats:
         """Stats with every local rank present from the start.
@@ -131,6 +156,7 @@ class DaemonStats:
         )
         for rank in config.local_ranks:
             stats.rank(rank)
+            stats.trained.ranks[rank] = RankTrained()  # the daemon puts its queues' in place
         return stats
 
     def rank(self, rank: int) -> RankStats:

@@ -295,8 +295,7 @@ def _exact_in_float64(job: JobShape, facts: StepFactsColumns) -> bool:
     return (
         0 <= n
         and job.epochs < _EXACT_INT
-        and min(facts.step) >= 0
-        and done_max + 1 < _EXACT_INT  # done + 1 in int64 (no consumed, no remaining)
+        and 0 <= min(facts.step) <= max(facts.step) < _EXACT_INT - 2  # done + 1 in int64
         and max(facts.consumed) < _EXACT_INT
         and remaining_max * done_max < _EXACT_INT  # remaining * done, and remaining itself
         and -_EXACT_INT < min(facts.emitted)

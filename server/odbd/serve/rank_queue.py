@@ -23,6 +23,7 @@ from typing import Any
 from odbclient.wire.odbd.v1 import trainer_pb2
 from odbd.daemon.node_state import Locations
 from odbd.daemon.rewind import DEFAULT_REWIND_STEPS, StepHistory
+from odbd.daemon.trained import RankTrained, StepCounts
 
 
 @dataclass(slots=True)
@@ -33,6 +34,7 @@ class QueuedItem:
     # encoded once when planned however often it is sent (trainer_service._steps_event)
     event: Any
     locations: list[Locations] = field(default_factory=list)
+    counts: StepCounts | None = None  # a step's: what delivering it adds to `RankQueue.trained`
 
     @property
     def is_step(self) -> bool:
@@ -64,6 +66,7 @@ class RankQueue:
         self._changed = asyncio.Event()
         self._clock = clock
         self.delivered_steps = 0
+        self.trained = RankTrained()  # the delivered steps' samples and tokens (trained.py)
         # (epoch, step) of the newest step a trainer reported delivered: its shared memory is
         # freed, so it can never be sent again (a resume point at or before it is refused).
         self.last_delivered: tuple[int, int] | None = None
@@ -213,6 +216,8 @@ class RankQueue:
                     break
                 delivered += 1
                 last = head
+                if head.counts is not None:
+                    self.trained.add(head.epoch, head.step, head.counts)
             elif head.job_end is not None:
                 break  # stays queued: a trainer that connects later is told the job's end too
             items.popleft()
