@@ -12,7 +12,8 @@ it belongs to), per optimizer step {"global_step", "epoch", "step", "lr", "fract
 epoch 1, the rank trains N more steps (0: none, it hangs right after saving), writes
 DIR/hung{r} and waits to be killed (the test SIGKILLs every process of the job: a crash
 between two checkpoints).
-`--resume`: `train(resume_from_checkpoint=True)`.
+`--resume`: `train(resume_from_checkpoint=True)`. `--max-steps N`: the Trainer's own cap (on an
+endless `--epochs 0` job: every rank calls end_job() at it).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ def main() -> int:
     p.add_argument("--resume", action="store_true")
     p.add_argument("--grad-accum", type=int, default=1, help="odbd's --accumulate")
     p.add_argument("--save-steps", type=int, default=3)
+    p.add_argument("--max-steps", type=int, default=-1, help="the Trainer's max_steps")
     args = p.parse_args()
     torch.set_num_threads(1)
     rank = int(os.environ["RANK"])
@@ -112,6 +114,7 @@ def train(args: argparse.Namespace, client: ODBClient, rank: int, report: Any) -
         report_to=[],
         save_strategy="steps",
         save_steps=args.save_steps,
+        max_steps=args.max_steps,
         save_total_limit=2,  # older checkpoints are rotated away
         logging_steps=1,
         disable_tqdm=True,

@@ -193,3 +193,66 @@ def check_exact_resume(
         for rank in range(WORLD):
             saved = json.loads((path / f"odbd_client_rank{rank}.json").read_text())
             assert (saved["rank"], saved["world_size"], saved["job_id"]) == (rank, WORLD, job_id)
+
+
+def test_hf_trainer_with_max_steps_resumes_on_the_running_daemons_and_ends_the_job(
+    tmp_path: Path,
+) -> None:
+    """Issue 23: the way most fine-tuning runs end. `max_steps` on an endless (`--epochs 0`)
+    job of two daemons, one rank each; a crash two steps past the first checkpoint of epoch 1;
+    torchrun again with resume_from_checkpoint=True against the daemons that kept running. The
+    lost steps come back with the same samples, the Trainer's linear LR over max_steps goes on
+    as if uninterrupted, each rank trains exactly max_steps updates, no sample twice in an
+    epoch, and at the cap every rank's end_job() ends the job: torchrun and both daemons exit 0.
+    """
+    size, max_steps, hang_after = 48, 18, 2
+    out = tmp_path / "job"
+    out.mkdir()
+    args = daemon_args(size=size, accumulate=1, state_dir=tmp_path / "state")
+    args[args.index("--epochs") + 1] = "0"  # endless: only the Trainer's cap ends it
+    trainer_args = ["--save-steps", "3", "--max-steps", str(max_steps)]
+    cluster = LocalCluster(ClusterSpec(nodes=2, ranks_per_node=1, daemon_args=args))
+    sockets = [cluster.sockets[cluster.node_of(rank)] for rank in range(WORLD)]
+    job = None
+    try:
+        cluster.start()
+        job = start_torchrun(out, sockets, *trainer_args, "--hang-after-checkpoint", "2")
+        run1 = crash_past_the_checkpoint(
+            job, out, cluster.sockets, SCRIPT, lambda: logs(out, cluster)
+        )
+        checkpoint = optimizer_steps(run1[0])[-1]["global_step"] - hang_after
+        assert checkpoint + hang_after < max_steps, logs(out, cluster)  # the crash comes first
+        job = start_torchrun(out, sockets, *trainer_args, "--resume")
+        assert job.wait(timeout=scaled(150)) == 0, logs(out, cluster)
+        assert cluster.wait(scaled(60)) == [0, 0], logs(out, cluster)
+    finally:
+        if job is not None and job.poll() is None:
+            kill_job(job, out, SCRIPT)
+        cluster.stop()
+    assert cluster.leftover_segments() == []
+    assert all("rewinding" in cluster.log(n) for n in range(2)), logs(out, cluster)
+    trained: dict[int, list[dict]] = {}
+    for rank in range(WORLD):
+        records = records_of(out, rank)
+        resumed, done = records[len(run1[rank]) :], records[-1]
+        lost = [r for r in micro(run1[rank]) if r["update"] > checkpoint]
+        assert len(lost) == hang_after
+        again = micro(resumed)[: len(lost)]
+        assert [(r["epoch"], r["step"], r["ids"]) for r in again] == [
+            (r["epoch"], r["step"], r["ids"]) for r in lost
+        ], rank
+        trained[rank] = [r for r in micro(run1[rank]) if r["update"] <= checkpoint]
+        trained[rank] += micro(resumed)
+        assert_steps_follow_on(rank, trained[rank])
+        updates = [r for r in optimizer_steps(run1[rank]) if r["global_step"] <= checkpoint]
+        updates += optimizer_steps(resumed)
+        assert [r["global_step"] for r in updates] == list(range(1, max_steps + 1))
+        for record in updates:  # linear over max_steps, resumed as if never interrupted
+            expected = LR * (1.0 - (record["global_step"] - 1) / max_steps)
+            assert record["lr"] == pytest.approx(expected, rel=1e-9, abs=1e-15), record
+        assert done["done"] and done["global_step"] == max_steps == done["max_steps"], done
+    epochs = {r["epoch"] for rank in trained for r in trained[rank]}
+    for epoch in epochs:  # within an epoch, no sample twice over the ranks
+        ids = [i for rank in trained for r in trained[rank] if r["epoch"] == epoch
+               for i in r["ids"]]  # fmt: skip
+        assert len(ids) == len(set(ids)), (epoch, ids)  # 48 samples: no tail repeats

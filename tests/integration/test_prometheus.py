@@ -275,6 +275,7 @@ def expected_from_daemons(expositions: list[str]) -> dict[str, float]:
             totals["odbd_trainer_compute_seconds_total"] + totals["odbd_trainer_wait_seconds_total"]
         ),
         "quota": job["odbd_global_samples_total"] / job["odbd_job_quota_samples"],
+        "quota_samples": job["odbd_job_quota_samples"],
         "epoch_progress": job["odbd_epoch_emitted_samples"] / job["odbd_epoch_quota_samples"],
     }
     for (name, rank), value in per_rank.items():
@@ -429,8 +430,13 @@ def check_dashboard(prometheus: Prometheus, expected: dict[str, float], world: i
         # pooled ratio.
         job_now = prometheus.scalar(instant(job_expr))
         assert min(got.values()) - 1e-9 <= job_now <= max(got.values()) + 1e-9, title
-    quota_job, quota_rank = panels["Job quota"]
+    quota_job, quota_trained, quota_rank = panels["Job quota"]
     assert prometheus.scalar(instant(quota_job)) == pytest.approx(expected["quota"], rel=1e-9)
+    # trained: the samples of the delivered steps over every daemon (the job ran to its end)
+    delivered = sum(rank_value(expected, "odbd_delivered_samples_total", r) for r in ranks)
+    assert delivered > 0
+    trained = prometheus.scalar(instant(quota_trained))
+    assert trained == pytest.approx(delivered / expected["quota_samples"], rel=1e-9)
     share = SIZE / world
     for m, v in prometheus.query(instant(quota_rank)):
         want = rank_value(expected, "odbd_emitted_samples_total", m["rank"]) / share
