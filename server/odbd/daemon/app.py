@@ -330,6 +330,7 @@ class Daemon:
             tls=config.peer_tls,
             join_timeout_s=config.join_timeout_s,
             round_timeout_s=config.round_timeout_s,
+            from_journal=self.journal_records is not None,
         )
 
     async def _serve_socket(self, trainer: TrainerService) -> None:
