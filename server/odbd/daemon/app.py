@@ -500,6 +500,7 @@ class Daemon:
             phase=self.phase,
             last_error=self.last_error,
             waiting_for=loop.waiting_for if loop else "",
+            ending=loop.ending_status(time.monotonic()) if loop else "",
             cost_model=self._cost_model_status(),
             **progress_fields(self.stats, time.monotonic()),
         )
