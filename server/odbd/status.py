@@ -130,6 +130,8 @@ def render(reply: admin_pb2.StatusReply) -> str:
         )
     if reply.HasField("cost_model"):
         lines.append(_cost_model(reply.cost_model))
+    if reply.ending:
+        lines.append(f"ending   {reply.ending}")
     if reply.waiting_for:
         lines.append(f"next round waits because {reply.waiting_for}")
     if reply.last_error:
@@ -140,6 +142,8 @@ def render(reply: admin_pb2.StatusReply) -> str:
 def _phase_note(reply: admin_pb2.StatusReply) -> str:
     """Draining: planning ended, not training (the issue: 'draining' read as 'almost done')."""
     queued = sum(r.queued_steps for r in reply.ranks)
+    if reply.ending:  # steps queued past the end point are dropped, not taken
+        return " (ending: see the ending line)"
     if reply.phase == "draining" and queued:
         return f" (every step planned; trainers still to take {queued})"
     return ""

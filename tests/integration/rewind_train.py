@@ -10,7 +10,9 @@ epoch's loop ended. A --kill entry [run, rank, epoch, step] SIGKILLs that rank o
 (TORCHELASTIC_RESTART_COUNT) right after it trained that step (-1: after the epoch's loop).
 Each trained step is a line of OUT/rank{r}.run{n}{tag}.jsonl: {"epoch", "step", "ids",
 "data": sums of the batch's input_ids and labels}; the first
-line of a run says what it loaded: {"loaded": state or null}.
+line of a run says what it loaded: {"loaded": state or null}; a step's line also holds its
+job_fraction. --until-job-end loops until the job ends (odbd --epochs 0 with --max-updates or
+end_job()); --end-at [run, epoch, step] calls end_job() after that step of that run.
 """
 
 from __future__ import annotations
@@ -46,6 +48,10 @@ def main() -> None:
     parser.add_argument("--step-s", type=float, default=0.0)  # a slow step (compute)
     parser.add_argument("--pg-timeout-s", type=float, default=60.0)
     parser.add_argument("--tag", default="")  # names this launch's record files
+    # an endless job (odbd --epochs 0 --max-updates N): loop until the job ends, whatever
+    # --epochs says; --end-at [[run, epoch, step]]: end_job() right after that step (every rank)
+    parser.add_argument("--until-job-end", action="store_true")
+    parser.add_argument("--end-at", type=json.loads, default=[])
     args = parser.parse_args()
     init_process_group(timedelta(seconds=args.pg_timeout_s))
     rank, run = dist.get_rank(), int(os.environ["TORCHELASTIC_RESTART_COUNT"])
@@ -62,7 +68,9 @@ def main() -> None:
     records = (args.out_dir / f"rank{rank}.run{run}{args.tag}.jsonl").open("a")
     records.write(json.dumps({"loaded": loaded}) + "\n")
     records.flush()
-    for epoch in range(client.epoch, args.epochs):
+    end_at = {(e, s) for r, e, s in args.end_at if r == run}
+    epoch = client.epoch
+    while (epoch < args.epochs or args.until_job_end) and not client.job_ended:
         for batch in client:
             in_step = torch.tensor([float(batch.step)])
             dist.all_reduce(in_step)
@@ -71,7 +79,8 @@ def main() -> None:
             ids = [int(i) for i in batch.sample_ids]
             # what the shared memory held: a rewound step's samples lie at new locations
             data = [int(batch["input_ids"].sum()), int(batch["labels"].sum())] if ids else []
-            record = {"epoch": batch.epoch, "step": batch.step, "ids": ids, "data": data}
+            record = {"epoch": batch.epoch, "step": batch.step, "ids": ids, "data": data,
+                      "fraction": batch.progress.job_fraction}  # fmt: skip
             records.write(json.dumps(record))
             records.write("\n")
             records.flush()
@@ -79,10 +88,14 @@ def main() -> None:
                 save(args.out_dir, rank, client)
             if (batch.epoch, batch.step) in kills:
                 os.kill(os.getpid(), signal.SIGKILL)
+            if (batch.epoch, batch.step) in end_at:
+                client.end_job()
+                break
         if (epoch, -1) in saves:
             save(args.out_dir, rank, client)
         if (epoch, -1) in kills:
             os.kill(os.getpid(), signal.SIGKILL)
+        epoch += 1
     client.close()
     records.write(json.dumps({"done": True}) + "\n")
     records.close()

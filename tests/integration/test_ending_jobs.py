@@ -22,8 +22,9 @@ import pytest
 
 from odbclient import ODBClient
 from odbclient.errors import JobFailedError
+from odbd import status
 from odbd.demo.cluster import ClusterSpec, LocalCluster
-from tests.integration.harness import scaled, synthetic_args
+from tests.integration.harness import admin_status, poll_until, scaled, synthetic_args
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -294,3 +295,48 @@ def test_a_sigterm_right_after_end_job_is_not_steps_lost() -> None:
         assert _exit_codes_soon(cluster) == [0, 0], cluster.log(0)
         logs = cluster.log(0) + cluster.log(1)
     assert "lost" not in logs and "undelivered" not in logs, logs
+
+
+def test_status_says_who_called_end_job_and_who_the_job_waits_for(capsys) -> None:
+    """Rank 0 called end_job() and rank 1 is still in its step: status said `phase running`
+    (or `draining ... trainers still to take 23`, steps past the end point that nobody will
+    take) and nothing of the end; now an ending line names both ranks and the deadline."""
+    spec = _spec(1, 2, "--epochs", "0", "--end-timeout", "60")
+    release = threading.Event()
+    errors: list[BaseException] = []
+
+    def train(rank: int, socket: str) -> None:
+        try:
+            with ODBClient(rank=rank, socket=socket, deadline_s=scaled(60)) as client:
+                taken = 0
+                while not client.job_ended:
+                    for _ in client:
+                        taken += 1
+                        if taken == 4:
+                            if rank == 1:
+                                release.wait(scaled(60))
+                            client.end_job()
+                            break
+        except BaseException as error:  # reported by the test thread
+            errors.append(error)
+
+    with LocalCluster(spec) as cluster:
+        cluster.wait_sockets()
+        socket = cluster.sockets[0]
+        threads = [threading.Thread(target=train, args=(r, socket)) for r in range(2)]
+        for t in threads:
+            t.start()
+        try:
+            poll_until(lambda: admin_status(socket).ending != "", "rank 0 called end_job()")
+            assert status.main(["--socket", socket]) == 0
+            text = capsys.readouterr().out
+        finally:
+            release.set()
+            for t in threads:
+                t.join(timeout=scaled(60))
+        assert not errors and _exit_codes_soon(cluster) == [0], (errors, cluster.log(0))
+    line = re.search(r"^ending   end_job\(\) called by rank 0 at epoch (\d+) step (\d+); "
+                     r"waiting for rank 1 \(the job fails in (\d+) s, --end-timeout 60 s\)$",
+                     text, re.M)  # fmt: skip
+    assert line, text
+    assert "(ending: see the ending line)" in text and "trainers still to take" not in text, text

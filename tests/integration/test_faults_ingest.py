@@ -284,6 +284,22 @@ def test_85_percent_failing_reads_fail_the_job_in_one_line_with_counts_ids_and_t
         print(f"\nFAULT 85 % failing reads: {fc.steps_seen(0)} steps trained, {errors[0]}")
 
 
+def test_the_next_epochs_rejections_count_in_their_own_epoch_budget():
+    """3 bad samples of 60 (5 %) under --max-reject-fraction 0.05 over 3 epochs: producers read
+    ahead into the next epoch while one is planned, and those rejections counted in the epoch
+    being planned: `epoch 0 rejected 4 of 60 samples (6.7 %)`, the job failed (found with
+    `--epochs 0 --max-updates` jobs, which loop over many epochs). Now each epoch counts 3."""
+    args = [*_bad("failing_reads", 60, percent=3), "--buffer", "8", "--epochs", "3",
+            "--max-reject-fraction", "0.05"]  # fmt: skip
+    with FaultCluster(nodes=1, ranks_per_node=2, daemon_args=args) as fc:
+        fc.start_trainers("--deadline-s", "120", "--epochs", "3")
+        daemon_codes, trainer_codes = fc.wait_done(60)
+        assert daemon_codes == [0] and trainer_codes == [0], fc.describe()
+        log = fc.log(0)
+    for epoch in range(3):
+        assert f"epoch {epoch} rejected 3 of 60 samples (5.00 %)" in log, log[-3000:]
+
+
 def test_an_empty_dataset_fails_before_the_first_round_and_the_trainers_are_told():
     """Before: the daemon exited 0 and logged nothing."""
     args = ["--dataset", f"{BAD_DATASET}:empty", "--workers", "1", "--buffer", "8"]

@@ -304,3 +304,68 @@ def test_a_checkpoint_older_than_rewind_steps_is_refused_naming_the_bound(tmp_pa
     for rank in range(WORLD):
         runs = runs_of(out, rank)
         assert [r for r in runs[1] if "step" in r] == [], "trained after the refusal"
+
+
+# -- with the job's end (issue 23's features together) ---------------------------------------
+
+END_CASES = [
+    # --max-updates 24 over epochs of ~15 steps: the checkpoint in epoch 0, the kill in epoch 1
+    pytest.param(["--max-updates", "24"], [[0, 4]], [[0, 1, 1, 3]], [], 24, id="max-updates"),
+    # rank 0 calls end_job() at step 8 while rank 1 dies there; both resume at step 3 and call
+    # it again at step 8 of run 1 (the first call's point stays recorded on node 0)
+    pytest.param(
+        ["--end-timeout", "60"],
+        [[0, 2]],
+        [[0, 1, 0, 8]],
+        [[0, 0, 8], [1, 0, 8]],  # [run, epoch, step]: every rank of that run
+        9,
+        id="end-job-across-the-kill",
+        marks=pytest.mark.soak,
+    ),  # fmt: skip
+]
+
+
+@pytest.mark.parametrize(("extra", "save_at", "kills", "ends", "steps"), END_CASES)
+def test_an_endless_job_rewinds_and_still_ends_after_exactly_its_steps(
+    tmp_path: Path, extra: list, save_at: list, kills: list, ends: list, steps: int
+) -> None:
+    """`--epochs 0` ended by --max-updates or end_job(), with a rank killed and both resumed
+    from an older checkpoint on the running daemons: counting the first run up to the
+    checkpoint, every rank trains exactly `steps` steps, the steps trained again hold the same
+    samples, job_fraction is (k + 1) / N from the checkpoint on, and everything exits 0."""
+    out = tmp_path / "job"
+    out.mkdir()
+    args = daemon_args()
+    args[args.index("--epochs") + 1] = "0"
+    cluster = LocalCluster(ClusterSpec(nodes=WORLD, ranks_per_node=1,
+                                       daemon_args=[*args, *extra]))  # fmt: skip
+    job = None
+    try:
+        cluster.start()
+        script = ["--until-job-end", "--save-at", json.dumps(save_at), "--kill", json.dumps(kills),
+                  "--end-at", json.dumps(ends)]  # fmt: skip
+        job = start_torchrun(out, cluster.sockets, 1, *script)
+        assert job.wait(timeout=scaled(200)) == 0, logs(out, cluster)
+        assert cluster.wait(scaled(60)) == [0, 0], logs(out, cluster)
+        text = logs(out, cluster)
+    finally:
+        if job is not None:
+            stop_torchrun(job, out)
+        cluster.stop()
+    assert "rewinding" in text and "lost" not in text and "undelivered" not in text, text
+    trained = []
+    for rank in range(WORLD):
+        first, second = runs_of(out, rank)
+        resume = position(second[0]["loaded"])
+        again = {(r["epoch"], r["step"]): r["data"] for r in first if "step" in r}
+        rows = [r for r in first if "step" in r and (r["epoch"], r["step"]) < resume]
+        rows += [r for r in second if "step" in r]
+        assert second[-1] == {"done": True}
+        for r in second:  # the steps trained again: the same bytes as the first time
+            if "step" in r and (r["epoch"], r["step"]) in again:
+                assert r["data"] == again[(r["epoch"], r["step"])], (rank, r)
+        assert len(rows) == steps, (rank, [(r["epoch"], r["step"]) for r in rows])
+        if "--max-updates" in extra:
+            assert [r["fraction"] for r in rows] == [(k + 1) / steps for k in range(steps)]
+        trained.append([(r["epoch"], r["step"]) for r in rows])
+    assert trained[0] == trained[1]

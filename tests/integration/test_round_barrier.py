@@ -574,3 +574,22 @@ def test_a_hub_whose_own_loop_was_blocked_past_the_deadline_blames_itself() -> N
             await close_all([hub, spoke])
 
     run(scenario())
+
+
+@pytest.mark.timeout(30)
+def test_a_hub_restarted_from_its_journal_names_the_spoke_that_kept_running() -> None:
+    """Only the hub restarted from --state-dir (found with a 2-node --max-updates job whose
+    spoke had planned every step and kept serving them): the spoke never joins again, and the
+    hub's join failure told the operator to 'start every daemon with the same --peers' while
+    node 1 ran; now it says to restart node 1's daemon with its --state-dir too."""
+
+    async def scenario() -> None:
+        hub = RoundBarrier(make_config(0, 2, "", join_timeout_s=0.5, from_journal=True))
+        with pytest.raises(HandshakeError) as failed:
+            await hub.start()
+        text = str(failed.value)
+        assert "node 1" in text and "restarted from its --state-dir journal" in text, text
+        assert "stop the daemon of node 1 too" in text and "same --peers" not in text, text
+        await hub.close()
+
+    run(scenario())

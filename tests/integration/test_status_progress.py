@@ -94,3 +94,52 @@ def test_status_during_a_slow_step_separates_planned_from_trained(capsys) -> Non
         assert planned < trained, log
     steps = [s for e, s, _, _ in seen if e == 0]
     assert "epoch 0 trained: " in log and len(steps) == max(steps) + 1
+
+
+def test_status_after_a_rewind_puts_the_trained_position_back_and_counts_deliveries() -> None:
+    """A trainer in epoch 1 resumes from its epoch 0 step 3 checkpoint on the running daemon
+    (a rewind): status's trained position goes back with the model (it said epoch 1 and 1
+    epoch trained while the trainer trained epoch 0 again), and the delivered totals count
+    the steps sent again, as delivered_steps always did (they disagreed: the samples and
+    tokens of the steps sent again were not counted, so samples/s missed the trainer's work)."""
+    spec = ClusterSpec(
+        nodes=1,
+        ranks_per_node=1,
+        daemon_args=[*synthetic_args(60), "--buffer", "8", "--shm-size", "64M", "--epochs", "2"],
+    )
+
+    def batches(client: ODBClient):
+        while not client.job_ended:
+            yield from client
+
+    with LocalCluster(spec) as cluster:
+        cluster.wait_sockets()
+        socket = cluster.sockets[0]
+        first: list[tuple[int, int, int, int]] = []  # (epoch, step, samples, global samples)
+        with ODBClient(rank=0, socket=socket, deadline_s=60, prefetch=1) as client:
+            for batch in batches(client):  # a batch is delivered once handed to the trainer
+                first.append((batch.epoch, batch.step, batch.num_samples,
+                              batch.global_num_samples))  # fmt: skip
+                if (batch.epoch, batch.step) == (0, 2):
+                    checkpoint = client.state_dict()
+                if batch.epoch == 1 and batch.step == 2:
+                    break
+            before = admin_status(socket)
+        assert (before.trained_epoch, before.epochs_trained) == (1, 1), before
+        with ODBClient(rank=0, socket=socket, deadline_s=60, prefetch=1) as client:
+            client.load_state_dict(checkpoint)  # epoch 0 step 3: a rewind
+            again = batches(client)
+            taken = [next(again), next(again)]
+            after = admin_status(socket)
+            assert [(b.epoch, b.step) for b in taken] == [(0, 3), (0, 4)]
+            for _ in again:
+                pass
+        assert cluster.wait(30) == [0], cluster.log(0)
+        assert "rewinding" in cluster.log(0), cluster.log(0)
+
+    assert (after.trained_epoch, after.trained_epoch_steps, after.epochs_trained) == (0, 5, 0)
+    assert after.trained_epoch_samples == sum(g for e, s, _, g in first if e == 0 and s < 5)
+    rank, earlier = after.ranks[0], before.ranks[0]
+    assert rank.delivered_steps == earlier.delivered_steps + 2 == len(first) + 2
+    assert rank.delivered_samples == earlier.delivered_samples + sum(b.num_samples for b in taken)
+    assert earlier.delivered_samples == sum(n for _, _, n, _ in first)

@@ -13,6 +13,7 @@ from odbclient.wire.odbd.v1 import trainer_pb2
 from odbd.daemon.node_state import Locations
 from odbd.daemon.remake import REMAKE_ATTEMPTS, Rewinder
 from odbd.daemon.rewind import StepHistory, Verdict, decide_resume, fresh_node_failure
+from odbd.daemon.trained import StepCounts
 from odbd.serve.rank_queue import QueuedItem, RankQueue
 
 
@@ -66,7 +67,7 @@ def test_history_keeps_the_last_steps_and_its_floor_follows_what_it_dropped() ->
     history.add(1, 3, "1/3")  # drops the marker and 1/0
     assert history.floor == (1, 1)
     taken = history.take_from((1, 2))
-    assert [(e, s) for e, s, _ in taken] == [(1, 2), (1, 3)]
+    assert [(e, s) for e, s, *_ in taken] == [(1, 2), (1, 3)]
     assert history.last_step() == (1, 1) and history.num_steps == 1
     history.put_back(taken)
     assert history.last_step() == (1, 3) and history.num_steps == 3
@@ -76,8 +77,8 @@ def test_take_from_the_next_epochs_first_step_leaves_the_epochs_end_behind() -> 
     history = StepHistory(limit=10)
     for item in [(0, 0), (0, 1), (0, -1), (1, 0)]:
         history.add(*item, "x")
-    assert [(e, s) for e, s, _ in history.take_from((1, 0))] == [(1, 0)]
-    assert [(e, s) for e, s, _ in history.take_from((0, 1))] == [(0, 1), (0, -1)]
+    assert [(e, s) for e, s, *_ in history.take_from((1, 0))] == [(1, 0)]
+    assert [(e, s) for e, s, *_ in history.take_from((0, 1))] == [(0, 1), (0, -1)]
 
 
 def batch(epoch: int, step: int, ids: list[int]) -> bytes:
@@ -107,7 +108,7 @@ def delivered_queue(steps: list[tuple[int, int, list[int]]]) -> RankQueue:
     queue.push(items)
     while queue.take_ready(100) is not None:
         pass
-    last = [(e, s) for e, s, _ in steps if s >= 0][-1]
+    last = [(e, s) for e, s, *_ in steps if s >= 0][-1]
     queue.deliver(*last)
     return queue
 
@@ -214,3 +215,14 @@ def test_a_mixed_restart_names_the_node_that_started_afresh_not_the_checkpoints(
     assert message.startswith("node 1 started afresh, without a --state-dir journal")
     assert "node 0 resumes from its journal at epoch 0 step 3" in message
     assert "node 1 lost the job's state" in message
+
+
+def test_the_history_keeps_each_steps_counts_for_the_trained_position() -> None:
+    history = StepHistory(limit=10)
+    for step, samples in enumerate([3, 5, 7]):
+        history.add(0, step, b"", StepCounts(1, 1, 1, 1, samples, step == 2))
+    history.add(0, -1, "end 0")
+    history.add(1, 0, b"", StepCounts(1, 1, 1, 1, 11, False))
+    taken = history.take_from((0, 2))
+    assert [c.global_samples for *_, c in taken if c is not None] == [7, 11]
+    assert history.epoch_global_samples(0) == 8 and history.epoch_global_samples(1) == 0

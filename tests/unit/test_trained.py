@@ -95,3 +95,17 @@ def test_many_reports_a_second_keep_few_points_and_the_same_rate() -> None:
         rate.record(i / 200, i, 10 * i, took_s=0.005)
     assert len(rate.times) <= 10 / 0.5 + 3
     assert rate.rate(10.0).samples_per_s == pytest.approx(200, rel=0.06)
+
+
+def test_a_rewind_puts_the_position_back_and_keeps_the_totals() -> None:
+    r = RankTrained()
+    for step in range(3):
+        r.add(0, step, counts(last=step == 2))
+    r.add(1, 0, counts(5))
+    r.rewind((0, 2), (0, 1), 16)  # the trainer resumes at epoch 0 step 2
+    assert (r.epoch, r.epoch_steps, r.epoch_global_samples, r.epochs_trained) == (0, 2, 16, 0)
+    assert (r.last_step, r.steps, r.samples) == ((0, 1), 4, 17)
+    r.add(0, 2, counts(last=True))  # sent again: the totals count it again
+    assert (r.epoch_steps, r.epochs_trained, r.steps, r.samples) == (3, 1, 5, 21)
+    r.rewind((0, 0), None, 0)  # the history reaches no step before the resume point
+    assert (r.epoch, r.epoch_steps, r.last_step, r.epochs_trained) == (0, 0, None, 0)

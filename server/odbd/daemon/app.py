@@ -330,6 +330,7 @@ class Daemon:
             tls=config.peer_tls,
             join_timeout_s=config.join_timeout_s,
             round_timeout_s=config.round_timeout_s,
+            from_journal=self.journal_records is not None,
         )
 
     async def _serve_socket(self, trainer: TrainerService) -> None:
@@ -499,6 +500,7 @@ class Daemon:
             phase=self.phase,
             last_error=self.last_error,
             waiting_for=loop.waiting_for if loop else "",
+            ending=loop.ending_status(time.monotonic()) if loop else "",
             cost_model=self._cost_model_status(),
             **progress_fields(self.stats, time.monotonic()),
         )

@@ -265,6 +265,9 @@ class NodeState:
         # in pure use, where a schema mismatch cannot say which key differs.
         self.sample_meta: Callable[[Location], SampleMeta] | None = None
         self.rejected: Counter[str] = Counter()  # since the last round's offer
+        # the same counts by the iteration of the rejected view: a join-mode offer reports
+        # those of the epoch being planned (and earlier) only, see take_rejected_delta
+        self._rejected_by_iteration: dict[int, Counter[str]] = {}
         self.rejected_total: Counter[str] = Counter()
         self.rejected_keys: list[int] = []  # since the last round, for the --state-dir journal
         self.first_rejection: dict[str, str] = {}  # reason -> "sample I: detail", for errors
@@ -702,6 +705,9 @@ class NodeState:
         it.ledger.reject([view])
         self.rejected_keys.append(key)
         self.rejected[reason] += 1
+        iteration = key // max(self.views_per_iteration, 1)
+        by_it = self._rejected_by_iteration.setdefault(iteration, Counter())
+        by_it[reason] += 1
         self.rejected_total[reason] += 1
         identity = int(it.identities[view])
         self.first_rejection.setdefault(reason, f"sample {identity}: {detail}")
@@ -767,9 +773,23 @@ class NodeState:
                 iteration.where = None
 
     def take_rejected_delta(self) -> dict[str, int]:
-        delta = dict(self.rejected)
-        self.rejected.clear()
-        return delta
+        """The rejections for this round's offer, which every node adds to the tally (and the
+        --max-reject-fraction budget) of the epoch being planned. In join mode an epoch is an
+        iteration, and producers read ahead into the next one while this one is planned: its
+        rejections wait for its own epoch (they used to count in this one, so 3 bad samples of
+        60 read twice over two epochs were '4 of 60' in epoch 0, past a 5 % budget). Non-join
+        epochs are slices of one endless stream: every rejection counts when it happens."""
+        if not self.config.join:
+            delta = dict(self.rejected)
+            self.rejected.clear()
+            self._rejected_by_iteration.clear()
+            return delta
+        taken: Counter[str] = Counter()
+        for iteration in [i for i in self._rejected_by_iteration if i <= self.epoch]:
+            taken.update(self._rejected_by_iteration.pop(iteration))
+        self.rejected.subtract(taken)
+        self.rejected = +self.rejected  # drops the reasons at zero
+        return dict(taken)
 
     def take_rejected_keys(self) -> list[int]:
         keys, self.rejected_keys = self.rejected_keys, []

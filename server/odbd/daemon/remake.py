@@ -15,7 +15,8 @@ import numpy as np
 
 from odbclient.wire.odbd.v1 import trainer_pb2
 from odbd.daemon.node_state import Locations
-from odbd.daemon.rewind import Position
+from odbd.daemon.rewind import HistoryItem, Position
+from odbd.daemon.trained import StepCounts
 
 if TYPE_CHECKING:
     from odbd.serve.rank_queue import RankQueue
@@ -34,7 +35,7 @@ class Rewind:
 
     rank: int
     resume: Position
-    items: list[tuple[int, int, object]]  # from the history, oldest first
+    items: list[HistoryItem]  # from the history, oldest first
     batches: dict[int, trainer_pb2.StepBatch] = field(default_factory=dict)  # item -> parsed
     rows: dict[int, tuple[int, int]] = field(default_factory=dict)  # key -> (item, row)
     made: dict[int, tuple[Locations, int]] = field(default_factory=dict)  # key -> where, nbytes
@@ -86,7 +87,7 @@ class Rewinder:
         """Rewinds `queue` (a RankQueue) to `resume`: gates it and asks for its samples."""
         items = queue.history.take_from(resume)
         rewind = Rewind(queue.rank, resume, items)
-        for i, (_, step, event) in enumerate(items):
+        for i, (_, step, event, _) in enumerate(items):
             if step < 0:
                 continue
             batch = trainer_pb2.StepBatch.FromString(event)  # type: ignore[arg-type]
@@ -100,6 +101,13 @@ class Rewinder:
         queue.gated = True
         queue.took_job_end = False  # it trains those steps again before the job's end
         queue.last_delivered = queue.history.last_step()
+        queue.trained.rewind(
+            resume,
+            queue.last_delivered,
+            queue.history.epoch_global_samples(queue.last_delivered[0])
+            if queue.last_delivered is not None
+            else 0,
+        )
         self.active[queue.rank] = rewind
         self._queues[queue.rank] = queue
         self.num_rewinds += 1
@@ -245,17 +253,19 @@ class Rewinder:
             rewind.rank, rewind.resume[0], rewind.resume[1], len(rewind.rows),
         )  # fmt: skip
 
-    def _rebuild(self, rewind: Rewind) -> list[tuple[int, int, object, list[Locations]]]:
+    def _rebuild(
+        self, rewind: Rewind
+    ) -> list[tuple[int, int, object, list[Locations], StepCounts | None]]:
         """The rewound items with each step's samples at their new locations."""
         by_item: dict[int, list[tuple[int, Locations, int]]] = {}
         for key, (item, row) in rewind.rows.items():
             where, size = rewind.made[key]
             by_item.setdefault(item, []).append((row, where, size))
-        out: list[tuple[int, int, object, list[Locations]]] = []
-        for i, (epoch, step, event) in enumerate(rewind.items):
+        out: list[tuple[int, int, object, list[Locations], StepCounts | None]] = []
+        for i, (epoch, step, event, counts) in enumerate(rewind.items):
             batch = rewind.batches.get(i)
             if batch is None or not by_item.get(i):
-                out.append((epoch, step, event, []))
+                out.append((epoch, step, event, [], counts))
                 continue
             rows = sorted(by_item[i], key=lambda r: r[0])
             where = Locations.concat([w for _, w, _ in rows]).with_lane()
@@ -272,5 +282,5 @@ class Rewinder:
             batch.segments = segments.astype("<u4").tobytes()
             batch.offsets = offsets.astype("<u8").tobytes()
             batch.nbytes = nbytes.astype("<u8").tobytes()
-            out.append((epoch, step, batch.SerializeToString(), [where]))
+            out.append((epoch, step, batch.SerializeToString(), [where], counts))
         return out

@@ -26,9 +26,14 @@ import enum
 from collections import deque
 from dataclasses import dataclass
 
+from odbd.daemon.trained import StepCounts
+
 DEFAULT_REWIND_STEPS = 4096
 
 Position = tuple[int, int]  # (epoch, step): the first step not yet trained
+# (epoch, step, event, counts): a handed-out item; a step's counts go back to the rank's
+# trained totals when it is sent again (None for markers and for steps planned without them)
+HistoryItem = tuple[int, int, object, StepCounts | None]
 
 
 def is_before(epoch: int, step: int, resume: Position) -> bool:
@@ -107,7 +112,7 @@ class StepHistory:
 
     def __init__(self, limit: int = DEFAULT_REWIND_STEPS) -> None:
         self.limit = limit
-        self._items: deque[tuple[int, int, object]] = deque()  # (epoch, step, event)
+        self._items: deque[HistoryItem] = deque()
         self._num_steps = 0
         self.floor: Position = (0, 0)
 
@@ -118,40 +123,47 @@ class StepHistory:
     def num_steps(self) -> int:
         return self._num_steps
 
-    def add(self, epoch: int, step: int, event: object) -> None:
-        self._items.append((epoch, step, event))
+    def add(self, epoch: int, step: int, event: object, counts: StepCounts | None = None) -> None:
+        self._items.append((epoch, step, event, counts))
         if step >= 0:
             self._num_steps += 1
         while self._num_steps > self.limit:
             self._drop_oldest()
 
     def _drop_oldest(self) -> None:
-        epoch, step, _ = self._items.popleft()
+        epoch, step, _, _ = self._items.popleft()
         if step >= 0:
             self._num_steps -= 1
             self.floor = max(self.floor, (epoch, step + 1))
         else:  # an epoch's end: the next resume point is the next epoch's first step
             self.floor = max(self.floor, (epoch + 1, 0))
 
-    def take_from(self, resume: Position) -> list[tuple[int, int, object]]:
+    def take_from(self, resume: Position) -> list[HistoryItem]:
         """Removes and returns the items from `resume` on (oldest first)."""
-        taken: list[tuple[int, int, object]] = []
+        taken: list[HistoryItem] = []
         while self._items and not is_before(self._items[-1][0], self._items[-1][1], resume):
             taken.append(self._items.pop())
         taken.reverse()
-        self._num_steps -= sum(1 for _, step, _ in taken if step >= 0)
+        self._num_steps -= sum(1 for _, step, _, _ in taken if step >= 0)
         return taken
 
-    def put_back(self, items: list[tuple[int, int, object]]) -> None:
+    def put_back(self, items: list[HistoryItem]) -> None:
         """A rewind that was not completed: its items are history again."""
         self._items.extend(items)
-        self._num_steps += sum(1 for _, step, _ in items if step >= 0)
+        self._num_steps += sum(1 for _, step, _, _ in items if step >= 0)
 
     def last_step(self) -> Position | None:
-        for epoch, step, _ in reversed(self._items):
+        for epoch, step, _, _ in reversed(self._items):
             if step >= 0:
                 return epoch, step
         return None
+
+    def epoch_global_samples(self, epoch: int) -> int:
+        """The job's samples (every rank) in `epoch`'s steps still held: after take_from,
+        those the trainer trained before its resume point (as far as the history reaches)."""
+        return sum(
+            c.global_samples for e, step, _, c in self._items if e == epoch and step >= 0 and c
+        )
 
 
 def fresh_node_failure(fresh: list[int], points: dict[int, Position | None]) -> str:

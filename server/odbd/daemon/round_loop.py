@@ -1010,6 +1010,32 @@ class RoundLoop:
         """A rank called end_job() (here, or on another node as far as rounds told)."""
         return bool(self.end_points_local or self.end_requests)
 
+    def ending_status(self, now_s: float) -> str:
+        """`odbd status`'s ending line: who called end_job() where, who the job waits for (as
+        far as rounds told this node; once every round is planned, this node's ranks only) and
+        the time left before --end-timeout fails it. "" while no rank called it."""
+        if self.end_first_s is None:
+            return ""
+        requests = {**self.end_requests, **self.end_points_local}
+        world = self.state.planner.world
+        ranks = sorted(self.queues) if self.done else list(range(world.world_size))
+        by_point: dict[Point, list[int]] = {}
+        for rank, point in sorted(requests.items()):
+            by_point.setdefault(point, []).append(rank)
+        called = "; ".join(
+            f"rank{'s' if len(rs) > 1 else ''} {','.join(map(str, rs))} at epoch {e} step {s}"
+            for (e, s), rs in sorted(by_point.items())
+        )
+        waiting = [r for r in ranks if r not in requests]
+        if not waiting:
+            return f"end_job() called by every rank ({called}): the job ends there"
+        left = max(self.config.end_timeout_s - (now_s - self.end_first_s), 0.0)
+        return (
+            f"end_job() called by {called}; waiting for rank{'s' if len(waiting) > 1 else ''} "
+            f"{','.join(map(str, waiting))} (the job fails in {left:.0f} s, --end-timeout "
+            f"{self.config.end_timeout_s:g} s)"
+        )
+
     def _local_end_points(self) -> tuple[tuple[int, int, int], ...]:
         return tuple((r, e, s) for r, (e, s) in sorted(self.end_points_local.items()))
 

@@ -63,6 +63,19 @@ class RankTrained:
         if counts.epoch_last:
             self.epochs_trained = max(self.epochs_trained, epoch + 1)
 
+    def rewind(self, resume: tuple[int, int], last: tuple[int, int] | None, samples: int) -> None:
+        """The trainer loaded a checkpoint and resumes at `resume`: the trained position goes
+        back with the model, to `last` (the step before `resume` still in the rank's history,
+        None if none is) with `samples` of the job in that step's epoch up to it. The totals
+        (steps, samples, tokens) stay: they count deliveries, and the steps sent again add to
+        them as the trainer computes them again (so samples/s stays the trainers' work rate)."""
+        self.epochs_trained = min(self.epochs_trained, resume[0])
+        self.last_step = last
+        if last is None:
+            self.epoch, self.epoch_steps, self.epoch_global_samples = resume[0], 0, 0
+        else:
+            self.epoch, self.epoch_steps, self.epoch_global_samples = last[0], last[1] + 1, samples
+
 
 def epochs_trained(ranks: Iterable[RankTrained]) -> int:
     """Epochs every local rank trained to the end (0 with no rank)."""

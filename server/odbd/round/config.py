@@ -105,6 +105,9 @@ class RoundConfig:
     tls: PeerTls | None = None  # None: plaintext peer traffic (the token still authenticates)
     # The hub closes a Join stream that has not sent its Hello and Proof within this.
     hello_timeout_s: float = 10.0
+    # this daemon was restarted from a --state-dir journal: a node that never joins may be one
+    # that kept running (only every daemon restarted together can resume the job)
+    from_journal: bool = False
 
     def __post_init__(self) -> None:
         self._check_layout()

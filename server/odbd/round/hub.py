@@ -97,9 +97,10 @@ class Hub:
         )
         reason = (
             f"the job did not form within the {self._config.join_timeout_s:g} s join deadline: "
-            f"{_names(self._name(n) for n in missing)} never joined the hub{refused}. Start "
-            "every daemon with the same --peers (node 0 first) or raise the join timeout"
-        )
+            f"{_names(self._name(n) for n in missing)} never joined the hub{refused}. "
+            + (restart_hint(missing) if self._config.from_journal else "Start every daemon "
+               "with the same --peers (node 0 first) or raise the join timeout")
+        )  # fmt: skip
         self._abort(peer_pb2.ABORT_KIND_JOIN_TIMEOUT, 0, reason, missing, HandshakeError)
 
     async def _guarded_handshake(self, context: grpc.aio.ServicerContext) -> _Spoke:
@@ -483,6 +484,19 @@ class Hub:
 
 
 _MAX_REASON_CHARS = 1024
+
+
+def restart_hint(missing: list[int]) -> str:
+    """The fix when a hub restarted from --state-dir waits in vain: a spoke that kept running
+    never joins again (it planned its steps already, e.g. a whole --max-updates job, and serves
+    them without the hub), and the job resumes only when every daemon restarts together."""
+    nodes = ("node " if len(missing) == 1 else "nodes ") + ", ".join(str(n) for n in missing)
+    return (
+        f"This daemon restarted from its --state-dir journal, and a daemon of the job that "
+        f"kept running does not join a new incarnation: stop the daemon of {nodes} too "
+        "and start it again with its --state-dir (every daemon of the job restarts together), "
+        "then resume the trainers from their checkpoints"
+    )
 
 
 def _names(names: Iterable[str]) -> str:

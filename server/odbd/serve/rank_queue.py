@@ -223,7 +223,7 @@ class RankQueue:
             items.popleft()
             self._sent -= 1
             freed += head.locations
-            self.history.add(head.epoch, head.step, head.event)
+            self.history.add(head.epoch, head.step, head.event, head.counts)
         if last is not None:
             self.last_delivered = (last.epoch, last.step)
         self.delivered_steps += delivered
@@ -257,20 +257,24 @@ class RankQueue:
             self._items.popleft()
             freed.extend(head.locations)
             self._num_steps -= head.is_step
-            self.history.add(head.epoch, head.step, head.event)  # trained by the last client
+            # trained by the last client
+            self.history.add(head.epoch, head.step, head.event, head.counts)
             if head.is_step:
                 self.last_delivered = (head.epoch, head.step)
         self._sent = self._sent_steps = 0
         return freed
 
-    def restore_front(self, items: list[tuple[int, int, Any, list[Locations]]]) -> None:
-        """A rewind is ready: its steps (epoch, step, event, locations) go before every
-        queued item, and sending starts again."""
+    def restore_front(
+        self, items: list[tuple[int, int, Any, list[Locations], StepCounts | None]]
+    ) -> None:
+        """A rewind is ready: its steps (epoch, step, event, locations, counts) go before
+        every queued item, and sending starts again (delivering them adds their counts to
+        `trained` again: the trainer computes them again)."""
         self._items.extendleft(
-            QueuedItem(epoch, step, event, locations)
-            for epoch, step, event, locations in reversed(items)
+            QueuedItem(epoch, step, event, locations, counts)
+            for epoch, step, event, locations, counts in reversed(items)
         )
-        self._num_steps += sum(1 for _, step, _, _ in items if step >= 0)
+        self._num_steps += sum(1 for _, step, _, _, _ in items if step >= 0)
         self._sent = self._sent_steps = 0
         self.gated = False
         self._changed.set()
