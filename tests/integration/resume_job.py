@@ -73,6 +73,22 @@ def kill_job(launcher: subprocess.Popen[bytes], out: Path, script: str) -> None:
     poll_until(lambda: not processes_of(out, script), "the killed ranks to be gone", scaled(30))
 
 
+def stop_launcher(launcher: subprocess.Popen[bytes], out: Path, script: str) -> None:
+    """SIGTERM first: the launcher (torchrun) passes it to its ranks, each in a session of its
+    own, which a SIGKILL of the launcher would leave behind; any rank still alive after that
+    is killed."""
+    if launcher.poll() is None:
+        launcher.terminate()
+        try:
+            launcher.wait(timeout=scaled(30))
+        except subprocess.TimeoutExpired:
+            launcher.kill()
+            launcher.wait()
+    for pid in processes_of(out, script):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
 def crash_past_the_checkpoint(
     job: subprocess.Popen[bytes],
     out: Path,

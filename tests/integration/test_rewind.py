@@ -21,7 +21,6 @@ named.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import os
@@ -37,6 +36,7 @@ from odbd.demo.cluster import ClusterSpec, LocalCluster, free_ports
 from tests.integration.ddp_data import dataset_args
 from tests.integration.ddp_launch import DATASET, REPO
 from tests.integration.harness import read_jsonl, scaled
+from tests.integration.resume_job import stop_launcher
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -62,29 +62,6 @@ def start_torchrun(out: Path, sockets: list[str], restarts: int, *script_args: s
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
     log.close()
     return proc
-
-
-def ranks_of(out: Path) -> list[int]:
-    found = []
-    for entry in Path("/proc").iterdir():
-        with contextlib.suppress(OSError):
-            cmdline = (entry / "cmdline").read_bytes()
-            if entry.name.isdigit() and SCRIPT.encode() in cmdline and bytes(out) in cmdline:
-                found.append(int(entry.name))
-    return [pid for pid in found if pid != os.getpid()]
-
-
-def stop_torchrun(torchrun: subprocess.Popen[bytes], out: Path) -> None:
-    if torchrun.poll() is None:
-        torchrun.terminate()
-        try:
-            torchrun.wait(timeout=scaled(30))
-        except subprocess.TimeoutExpired:
-            torchrun.kill()
-            torchrun.wait()
-    for pid in ranks_of(out):
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
 
 
 def logs(out: Path, cluster: LocalCluster) -> str:
@@ -195,7 +172,7 @@ def run_rewound_job(tmp_path: Path, save_at: list, kills: list) -> None:
                     print(f"FAULT node {node}: {line}")  # with -s: when, how many samples
     finally:
         if job is not None:
-            stop_torchrun(job, out)
+            stop_launcher(job, out, SCRIPT)
         cluster.stop()
     assert cluster.leftover_segments() == []
     check_rewound_job(out, restarts + 1)
@@ -214,7 +191,7 @@ def first_run_then_daemons_die(
     try:
         assert job.wait(timeout=scaled(120)) != 0, logs(out, cluster)
     finally:
-        stop_torchrun(job, out)
+        stop_launcher(job, out, SCRIPT)
     assert all((out / f"ckpt{r}.json").exists() for r in range(WORLD)), logs(out, cluster)
     for node in nodes_restarted:
         cluster.processes[node].send_signal(signal.SIGKILL)
@@ -229,7 +206,7 @@ def resume_refused(out: Path, cluster: LocalCluster) -> str:
     try:
         assert job.wait(timeout=scaled(120)) != 0, logs(out, cluster)
     finally:
-        stop_torchrun(job, out)
+        stop_launcher(job, out, SCRIPT)
     for rank in range(WORLD):
         for run in runs_of(out, rank, ".resume"):
             assert [r for r in run if "step" in r] == [], f"rank {rank} trained after a refusal"
@@ -297,7 +274,7 @@ def test_a_checkpoint_older_than_rewind_steps_is_refused_naming_the_bound(tmp_pa
         text = logs(out, cluster)
     finally:
         if job is not None:
-            stop_torchrun(job, out)
+            stop_launcher(job, out, SCRIPT)
         cluster.stop()
     assert "RankRefusedError" in text and "--rewind-steps" in text, text
     assert "it keeps the last 2 steps of each rank" in text, text
@@ -350,7 +327,7 @@ def test_an_endless_job_rewinds_and_still_ends_after_exactly_its_steps(
         text = logs(out, cluster)
     finally:
         if job is not None:
-            stop_torchrun(job, out)
+            stop_launcher(job, out, SCRIPT)
         cluster.stop()
     assert "rewinding" in text and "lost" not in text and "undelivered" not in text, text
     trained = []

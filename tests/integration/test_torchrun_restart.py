@@ -17,10 +17,8 @@ the same epoch loops; the last epoch is complete (unless the job had ended).
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import signal
 import subprocess
 import sys
 from collections import Counter
@@ -32,6 +30,9 @@ from odbd.demo.cluster import free_ports
 from tests.integration.ddp_data import dataset_args
 from tests.integration.ddp_launch import DATASET, REPO
 from tests.integration.harness import scaled
+from tests.integration.resume_job import stop_launcher
+
+SCRIPT = "tests.integration.restart_align_train"
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -57,7 +58,7 @@ def start_torchrun(tmp: Path, socket: str, fail_runs: list[list[int | str]]):
     cmd = [str(torchrun), "--nnodes", "1", "--master-addr", "127.0.0.1"]
     cmd += ["--master-port", str(free_ports(1)[0]), "--nproc-per-node", str(WORLD)]
     cmd += ["--max-restarts", str(len(fail_runs))]
-    cmd += ["-m", "tests.integration.restart_align_train", "--out-dir", str(tmp)]
+    cmd += ["-m", SCRIPT, "--out-dir", str(tmp)]
     cmd += ["--epochs", str(EPOCHS), "--fail-runs", json.dumps(fail_runs)]
     cmd += ["--pg-timeout-s", str(scaled(60))]
     env = {**os.environ, "PYTHONPATH": str(REPO), "ODBD_SOCKET": socket, "OMP_NUM_THREADS": "1"}
@@ -65,31 +66,6 @@ def start_torchrun(tmp: Path, socket: str, fail_runs: list[list[int | str]]):
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
     log.close()
     return proc
-
-
-def stop_torchrun(torchrun: subprocess.Popen[bytes], tmp: Path) -> None:
-    """SIGTERM first: torchrun passes it to its ranks, each in a session of its own, which a
-    SIGKILL of torchrun would leave behind; any rank still alive after that is killed."""
-    if torchrun.poll() is None:
-        torchrun.terminate()
-        try:
-            torchrun.wait(timeout=scaled(30))
-        except subprocess.TimeoutExpired:
-            torchrun.kill()
-            torchrun.wait()
-    for pid in ranks_of(tmp):
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-
-
-def ranks_of(tmp: Path) -> list[int]:
-    """Processes whose command line names `tmp` (this test's ranks)."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        with contextlib.suppress(OSError):
-            if entry.name.isdigit() and str(tmp).encode() in (entry / "cmdline").read_bytes():
-                found.append(int(entry.name))
-    return found
 
 
 def logs(tmp: Path) -> str:
@@ -110,7 +86,7 @@ def run_job(tmp: Path, fail_runs: list[list[int | str]]) -> list[list[list[int]]
         assert daemon.wait(timeout=scaled(60)) == 0, logs(tmp)
     finally:
         if torchrun is not None:
-            stop_torchrun(torchrun, tmp)
+            stop_launcher(torchrun, tmp, SCRIPT)
         if daemon.poll() is None:
             daemon.kill()
             daemon.wait()
