@@ -22,19 +22,10 @@ from tests.integration.test_round_barrier import (
     raw_hello,
     raw_join,
     run,
+    start_hub,
 )
 
 pytestmark = pytest.mark.timeout(60)
-
-
-async def _start_hub(num_nodes: int, **overrides: Any) -> tuple[RoundBarrier, asyncio.Task[None]]:
-    hub = RoundBarrier(make_config(0, num_nodes, "", **overrides))
-    starting = asyncio.create_task(hub.start())
-    while not hub.listen_address:
-        if starting.done():
-            starting.result()
-        await asyncio.sleep(0.01)
-    return hub, starting
 
 
 async def _refusal(call: Any) -> grpc.aio.AioRpcError:
@@ -48,7 +39,7 @@ def test_a_replayed_hello_and_proof_are_refused_and_the_real_node_joins() -> Non
     restarted before the job formed); replayed on a new stream they fail the new challenge."""
 
     async def scenario() -> None:
-        hub, starting = await _start_hub(3)
+        hub, starting = await start_hub(3)
         channel, call = await open_raw_stream(hub.listen_address)
         hello = raw_hello(1, 3)
         await call.write(hello)
@@ -87,7 +78,7 @@ def test_a_spoke_sends_nothing_to_a_hub_without_the_token() -> None:
     token) gets a Hello, never a Proof or a contribution; the real hub's log would name it."""
 
     async def scenario() -> None:
-        impostor, starting = await _start_hub(2, job_token=b"not-the-job-token", join_timeout_s=3)
+        impostor, starting = await start_hub(2, job_token=b"not-the-job-token", join_timeout_s=3)
         spoke = RoundBarrier(make_config(1, 2, impostor.listen_address))
         with pytest.raises(HandshakeError, match="could not prove it holds this job's token"):
             await spoke.start()
@@ -103,7 +94,7 @@ def test_without_a_token_strangers_never_stop_the_job_nor_learn_its_settings() -
     no setting, and the real node 1 then forms the job."""
 
     async def scenario() -> None:
-        hub, starting = await _start_hub(2, job_token=b"")
+        hub, starting = await start_hub(2, job_token=b"")
         strangers = [
             ({"protocol_version": 99}, grpc.StatusCode.FAILED_PRECONDITION, "protocol 99"),
             ({"fingerprint": {}}, grpc.StatusCode.FAILED_PRECONDITION, "settings of node 1"),
@@ -133,7 +124,7 @@ def test_without_a_token_strangers_never_stop_the_job_nor_learn_its_settings() -
 
 def test_an_authenticated_member_with_other_settings_still_fails_fast_with_the_detail() -> None:
     async def scenario() -> None:
-        hub, starting = await _start_hub(2)
+        hub, starting = await start_hub(2)
         settings = {**SETTINGS, "seed": "8"}
         spoke = RoundBarrier(make_config(1, 2, hub.listen_address, fingerprint=settings))
         with pytest.raises(HandshakeError, match="setting seed differs"):
@@ -146,7 +137,7 @@ def test_an_authenticated_member_with_other_settings_still_fails_fast_with_the_d
 
 def test_a_stream_without_a_hello_is_closed_at_the_deadline() -> None:
     async def scenario() -> None:
-        hub, starting = await _start_hub(2, hello_timeout_s=0.5)
+        hub, starting = await start_hub(2, hello_timeout_s=0.5)
         channel, call = await open_raw_stream(hub.listen_address)
         refused = await _refusal(call)  # sent nothing at all
         assert refused.code() is grpc.StatusCode.DEADLINE_EXCEEDED, refused
@@ -166,7 +157,7 @@ def test_a_stream_without_a_hello_is_closed_at_the_deadline() -> None:
 
 def test_handshakes_are_capped_and_a_real_spoke_retries_past_the_strangers() -> None:
     async def scenario() -> None:
-        hub, starting = await _start_hub(2, hello_timeout_s=2.0)
+        hub, starting = await start_hub(2, hello_timeout_s=2.0)
         channels, silent = [], []
         for _ in range(MAX_HANDSHAKES):  # over several connections (16 streams each at most)
             if len(silent) % 8 == 0:
@@ -200,7 +191,7 @@ def test_handshakes_are_capped_and_a_real_spoke_retries_past_the_strangers() -> 
 
 def test_a_huge_hello_is_refused_before_its_strings_reach_the_log() -> None:
     async def scenario() -> None:
-        hub, starting = await _start_hub(2)
+        hub, starting = await start_hub(2)
         channel, call = await open_raw_stream(hub.listen_address)
         await call.write(raw_hello(1, 2, job_id="x" * 100_000))
         refused = await _refusal(call)
@@ -220,7 +211,7 @@ def test_connections_are_capped_and_the_real_spoke_joins_after_them() -> None:
     handshake deadline); the real spoke reconnects and joins once they are gone."""
 
     async def scenario() -> None:
-        hub, starting = await _start_hub(2)
+        hub, starting = await start_hub(2)
         host, port = hub.listen_address.rsplit(":", 1)
         strangers = [socket.create_connection((host, int(port))) for _ in range(300)]
         loop = asyncio.get_running_loop()

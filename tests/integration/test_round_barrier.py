@@ -247,13 +247,19 @@ def run(coro: Coroutine[Any, Any, Any], timeout_s: float = 20.0) -> Any:
     return asyncio.run(asyncio.wait_for(coro, timeout_s))
 
 
-async def start_cluster(num_nodes: int, **overrides: Any) -> list[RoundBarrier]:
+async def start_hub(num_nodes: int, **overrides: Any) -> tuple[RoundBarrier, asyncio.Task[None]]:
+    """A hub listening (its address known), and its start() still waiting for the spokes."""
     hub = RoundBarrier(make_config(0, num_nodes, "", **overrides))
     starting = asyncio.create_task(hub.start())
     while not hub.listen_address:
         if starting.done():
             starting.result()
         await asyncio.sleep(0.01)
+    return hub, starting
+
+
+async def start_cluster(num_nodes: int, **overrides: Any) -> list[RoundBarrier]:
+    hub, starting = await start_hub(num_nodes, **overrides)
     spokes = [
         RoundBarrier(make_config(n, num_nodes, hub.listen_address, **overrides))
         for n in range(1, num_nodes)

@@ -18,21 +18,13 @@ from odbclient.samples import (
     promote_token_ids,
     schema_hash,
 )
-from odbd.cli import apply_environment, config_from_args, daemon_parser, run_daemon_command
+from odbd.cli import apply_environment, config_from_args, daemon_parser
 from odbd.daemon import offer_codec
 from odbd.daemon.round_loop import RoundLoop
 from odbd.ingest.rejections import budget_failure, empty_dataset_failure, over_budget
 from odbd.ingest.schema_vote import describe_schema, schema_disagreement, winning_schema
 from odbd.planner.types import SampleTable, UnitOffer
-
-
-def run_cli(argv, environ, capsys):
-    try:
-        code = run_daemon_command(argv, environ)
-    except SystemExit as stop:
-        code = stop.code
-    return code, capsys.readouterr().err
-
+from tests.unit.test_cli import run_cli
 
 BASE = ["--world", "1", "--nproc-per-node", "1"]
 
