@@ -190,3 +190,12 @@ def test_fuzzed_offers_fail_naming_the_node_or_plan_cleanly(
 def test_the_limits_are_far_above_real_offers() -> None:
     assert payload_checks.MAX_SAMPLE_TOKENS >= 2**24
     assert payload_checks.MAX_REASONS > len(LIMITS.reasons)
+
+
+def test_an_empty_sample_in_an_offer_fails_naming_the_node() -> None:
+    """Ingest rejects 0-length samples, so an offer holding one is a broken or hostile member;
+    the planner's invariant used to raise instead (hypothesis found it)."""
+    header, columns, good_obs = valid_parts()
+    columns["lengths"][0] = 0
+    with pytest.raises(OdbdError, match=r"^node 1 sent a round 2 .*lengths value 0"):
+        decode_offer(raw_offer(header, columns, good_obs), 1, 2, LIMITS)

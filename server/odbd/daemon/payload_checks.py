@@ -130,7 +130,7 @@ def _units_problem(offer: NodeOffer, expected: Sequence[int], view_keys: int) ->
     # One reduction per column over every unit: a daemon checks every node's offer each round.
     for name, low, high in (
         ("views", 0, view_keys - 1),
-        ("lengths", 0, MAX_SAMPLE_TOKENS),
+        ("lengths", 1, MAX_SAMPLE_TOKENS),  # ingest rejects empty samples before any offer
         ("tokens", 0, MAX_SAMPLE_TOKENS),
         ("ages", 0, MAX_AGE),
         ("patches", 0, MAX_SAMPLE_TOKENS),
