@@ -148,7 +148,15 @@ _HOSTILE = (
 _FLOATS = st.floats(allow_nan=True, allow_infinity=True) | st.sampled_from([1e308, -0.0])
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+# derandomize: `make test` runs the same 300 examples every time, so a new random draw cannot
+# fail CI; random draws in CI found two real gaps (an empty sample, a subnormal step time), each
+# fixed with its own test above. To explore anew, set derandomize=False locally.
+@settings(
+    max_examples=300,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+    derandomize=True,
+)
 @given(
     field=st.sampled_from(["node", "epoch", "resume", "units", "observations", "rejected"]),
     value=_HOSTILE,
@@ -199,3 +207,11 @@ def test_an_empty_sample_in_an_offer_fails_naming_the_node() -> None:
     columns["lengths"][0] = 0
     with pytest.raises(OdbdError, match=r"^node 1 sent a round 2 .*lengths value 0"):
         decode_offer(raw_offer(header, columns, good_obs), 1, 2, LIMITS)
+
+
+def test_a_subnormal_step_time_fails_naming_the_node() -> None:
+    """5e-324 s passed the range check and overflowed the cost fit's relative error (hypothesis
+    found it in CI)."""
+    header, columns, _ = valid_parts()
+    with pytest.raises(OdbdError, match=r"^node 1 sent a round 2 .*seconds"):
+        decode_offer(raw_offer(header, columns, [1.0, 0.0, 5e-324]), 1, 2, LIMITS)

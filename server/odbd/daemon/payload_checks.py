@@ -30,6 +30,7 @@ MAX_PADDED_TOKENS = 2.0**48  # one observation's padded tokens
 MAX_SUM_SQUARES = 2.0**96  # one observation's sum of squared lengths
 MAX_SECONDS = 1e6  # one observation's step time (11 days)
 ITERATIONS_AHEAD = 4
+MIN_SECONDS = 1e-9  # a timed step's least plausible duration (0: not timed)
 _OBSERVATION_MAX = np.array([MAX_PADDED_TOKENS, MAX_SUM_SQUARES, MAX_SECONDS])
 
 
@@ -160,4 +161,8 @@ def _observations_problem(observations: np.ndarray) -> str | None:
             values, high = observations[:, column], _OBSERVATION_MAX[column]
             if values.min() < 0 or values.max() > high:
                 return f"a cost observation's {what} is outside 0..{high:g}"
+    seconds = observations[:, 2]
+    if ((seconds > 0) & (seconds < MIN_SECONDS)).any():
+        # No step runs in under a nanosecond; the fit divides by the measured time.
+        return f"a cost observation's seconds is above 0 but below {MIN_SECONDS:g}"
     return None
