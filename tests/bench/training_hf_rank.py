@@ -47,14 +47,14 @@ class ModelSize:
     heads: int = 4
 
 
-def build_llama(size: ModelSize, seed: int = 0) -> Any:
+def build_llama(size: ModelSize, seed: int = 0, attn: str = "sdpa") -> Any:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
         vocab_size=size.vocab, hidden_size=size.hidden, intermediate_size=2 * size.hidden,
         num_hidden_layers=size.layers, num_attention_heads=size.heads,
         num_key_value_heads=size.heads, max_position_embeddings=1024,
-        attn_implementation="sdpa", use_cache=False,
+        attn_implementation=attn, use_cache=False,
     )  # fmt: skip
     torch.manual_seed(seed)
     return LlamaForCausalLM(config).train()
