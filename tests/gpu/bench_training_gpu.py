@@ -12,9 +12,10 @@ its producer process, shm) with the loop reading ODBClient in this process, padd
 `--collate packed`. With `--attn flash_attention_2` (needs flash-attn) packed rows run varlen
 attention (per-sample cost); with sdpa they run a dense masked row (the row's square).
 
-`--dry-run` runs every in-process path on CPU with a tiny model and 24 samples, one setting each, one round, and
-only prints the daemon commands: the import and wiring check `tests/unit/test_gpu_bench.py`
-runs in `make test`. Nothing here is collected by pytest (no `test_` file name).
+`--dry-run` runs every in-process path on CPU with a tiny model and 24 samples, one setting
+each, one round, and only prints the daemon commands: the import and wiring check
+`tests/unit/test_gpu_bench.py` runs in `make test`. Nothing here is collected by pytest (no
+`test_` file name).
 """
 
 from __future__ import annotations
