@@ -11,8 +11,8 @@ padding-free row with position_ids, HF's packing). Ranks whose plan ends first w
 `Join`. The same per-step loop runs on a single device in tests/gpu/bench_training_gpu.py.
 
 DIR/rank{r}.jsonl gets one line per step: ids, padded tokens (the row area the model ran),
-forward seconds (the rank's own work: DDP does not synchronise in forward with
-`broadcast_buffers=False`), then {"done": true, "loop_s": ...} with the wall time of the loop
+seconds waited for the batch, seconds since the loop began, forward seconds (the rank's own
+work: DDP does not synchronise in forward with `broadcast_buffers=False`), then {"done": true, "loop_s": ...} with the wall time of the loop
 between two barriers.
 """
 
@@ -115,7 +115,10 @@ def run_epoch(
     device: str = "cpu",
 ) -> None:
     """The training loop every data path shares: forward, loss x scale, backward, step."""
+    loop_start = time.perf_counter()
+    waited = loop_start
     for step, item in enumerate(items):
+        wait_s = time.perf_counter() - waited  # for the batch: the data path's own latency
         inputs = {k: (v.to(device) if torch.is_tensor(v) else v) for k, v in item.tensors.items()}
         optimizer.zero_grad(set_to_none=True)
         started = time.perf_counter()
@@ -127,7 +130,9 @@ def run_epoch(
         optimizer.step()
         write({"epoch": 0, "step": step, "ids": item.ids, "idle": item.idle,
                "padded": 0 if item.idle else padded_tokens(item.tensors),
-               "forward_s": forward_s})  # fmt: skip
+               "forward_s": forward_s, "wait_s": wait_s,
+               "end_s": time.perf_counter() - loop_start})  # fmt: skip
+        waited = time.perf_counter()
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

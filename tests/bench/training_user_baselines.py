@@ -110,6 +110,8 @@ class Run:
     peak_tokens: int  # the largest rank-step row area (memory)
     token_idle: float  # mean over steps of 1 - mean/max of the ranks' padded tokens
     time_idle: float  # the same for the ranks' forward seconds
+    wait_s: float  # rank 0's seconds waiting for its batches inside the loop
+    first_wait_s: float  # of which for its first batch
 
     @property
     def samples_per_s(self) -> float:
@@ -153,6 +155,8 @@ def summarize(path: Path_, world: int, reports: Reports, lengths: np.ndarray) ->
         padded_tokens=sum(r["padded"] for s in steps for r in s),
         peak_tokens=max(r["padded"] for s in steps for r in s),
         token_idle=idle_share(work("padded")), time_idle=idle_share(work("forward_s")),
+        wait_s=sum(r.get("wait_s", 0.0) for r in steps[0]),
+        first_wait_s=steps[0][0].get("wait_s", 0.0) if steps[0] else 0.0,
     )  # fmt: skip
 
 
@@ -288,9 +292,9 @@ def table(m: Measurement, world: int) -> list[str]:
         f"World {world} (1 node x {world} gloo ranks), medians of {m.setup.repeats}:",
         "",
         "| data path | setting | steps/rank | samples/s (min-max) | tokens/s | padding "
-        "| peak row tokens | idle share tokens / fwd time | odbd padded vs it "
-        "| odbd packed vs it |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| peak row tokens | idle share tokens / fwd time | batch wait s (first) "
+        "| odbd padded vs it | odbd packed vs it |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for path, run in base.items():
         low, high = m.spread(path, world)
@@ -299,6 +303,7 @@ def table(m: Measurement, world: int) -> list[str]:
             f"| {run.samples_per_s:,.0f} ({low:,.0f}-{high:,.0f}) | {run.tokens_per_s:,.0f} "
             f"| {100 * run.padding:.1f} % | {run.peak_tokens:,} "
             f"| {100 * run.token_idle:.0f} % / {100 * run.time_idle:.0f} % "
+            f"| {run.wait_s:.2f} ({run.first_wait_s:.2f}) "
             f"| {base[odbd_padded].samples_per_s / run.samples_per_s:.2f}x "
             f"| {base[odbd_packed].samples_per_s / run.samples_per_s:.2f}x |"
         )
