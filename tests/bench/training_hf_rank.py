@@ -12,8 +12,8 @@ padding-free row with position_ids, HF's packing). Ranks whose plan ends first w
 
 DIR/rank{r}.jsonl gets one line per step: ids, padded tokens (the row area the model ran),
 seconds waited for the batch, seconds since the loop began, forward seconds (the rank's own
-work: DDP does not synchronise in forward with `broadcast_buffers=False`), then {"done": true, "loop_s": ...} with the wall time of the loop
-between two barriers.
+work: DDP does not synchronise in forward with `broadcast_buffers=False`), then
+{"done": true, "loop_s": ...} with the wall time of the loop between two barriers.
 """
 
 from __future__ import annotations
