@@ -78,3 +78,11 @@ def test_prefer_closest_picks_the_pool_sample_nearest_the_longest() -> None:
     pool = [0, 1, 2, 3, 4]
     assert b._pool_batch(pool, lengths, budget=300, packed=False) == [0, 4, 2]
     assert pool == [1, 3]
+
+
+def test_idle_share_counts_a_joined_rank_as_idle() -> None:
+    from tests.bench.training_user_baselines import idle_share
+
+    assert idle_share([[10.0, 10.0]]) == 0.0
+    assert idle_share([[10.0, 0.0]]) == 0.5  # one rank already in DDP's Join
+    assert idle_share([[4.0, 2.0], [0.0, 0.0]]) == 0.25  # an all-idle step is not a step
