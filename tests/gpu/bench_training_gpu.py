@@ -3,7 +3,7 @@
     .venv/bin/python -m tests.gpu.bench_training_gpu [--out docs/bench/training-gpu.md]
 
 Needs one CUDA device; sized to finish in under 10 minutes on one current data-centre GPU
-(a ~40 M-parameter random-weight Llama, 4,096 long-tailed samples, token budget 16,384, three
+(a ~21 M-parameter random-weight Llama, 4,096 long-tailed samples, token budget 16,384, three
 alternated rounds; lower `--size` if yours is slower). Same data (`training_text`, a BPE
 tokenizer trained on the spot), same batchers (`training_batchers`) and the same loop
 (`training_hf_rank.run_epoch`) as the CPU benchmark, in one process (world 1: the per-rank
