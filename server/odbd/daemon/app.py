@@ -72,6 +72,7 @@ from odbd.metrics.stats import DaemonStats
 from odbd.planner.config import Collate
 from odbd.round import RoundBarrier, RoundConfig
 from odbd.round.errors import HandshakeError
+from odbd.round.traffic import round_work_line
 from odbd.serve.admin_service import AdminService
 from odbd.serve.progress_status import progress_fields, trained_fields
 from odbd.serve.rank_queue import QueuedItem, RankQueue
@@ -213,6 +214,7 @@ class Daemon:
         trainer.from_journal = self.journal_records is not None
         await self._serve_socket(trainer)
         self.barrier = RoundBarrier(self._round_config())
+        self.stats.round_traffic = self.barrier.traffic  # odbd_round_payload_bytes_total
         others = [n for n in range(world.num_nodes) if n != config.node_rank]
         watch = asyncio.ensure_future(self._watch_for_clash(others))
         try:
@@ -663,6 +665,8 @@ class Daemon:
             attendance.cancel()
             if main.done():
                 main.result()  # raises the round's error, if any
+                s = self.stats
+                log.info("%s", round_work_line(s.round_traffic, s.rounds, s.round_planning.total))
             elif attendance.done():
                 attendance.result()  # raises AttachTimeoutError
             else:

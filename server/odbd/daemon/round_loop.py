@@ -267,7 +267,9 @@ class RoundLoop:
                 break
             units = sorted((u for o in offers for u in o.units), key=lambda u: u.unit)
             planner = self._planner([o.observations for o in offers])
+            started_s = time.perf_counter()
             plan = plan_round(units, planner, self.round_seed_base + self.round_index)
+            self.stats.round_planning.observe(time.perf_counter() - started_s)
             if self._ends_by_request(offers):
                 break  # every rank called end_job(): this round's steps would be past the end
             self._apply(plan, offers)

@@ -25,6 +25,7 @@ from odbd.round.hub import Hub
 from odbd.round.server import PeerHealth, join_handler, not_the_hub_handler, serve
 from odbd.round.spoke import Spoke
 from odbd.round.table import CompletedRound
+from odbd.round.traffic import RoundTraffic
 
 _STOP_GRACE_S = 1.0  # lets spokes read the last round's result before the hub's server stops
 
@@ -50,6 +51,7 @@ class RoundBarrier:
         self._spoke: Spoke | None = None
         self._started = False
         self.last_round: RoundRecord | None = None
+        self.traffic = RoundTraffic()  # bytes of round messages over this daemon's streams
 
     @property
     def config(self) -> RoundConfig:
@@ -74,7 +76,7 @@ class RoundBarrier:
     async def _form(self) -> None:
         config = self._config
         if config.is_hub:
-            self._hub = Hub(config, self._health.set_serving)
+            self._hub = Hub(config, self._health.set_serving, self.traffic)
             handler = join_handler(self._hub.join)
         else:
             handler = not_the_hub_handler(config.node_rank)
@@ -85,7 +87,7 @@ class RoundBarrier:
         if self._hub is not None:
             await self._hub.wait_formed()
         elif config.num_nodes > 1:
-            self._spoke = Spoke(config, self._listen_address)
+            self._spoke = Spoke(config, self._listen_address, self.traffic)
             await self._spoke.connect()
         if self._server is not None:
             self._health.set_serving(True)

@@ -26,6 +26,7 @@ from odbd.round.log_budget import LogBudget
 from odbd.round.spoke import grace_s
 from odbd.round.stall import TICK_S, StallWatch
 from odbd.round.table import CompletedRound, ProtocolViolation, RoundTable
+from odbd.round.traffic import RoundTraffic
 
 log = logging.getLogger(__name__)
 
@@ -54,8 +55,14 @@ class _Spoke:
 
 
 class Hub:
-    def __init__(self, config: RoundConfig, on_serving: Callable[[bool], None]) -> None:
+    def __init__(
+        self,
+        config: RoundConfig,
+        on_serving: Callable[[bool], None],
+        traffic: RoundTraffic | None = None,
+    ) -> None:
         self._config = config
+        self.traffic = traffic if traffic is not None else RoundTraffic()
         self._on_serving = on_serving
         self._table = RoundTable(config.num_nodes, max_payload_bytes(config.num_nodes))
         self._spokes: dict[int, _Spoke] = {}  # node -> admitted spoke
@@ -254,6 +261,7 @@ class Hub:
                         f"{spoke.name} sent a {kind} for node {contribution.node_rank} after "
                         "its handshake"
                     )
+                self.traffic.received += msg.ByteSize()
                 self._contribute(spoke.node, contribution.round, contribution.payload)
             # A killed process reads as a plain end of stream here, which is why a deliberate
             # shutdown says Leave first.
@@ -359,6 +367,7 @@ class Hub:
         for spoke in self._spokes.values():
             if spoke.state == "active" and spoke.node != has_it:
                 spoke.outbox.put_nowait(data)
+                self.traffic.sent += len(data)
         waiter = self._waiters.pop(round_index, None)
         if waiter is not None and not waiter.done():
             waiter.set_result(done)
@@ -377,7 +386,9 @@ class Hub:
             last_node_rank=spoke.node,
             recipient_payload_omitted=True,
         )
-        spoke.outbox.put_nowait(peer_pb2.HubMessage(result=result).SerializeToString())
+        data = peer_pb2.HubMessage(result=result).SerializeToString()
+        spoke.outbox.put_nowait(data)
+        self.traffic.sent += len(data)
         self._sent_early[round_index] = spoke.node
 
     def _round_expired(self, round_index: int) -> None:
