@@ -1,0 +1,281 @@
+"""The round on the split planner, as the live daemons exchange it (issue 25): who computes what.
+
+Two exchanges per round, each reduced by the hub to one small result for every node:
+
+1. summaries: each node groups its own units (planner/summary.py) and sends a NodeSummary
+   (summary_codec.py: ~40 bytes per unit plus the round's side facts). The hub alone decides the
+   round from them (planner/decision.py) and merges the side facts; every node gets the same
+   DecisionPayload: T, all_dry, select_fullest, company.py's cap profile and the merged facts,
+   O(1) per node whatever the node count (the step order follows from T, the seed and the
+   round, so it does not travel).
+2. step totals: each node fits its own units to T steps (planner/node_plan.py) and sends its
+   StepTotals (2 counts per step); the hub sums them (planner/completion.combine) and every node
+   gets the RoundTotals, 16 bytes per step: exactly what exact loss scales and
+   --tokens-per-update need. Each node then completes its own part (complete_node).
+
+No node's samples leave it: the hub sends O(N x (1 + T)) bytes per round instead of N^2 offers,
+and a node receives O(1 + T). The decision is the one plan_round makes from the same summaries
+(tests/unit/test_split_round.py checks the parts against it byte for byte).
+
+Payloads, version 1, little-endian, after summary_codec's u32 magic, u16 version, u16 kind:
+    decision (kind 3): u32 round, u32 num_steps, u8 all_dry, u8 select_fullest,
+        u16 reference length (0xffff: no cap), u32 facts bytes; then the cap profile (float64)
+        and the facts as UTF-8 JSON {"epoch", "rejected", "resume", "ended", "invariant",
+        "schema"} (RoundFacts)
+    round totals (kind 4): u32 num_steps, u8 drained, u8 has_approx, u16 reserved; then
+        num_steps int64 tokens, num_steps int64 samples [, num_steps float64 approx weights]
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from odbd.daemon import summary_codec
+from odbd.daemon.rewind import fresh_node_failure
+from odbd.errors import InvariantError
+from odbd.ingest.schema_vote import schema_disagreement
+from odbd.planner import assignment
+from odbd.planner.completion import RoundTotals, combine, complete_node
+from odbd.planner.config import PlannerConfig
+from odbd.planner.decision import decide_round
+from odbd.planner.node_plan import NodeDraft, plan_node
+from odbd.planner.summary import GroupedUnit, group_unit, summarize
+from odbd.planner.types import NodeRoundPlan, RoundDecision, UnitOffer
+
+_MAGIC = 0x4F444253  # summary_codec's: one family of split-round payloads
+_VERSION = 1
+_DECISION, _ROUND_TOTALS = 3, 4
+_PREFIX = struct.Struct("<IHH")
+_DECISION_HEAD = struct.Struct("<IIBBHI")
+_TOTALS_HEAD = struct.Struct("<IBBH")
+_NO_CAP = 0xFFFF
+
+
+@dataclass(frozen=True, slots=True)
+class RoundFacts:
+    """The round's side facts, merged by the hub from every node's summary, in node order."""
+
+    epoch: int = 0
+    rejected: dict[str, int] = field(default_factory=dict)  # this round's, every node
+    resume: tuple[int, int] | None = None  # round 0 after a restart: where the trainers resume
+    ended: tuple[tuple[int, int, int], ...] = ()  # (rank, epoch, step) end_job() points
+    # Why the nodes cannot plan this round together (different epochs or resume points): every
+    # daemon raises it, as each did when it compared the offers itself.
+    invariant: str | None = None
+    schema: str | None = None  # the nodes chose different sample schemas: the job fails
+
+
+@dataclass(frozen=True, slots=True)
+class DecisionPayload:
+    decision: RoundDecision | None  # None when facts.invariant says the round cannot be planned
+    facts: RoundFacts
+
+
+# -- the hub's two reductions --------------------------------------------------------------------
+
+
+def hub_decide(payloads: Sequence[bytes], config: PlannerConfig, round_index: int) -> bytes:
+    """Exchange 1 at the hub: every node's summary in node order -> the round's decision."""
+    summaries = [summary_codec.decode_summary(p) for p in payloads]
+    for node, summary in enumerate(summaries):
+        if summary.node != node:
+            raise InvariantError(f"the summary in node {node}'s place says node {summary.node}")
+    facts = merge_facts(summaries)
+    if facts.invariant is not None:
+        return encode_decision(DecisionPayload(None, facts), round_index)
+    units = sorted((u for s in summaries for u in s.units), key=lambda u: u.unit)
+    decision = decide_round(units, config, round_index)
+    return encode_decision(DecisionPayload(decision, facts), round_index)
+
+
+def merge_facts(summaries: Sequence[summary_codec.NodeSummary]) -> RoundFacts:
+    """The side facts every node used to read from every offer (round_loop's checks)."""
+    epochs = sorted({s.epoch for s in summaries})
+    points = {s.node: s.resume for s in summaries}
+    invariant = None
+    if len(epochs) != 1:
+        invariant = f"nodes disagree on the epoch being planned: {epochs}"
+    elif len(set(points.values())) != 1:
+        fresh = [node for node, point in points.items() if point is None]
+        invariant = (
+            fresh_node_failure(fresh, points)
+            if fresh
+            else f"nodes resume at different steps {points}: every trainer must load the "
+            "state_dict of the same checkpoint step"
+        )
+    rejected: Counter[str] = Counter()
+    for s in summaries:
+        rejected.update(s.rejected)
+    chosen = {s.node: s.schema for s in summaries if s.schema is not None}
+    return RoundFacts(
+        epoch=epochs[0] if epochs else 0,
+        rejected=dict(rejected),
+        resume=summaries[0].resume if summaries and invariant is None else None,
+        ended=tuple(e for s in summaries for e in s.ended),
+        invariant=invariant,
+        schema=schema_disagreement(chosen),
+    )
+
+
+def hub_combine(payloads: Sequence[bytes], num_steps: int) -> bytes:
+    """Exchange 2 at the hub: every node's StepTotals in node order -> the round's totals."""
+    totals = combine([summary_codec.decode_totals(p) for p in payloads], num_steps)
+    return encode_round_totals(totals)
+
+
+# -- one node's three local phases -----------------------------------------------------------
+
+
+def node_summary(
+    summary: summary_codec.NodeSummary,
+    offers: Sequence[UnitOffer],
+    config: PlannerConfig,
+    round_index: int,
+) -> tuple[list[GroupedUnit], bytes]:
+    """Phase 0: groups this node's units; `summary` holds the side facts (its units are
+    replaced by the groups' summaries). Returns the groups (kept for phase 2) and the payload."""
+    grouped = [group_unit(o, config, round_index) for o in offers]
+    units = tuple(summarize(u, config.num_units) for u in grouped)
+    payload = summary_codec.encode_summary(
+        summary_codec.NodeSummary(
+            summary.node,
+            summary.epoch,
+            units,
+            summary.rejected,
+            summary.resume,
+            summary.observations,
+            summary.schema,
+            summary.ended,
+        )
+    )
+    return grouped, payload
+
+
+def node_totals(
+    node: int, grouped: Sequence[GroupedUnit], decision: RoundDecision, config: PlannerConfig
+) -> tuple[NodeDraft, bytes]:
+    """Phase 2: this node's units fitted and placed; the StepTotals payload for the hub."""
+    draft = plan_node(node, grouped, decision, config)
+    return draft, summary_codec.encode_totals(draft.totals)
+
+
+def node_complete(
+    draft: NodeDraft, decision: RoundDecision, totals_payload: bytes, config: PlannerConfig
+) -> NodeRoundPlan:
+    """Phase 3: this node's loss scales and updates over the round's totals."""
+    totals = decode_round_totals(totals_payload, decision.num_steps)
+    return complete_node(draft, decision, totals, config)
+
+
+# -- codecs --------------------------------------------------------------------------------------
+
+
+def encode_decision(payload: DecisionPayload, round_index: int) -> bytes:
+    d, f = payload.decision, payload.facts
+    facts = {
+        "epoch": f.epoch,
+        "rejected": f.rejected,
+        "resume": list(f.resume) if f.resume else None,
+        "ended": [list(e) for e in f.ended],
+        "invariant": f.invariant,
+        "schema": f.schema,
+    }
+    blob = json.dumps(facts, separators=(",", ":")).encode()
+    reference = np.zeros(0) if d is None or d.reference is None else d.reference
+    has_cap = d is not None and d.reference is not None
+    head = _DECISION_HEAD.pack(
+        round_index,
+        0 if d is None else d.num_steps,
+        0 if d is None else d.all_dry,
+        0 if d is None else d.select_fullest,
+        len(reference) if has_cap else _NO_CAP,
+        len(blob),
+    )
+    cap = np.ascontiguousarray(reference, dtype="<f8").tobytes()
+    return _PREFIX.pack(_MAGIC, _VERSION, _DECISION) + head + cap + blob
+
+
+def decode_decision(payload: bytes, config: PlannerConfig) -> DecisionPayload:
+    _check_prefix(payload, _DECISION)
+    pos = _PREFIX.size
+    round_index, num_steps, all_dry, select_fullest, depth, blob_bytes = _DECISION_HEAD.unpack_from(
+        payload, pos
+    )
+    pos += _DECISION_HEAD.size
+    reference = None
+    if depth != _NO_CAP:
+        reference = np.frombuffer(payload, dtype="<f8", count=depth, offset=pos).copy()
+        pos += 8 * depth
+    raw = json.loads(payload[pos : pos + blob_bytes])
+    pos += blob_bytes
+    _check_end(payload, pos)
+    resume = raw["resume"]
+    facts = RoundFacts(
+        epoch=int(raw["epoch"]),
+        rejected={str(k): int(v) for k, v in raw["rejected"].items()},
+        resume=(int(resume[0]), int(resume[1])) if resume else None,
+        ended=tuple((int(r), int(e), int(s)) for r, e, s in raw["ended"]),
+        invariant=raw["invariant"],
+        schema=raw["schema"],
+    )
+    if facts.invariant is not None:
+        return DecisionPayload(None, facts)
+    order = assignment.step_order(num_steps, config.seed, round_index)
+    decision = RoundDecision(
+        round_index, num_steps, order, bool(all_dry), reference, bool(select_fullest)
+    )
+    return DecisionPayload(decision, facts)
+
+
+def encode_round_totals(totals: RoundTotals) -> bytes:
+    steps = int(totals.num_tokens.shape[0])
+    has_approx = totals.approx_weights.size > 0
+    parts = [
+        _PREFIX.pack(_MAGIC, _VERSION, _ROUND_TOTALS),
+        _TOTALS_HEAD.pack(steps, totals.drained, has_approx, 0),
+        totals.num_tokens.astype("<i8").tobytes(),
+        totals.num_samples.astype("<i8").tobytes(),
+    ]
+    if has_approx:
+        parts.append(np.ascontiguousarray(totals.approx_weights, dtype="<f8").tobytes())
+    return b"".join(parts)
+
+
+def decode_round_totals(payload: bytes, num_steps: int) -> RoundTotals:
+    _check_prefix(payload, _ROUND_TOTALS)
+    steps, drained, has_approx, _ = _TOTALS_HEAD.unpack_from(payload, _PREFIX.size)
+    if steps != num_steps:
+        raise InvariantError(
+            f"the hub's round totals hold {steps} steps, the round has {num_steps}"
+        )
+    pos = _PREFIX.size + _TOTALS_HEAD.size
+    tokens = np.frombuffer(payload, dtype="<i8", count=steps, offset=pos).astype(np.int64)
+    samples = np.frombuffer(payload, "<i8", steps, offset=pos + 8 * steps).astype(np.int64)
+    pos += 16 * steps
+    approx = np.zeros(0)
+    if has_approx:
+        approx = np.frombuffer(payload, dtype="<f8", count=steps, offset=pos).copy()
+        pos += 8 * steps
+    _check_end(payload, pos)
+    return RoundTotals(tokens, samples, approx, bool(drained))
+
+
+def _check_prefix(payload: bytes, kind: int) -> None:
+    magic, version, got = _PREFIX.unpack_from(payload, 0)
+    if magic != _MAGIC or version != _VERSION or got != kind:
+        raise InvariantError(
+            f"round result has magic {magic:#x} version {version} kind {got}, expected "
+            f"{_MAGIC:#x} version {_VERSION} kind {kind}: every daemon of a job must run the "
+            "same odbd release"
+        )
+
+
+def _check_end(payload: bytes, pos: int) -> None:
+    if pos != len(payload):
+        raise InvariantError(f"round result has {len(payload) - pos} trailing bytes")

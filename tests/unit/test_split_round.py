@@ -1,0 +1,147 @@
+"""The live split round (daemon/split_round.py): the hub decides once from the summaries and sums
+the totals; each node, from those two small results and its own offers only, plans exactly its
+part of plan_round's plan. What a node receives does not grow with the node count."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given
+
+from odbd.daemon import split_round, summary_codec
+from odbd.errors import InvariantError
+from odbd.planner import company
+from odbd.planner.completion import RoundTotals
+from odbd.planner.round import assemble, plan_round, units_of_node
+from odbd.planner.types import SampleTable, UnitOffer
+from tests.unit.planner_factories import make_config
+from tests.unit.test_split_plan import (
+    SPLIT_SETTINGS,
+    assert_same_decision,
+    assert_same_plan,
+    rounds,
+)
+
+
+def live_round(offers, config, round_index, side=lambda node: {}):
+    """Every node through both exchanges, the hub reducing each: (decision payload bytes,
+    totals bytes, per-node DecisionPayload, per-node NodeRoundPlan)."""
+    nodes = range(config.world.num_nodes)
+    grouped, summaries = [], []
+    for node in nodes:
+        facts = summary_codec.NodeSummary(node, 0, (), **side(node))
+        own = [offers[u] for u in units_of_node(config, node)]
+        groups, payload = split_round.node_summary(facts, own, config, round_index)
+        grouped.append(groups)
+        summaries.append(payload)
+    decided = split_round.hub_decide(summaries, config, round_index)
+    seen = [split_round.decode_decision(decided, config) for _ in nodes]
+    if seen[0].decision is None:
+        return decided, b"", seen, []
+    drafts, totals = [], []
+    for node in nodes:
+        draft, payload = split_round.node_totals(node, grouped[node], seen[node].decision, config)
+        drafts.append(draft)
+        totals.append(payload)
+    summed = split_round.hub_combine(totals, seen[0].decision.num_steps)
+    parts = [split_round.node_complete(drafts[n], seen[n].decision, summed, config) for n in nodes]
+    return decided, summed, seen, parts
+
+
+@SPLIT_SETTINGS
+@given(rounds())
+def test_the_hubs_decision_gives_every_node_its_part_of_the_whole_world_plan(case):
+    config, offers, round_index = case
+    whole = plan_round(offers, config, round_index)
+    _, _, seen, parts = live_round(offers, config, round_index)
+    for payload in seen:
+        assert payload.decision is not None
+        assert payload.facts.invariant is None and payload.facts.schema is None
+    assert_same_plan(assemble(parts, seen[0].decision), whole)
+
+
+@SPLIT_SETTINGS
+@given(rounds())
+def test_the_decision_survives_its_bytes(case):
+    config, offers, round_index = case
+    _, _, seen, _ = live_round(offers, config, round_index)
+    again = split_round.decode_decision(split_round.encode_decision(seen[0], round_index), config)
+    assert_same_decision(again.decision, seen[0].decision)
+
+
+def offers_of(config, per_unit: int) -> list[UnitOffer]:
+    rng = np.random.default_rng(0)
+    offers, first = [], 0
+    for unit in range(config.num_units):
+        lengths = rng.integers(1, 2000, per_unit)
+        table = SampleTable.of(np.arange(first, first + per_unit), lengths, lengths // 2)
+        offers.append(UnitOffer(unit, table, False))
+        first += per_unit
+    return offers
+
+
+@pytest.mark.parametrize("buffer", [64, 1024])
+def test_what_a_node_receives_does_not_grow_with_the_nodes_or_the_buffer(buffer):
+    """Issue 25: the decision is bounded whatever the node count (a header, the facts, and
+    company.py's cap profile of at most PROFILE_DEPTH floats); the totals are 16 bytes a step
+    plus a header."""
+    sizes = {}
+    for nodes in (2, 8, 32):
+        config = make_config(world=nodes, per_node=1, budget=4096, buffer=buffer)
+        decided, summed, seen, parts = live_round(offers_of(config, buffer), config, 3)
+        steps = seen[0].decision.num_steps
+        assert len(summed) == 16 + 16 * steps
+        sizes[nodes] = len(decided)
+        assert len(decided) + len(summed) <= 16 * 1024, (nodes, len(decided), len(summed))
+    assert max(sizes.values()) <= 200 + 8 * company.PROFILE_DEPTH, sizes
+
+
+def test_nodes_on_different_epochs_or_resume_points_fail_the_round_everywhere():
+    config = make_config(world=2, per_node=1, budget=4096, buffer=8)
+    offers = offers_of(config, 8)
+    _, _, seen, parts = live_round(
+        offers, config, 0, side=lambda node: {"resume": (1, 5) if node else None}
+    )
+    assert parts == [] and all(p.decision is None for p in seen)
+    assert "node 0" in seen[0].facts.invariant and "resume" in seen[0].facts.invariant
+    summaries = [
+        split_round.node_summary(summary_codec.NodeSummary(n, n, ()), [offers[n]], config, 0)[1]
+        for n in range(2)
+    ]
+    decided = split_round.decode_decision(split_round.hub_decide(summaries, config, 0), config)
+    assert decided.facts.invariant == "nodes disagree on the epoch being planned: [0, 1]"
+
+
+def test_side_facts_are_merged_in_node_order():
+    config = make_config(world=3, per_node=1, budget=4096, buffer=8)
+    side = {
+        0: {"rejected": {"zero_length": 2}, "ended": ((0, 1, 4),)},
+        1: {"rejected": {"zero_length": 1, "schema_mismatch": 3}, "schema": (7, "a")},
+        2: {"ended": ((2, 1, 3),), "schema": (7, "a")},
+    }
+    _, _, seen, parts = live_round(offers_of(config, 8), config, 0, side=lambda n: side[n])
+    facts = seen[0].facts
+    assert facts.rejected == {"zero_length": 3, "schema_mismatch": 3}
+    assert facts.ended == ((0, 1, 4), (2, 1, 3))
+    assert facts.schema is None and len(parts) == 3
+    side[2]["schema"] = (8, "b")
+    _, _, seen, _ = live_round(offers_of(config, 8), config, 0, side=lambda n: side[n])
+    assert "node 1: a; node 2: b" in seen[0].facts.schema
+
+
+def test_a_summary_in_the_wrong_place_or_a_short_result_is_refused():
+    config = make_config(world=2, per_node=1, budget=4096, buffer=8)
+    offers = offers_of(config, 8)
+    payloads = [
+        split_round.node_summary(summary_codec.NodeSummary(n, 0, ()), [offers[n]], config, 0)[1]
+        for n in range(2)
+    ]
+    with pytest.raises(InvariantError, match="node 0's place says node 1"):
+        split_round.hub_decide(payloads[::-1], config, 0)
+    totals = split_round.encode_round_totals(
+        RoundTotals(np.ones(3, np.int64), np.ones(3, np.int64), np.zeros(0), False)
+    )
+    with pytest.raises(InvariantError, match="hold 3 steps, the round has 4"):
+        split_round.decode_round_totals(totals, 4)
+    with pytest.raises(InvariantError, match="trailing"):
+        split_round.decode_round_totals(totals + b"x", 3)
