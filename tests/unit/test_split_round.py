@@ -138,6 +138,8 @@ def test_a_summary_in_the_wrong_place_or_a_short_result_is_refused():
     ]
     with pytest.raises(InvariantError, match="node 0's place says node 1"):
         split_round.hub_decide(payloads[::-1], config, 0)
+    with pytest.raises(InvariantError, match="node 1 sent a round payload the hub cannot read"):
+        split_round.hub_decide([payloads[0], payloads[1][:-3]], config, 0)
     totals = split_round.encode_round_totals(
         RoundTotals(np.ones(3, np.int64), np.ones(3, np.int64), np.zeros(0), False)
     )

@@ -31,8 +31,9 @@ from __future__ import annotations
 import json
 import struct
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import numpy as np
 
@@ -55,6 +56,7 @@ _PREFIX = struct.Struct("<IHH")
 _DECISION_HEAD = struct.Struct("<IIBBHI")
 _TOTALS_HEAD = struct.Struct("<IBBH")
 _NO_CAP = 0xFFFF
+_T = TypeVar("_T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,7 +84,7 @@ class DecisionPayload:
 
 def hub_decide(payloads: Sequence[bytes], config: PlannerConfig, round_index: int) -> bytes:
     """Exchange 1 at the hub: every node's summary in node order -> the round's decision."""
-    summaries = [summary_codec.decode_summary(p) for p in payloads]
+    summaries = [_decoded(summary_codec.decode_summary, p, n) for n, p in enumerate(payloads)]
     for node, summary in enumerate(summaries):
         if summary.node != node:
             raise InvariantError(f"the summary in node {node}'s place says node {summary.node}")
@@ -125,8 +127,20 @@ def merge_facts(summaries: Sequence[summary_codec.NodeSummary]) -> RoundFacts:
 
 def hub_combine(payloads: Sequence[bytes], num_steps: int) -> bytes:
     """Exchange 2 at the hub: every node's StepTotals in node order -> the round's totals."""
-    totals = combine([summary_codec.decode_totals(p) for p in payloads], num_steps)
-    return encode_round_totals(totals)
+    totals = [_decoded(summary_codec.decode_totals, p, n) for n, p in enumerate(payloads)]
+    return encode_round_totals(combine(totals, num_steps))
+
+
+def _decoded(decode: Callable[[bytes], _T], payload: bytes, node: int) -> _T:
+    """A payload decoded, or an InvariantError naming the node that sent it (the hub then
+    fails the job with it: a daemon of another release, or a stranger, sent it)."""
+    try:
+        return decode(payload)
+    except (InvariantError, struct.error, ValueError, KeyError, TypeError, IndexError) as exc:
+        raise InvariantError(
+            f"node {node} sent a round payload the hub cannot read ({exc}); every daemon of a "
+            "job must run the same odbd release"
+        ) from None
 
 
 # -- one node's three local phases -----------------------------------------------------------

@@ -14,6 +14,7 @@ rounds with the same message.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import grpc
@@ -108,6 +109,32 @@ class RoundBarrier:
             done = CompletedRound(round_index, (payload,), last_node=0)  # single node
         self.last_round = RoundRecord(round_index, time.perf_counter() - started_s, done.last_node)
         return list(done.payloads)
+
+    async def exchange_reduced(
+        self, round_index: int, payload: bytes, reduce: Callable[[list[bytes]], bytes]
+    ) -> bytes:
+        """The hub's reduce(every node's payload of round `round_index`, in node order), the
+        same bytes on every daemon: reduce runs on the hub only (a spoke's is never called).
+
+        The hub sends one small result instead of every payload to every node, so its
+        traffic grows with the node count, not its square (daemon/split_round.py). Raises what
+        exchange() raises, and PeerLostError when reduce refused a node's payload.
+        """
+        self._check_round(round_index, payload)
+        started_s = time.perf_counter()
+        if self._hub is not None:
+            done = await self._hub.exchange(round_index, payload, reduce)
+        elif self._spoke is not None:
+            done = await self._spoke.exchange(round_index, payload)
+        else:
+            done = CompletedRound(round_index, (reduce([payload]),), last_node=0)
+        self.last_round = RoundRecord(round_index, time.perf_counter() - started_s, done.last_node)
+        if len(done.payloads) != 1:
+            raise InvariantError(
+                f"round {round_index}'s result holds {len(done.payloads)} payloads, not the "
+                "hub's one reduced result: the hub runs another odbd release"
+            )
+        return done.payloads[0]
 
     async def report_waiting(self, round_index: int, reason: str) -> None:
         """Why this daemon has not contributed `round_index` yet, e.g. "rank 3 has not taken

@@ -69,6 +69,9 @@ class Hub:
         self._advertised: dict[int, str] = {}  # node -> listener address from its Hello
         self._refusals: dict[int, str] = {}  # node -> why its last Hello was refused
         self._waiters: dict[int, asyncio.Future[CompletedRound]] = {}  # the hub's own rounds
+        # round -> what the hub sends instead of every payload (exchange(reduce=...)): set by
+        # the hub's own contribution, so before the round can complete
+        self._reducers: dict[int, Callable[[list[bytes]], bytes]] = {}
         self._timers: dict[int, asyncio.TimerHandle] = {}  # round -> its deadline
         self._sent_early: dict[int, int] = {}  # round -> the spoke that got its result early
         self._failure: OdbdError | None = None
@@ -322,11 +325,22 @@ class Hub:
 
     # -- rounds -------------------------------------------------------------------------------
 
-    async def exchange(self, round_index: int, payload: bytes) -> CompletedRound:
-        """The hub's own contribution; resolves when the round completes or the job aborts."""
+    async def exchange(
+        self,
+        round_index: int,
+        payload: bytes,
+        reduce: Callable[[list[bytes]], bytes] | None = None,
+    ) -> CompletedRound:
+        """The hub's own contribution; resolves when the round completes or the job aborts.
+
+        With `reduce`, every node (the hub too) gets the one payload reduce(every payload in
+        node order) instead of every payload: the split round (daemon/split_round.py). If it
+        raises, a node sent a payload the job cannot use and the job fails with its message."""
         self.raise_failure()
         waiter: asyncio.Future[CompletedRound] = self._loop.create_future()
         self._waiters[round_index] = waiter
+        if reduce is not None:
+            self._reducers[round_index] = reduce
         try:
             self._contribute(0, round_index, payload)
         except ProtocolViolation as exc:
@@ -359,6 +373,15 @@ class Hub:
         timer = self._timers.pop(round_index, None)
         if timer is not None:
             timer.cancel()
+        reduce = self._reducers.pop(round_index, None)
+        if reduce is not None:
+            try:
+                reduced = reduce(list(done.payloads))
+            except Exception as exc:  # noqa: BLE001 (a hostile payload must not crash the hub)
+                reason = f"round {round_index} cannot be planned: {exc}"
+                self._abort(peer_pb2.ABORT_KIND_PEER_LOST, round_index, reason, [], PeerLostError)
+                return
+            done = CompletedRound(round_index, (reduced,), done.last_node)
         result = peer_pb2.RoundResult(
             round=round_index, payloads=done.payloads, last_node_rank=done.last_node
         )
@@ -376,6 +399,8 @@ class Hub:
 
     def _send_early(self, round_index: int) -> None:
         """Sends a round's result to its one missing spoke before it contributes (peer.proto)."""
+        if round_index in self._reducers:
+            return  # a reduced round's result needs every payload, the straggler's too
         node = self._table.straggler(round_index)
         spoke = self._spokes.get(node) if node else None  # never node 0: the hub itself
         if spoke is None or spoke.state != "active" or round_index in self._sent_early:
