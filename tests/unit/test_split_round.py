@@ -23,7 +23,7 @@ from tests.unit.test_split_plan import (
 )
 
 
-def live_round(offers, config, round_index, side=lambda node: {}):
+def live_round(offers, config, round_index, side=lambda node: {}, extras_out=None):
     """Every node through both exchanges, the hub reducing each: (decision payload bytes,
     totals bytes, per-node DecisionPayload, per-node NodeRoundPlan)."""
     nodes = range(config.world.num_nodes)
@@ -44,8 +44,21 @@ def live_round(offers, config, round_index, side=lambda node: {}):
         drafts.append(draft)
         totals.append(payload)
     summed = split_round.hub_combine(totals, seen[0].decision.num_steps)
-    parts = [split_round.node_complete(drafts[n], seen[n].decision, summed, config) for n in nodes]
+    done = [split_round.node_complete(drafts[n], seen[n].decision, summed, config) for n in nodes]
+    parts = [plan for plan, _ in done]
+    for _, extras in done:
+        assert_same_extras(extras, done[0][1])
+    if extras_out is not None:
+        extras_out.append(done[0][1])
     return decided, summed, seen, parts
+
+
+def assert_same_extras(a, b) -> None:
+    assert (a.offered_samples, a.offered_tokens, a.splits, a.recirculated) == (
+        b.offered_samples, b.offered_tokens, b.splits, b.recirculated
+    )  # fmt: skip
+    assert a.step_max_work.tobytes() == b.step_max_work.tobytes()
+    assert a.step_sum_work.tobytes() == b.step_sum_work.tobytes()
 
 
 @SPLIT_SETTINGS
@@ -53,11 +66,22 @@ def live_round(offers, config, round_index, side=lambda node: {}):
 def test_the_hubs_decision_gives_every_node_its_part_of_the_whole_world_plan(case):
     config, offers, round_index = case
     whole = plan_round(offers, config, round_index)
-    _, _, seen, parts = live_round(offers, config, round_index)
+    got = []
+    _, _, seen, parts = live_round(offers, config, round_index, extras_out=got)
     for payload in seen:
         assert payload.decision is not None
         assert payload.facts.invariant is None and payload.facts.schema is None
     assert_same_plan(assemble(parts, seen[0].decision), whole)
+    # the round-wide facts the daemons read from every offer before, now from the hub
+    extras = got[0]
+    assert extras.splits == sum(u.num_splits for u in whole.units)
+    assert extras.recirculated == sum(len(u.leftover) for u in whole.units)
+    tables = [t for u in whole.units for t in (u.emitted, u.leftover)]
+    assert extras.offered_samples == sum(len(t) for t in tables)
+    assert extras.offered_tokens == sum(int(t.tokens.sum()) for t in tables)
+    work = whole.stats.work
+    assert np.array_equal(extras.step_max_work, work.max(axis=1))
+    assert np.allclose(extras.step_sum_work, work.sum(axis=1), rtol=1e-12)
 
 
 @SPLIT_SETTINGS
@@ -83,14 +107,14 @@ def offers_of(config, per_unit: int) -> list[UnitOffer]:
 @pytest.mark.parametrize("buffer", [64, 1024])
 def test_what_a_node_receives_does_not_grow_with_the_nodes_or_the_buffer(buffer):
     """Issue 25: the decision is bounded whatever the node count (a header, the facts, and
-    company.py's cap profile of at most PROFILE_DEPTH floats); the totals are 16 bytes a step
-    plus a header."""
+    company.py's cap profile of at most PROFILE_DEPTH floats); the totals are 32 bytes a step
+    plus 48."""
     sizes = {}
     for nodes in (2, 8, 32):
         config = make_config(world=nodes, per_node=1, budget=4096, buffer=buffer)
         decided, summed, seen, parts = live_round(offers_of(config, buffer), config, 3)
         steps = seen[0].decision.num_steps
-        assert len(summed) == 16 + 16 * steps
+        assert len(summed) == 16 + 32 + 32 * steps
         sizes[nodes] = len(decided)
         assert len(decided) + len(summed) <= 16 * 1024, (nodes, len(decided), len(summed))
     assert max(sizes.values()) <= 200 + 8 * company.PROFILE_DEPTH, sizes
@@ -140,9 +164,11 @@ def test_a_summary_in_the_wrong_place_or_a_short_result_is_refused():
         split_round.hub_decide(payloads[::-1], config, 0)
     with pytest.raises(InvariantError, match="node 1 sent a round payload the hub cannot read"):
         split_round.hub_decide([payloads[0], payloads[1][:-3]], config, 0)
+    extras = split_round.RoundExtras(1, 2, 3, 4, np.ones(3), np.ones(3))
     totals = split_round.encode_round_totals(
-        RoundTotals(np.ones(3, np.int64), np.ones(3, np.int64), np.zeros(0), False)
+        RoundTotals(np.ones(3, np.int64), np.ones(3, np.int64), np.zeros(0), False), extras
     )
+    assert split_round.decode_round_totals(totals, 3)[1].splits == 3
     with pytest.raises(InvariantError, match="hold 3 steps, the round has 4"):
         split_round.decode_round_totals(totals, 4)
     with pytest.raises(InvariantError, match="trailing"):

@@ -11,7 +11,8 @@ Two exchanges per round, each reduced by the hub to one small result for every n
 2. step totals: each node fits its own units to T steps (planner/node_plan.py) and sends its
    StepTotals (2 counts per step); the hub sums them (planner/completion.combine) and every node
    gets the RoundTotals, 16 bytes per step: exactly what exact loss scales and
-   --tokens-per-update need. Each node then completes its own part (complete_node).
+   --tokens-per-update need, and 16 more per step for /metrics' step cost imbalance (the
+   slowest and the summed rank cost). Each node then completes its own part (complete_node).
 
 No node's samples leave it: the hub sends O(N x (1 + T)) bytes per round instead of N^2 offers,
 and a node receives O(1 + T). The decision is the one plan_round makes from the same summaries
@@ -22,12 +23,17 @@ Payloads, version 1, little-endian, after summary_codec's u32 magic, u16 version
         u16 reference length (0xffff: no cap), u32 facts bytes; then the cap profile (float64)
         and the facts as UTF-8 JSON {"epoch", "rejected", "resume", "ended", "invariant",
         "schema"} (RoundFacts)
+    node totals (kind 5): u32 num_steps, RoundExtras, then summary_codec's StepTotals payload
     round totals (kind 4): u32 num_steps, u8 drained, u8 has_approx, u16 reserved; then
-        num_steps int64 tokens, num_steps int64 samples [, num_steps float64 approx weights]
+        num_steps int64 tokens, num_steps int64 samples [, num_steps float64 approx weights],
+        then RoundExtras summed over the nodes
+    RoundExtras: int64 offered samples, offered tokens, splits, recirculated; then num_steps
+        float64 slowest rank's cost, num_steps float64 summed cost (the /metrics imbalance)
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import struct
 from collections import Counter
@@ -41,21 +47,22 @@ from odbd.daemon import summary_codec
 from odbd.daemon.rewind import fresh_node_failure
 from odbd.errors import InvariantError
 from odbd.ingest.schema_vote import schema_disagreement
-from odbd.planner import assignment
+from odbd.planner import assignment, windows
 from odbd.planner.completion import RoundTotals, combine, complete_node
 from odbd.planner.config import PlannerConfig
 from odbd.planner.decision import decide_round
 from odbd.planner.node_plan import NodeDraft, plan_node
 from odbd.planner.summary import GroupedUnit, group_unit, summarize
-from odbd.planner.types import NodeRoundPlan, RoundDecision, UnitOffer
+from odbd.planner.types import FloatArray, NodeRoundPlan, RoundDecision, StepTotals, UnitOffer
 
 _MAGIC = 0x4F444253  # summary_codec's: one family of split-round payloads
 _VERSION = 1
-_DECISION, _ROUND_TOTALS = 3, 4
+_DECISION, _ROUND_TOTALS, _NODE_TOTALS = 3, 4, 5
 _PREFIX = struct.Struct("<IHH")
 _DECISION_HEAD = struct.Struct("<IIBBHI")
 _TOTALS_HEAD = struct.Struct("<IBBH")
 _NO_CAP = 0xFFFF
+_EXTRAS_HEAD = struct.Struct("<qqqq")
 _T = TypeVar("_T")
 
 
@@ -71,6 +78,18 @@ class RoundFacts:
     # daemon raises it, as each did when it compared the offers itself.
     invariant: str | None = None
     schema: str | None = None  # the nodes chose different sample schemas: the job fails
+
+
+@dataclass(frozen=True, slots=True)
+class RoundExtras:
+    """Round-wide facts for progress and /metrics: summed (maxed) by the hub over the nodes."""
+
+    offered_samples: int  # samples of every unit's buffer this round (emitted or recirculated)
+    offered_tokens: int  # their loss tokens (round_loop's mean tokens per sample)
+    splits: int  # groups split to reach T
+    recirculated: int
+    step_max_work: FloatArray  # (T,) the slowest rank's planned cost per step
+    step_sum_work: FloatArray  # (T,) the ranks' summed cost per step
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,9 +145,24 @@ def merge_facts(summaries: Sequence[summary_codec.NodeSummary]) -> RoundFacts:
 
 
 def hub_combine(payloads: Sequence[bytes], num_steps: int) -> bytes:
-    """Exchange 2 at the hub: every node's StepTotals in node order -> the round's totals."""
-    totals = [_decoded(summary_codec.decode_totals, p, n) for n, p in enumerate(payloads)]
-    return encode_round_totals(combine(totals, num_steps))
+    """Exchange 2 at the hub: every node's totals in node order -> the round's totals."""
+    parts = [_decoded(decode_node_totals, p, n) for n, p in enumerate(payloads)]
+    bad = [n for n, (_, e) in enumerate(parts) if e.step_max_work.shape != (num_steps,)]
+    if bad:
+        raise InvariantError(f"nodes {bad} sent step costs for other than {num_steps} steps")
+    totals = combine([t for t, _ in parts], num_steps)
+    extras = [e for _, e in parts]
+    zero = np.zeros(num_steps)
+    merged = RoundExtras(
+        offered_samples=sum(e.offered_samples for e in extras),
+        offered_tokens=sum(e.offered_tokens for e in extras),
+        splits=sum(e.splits for e in extras),
+        recirculated=sum(e.recirculated for e in extras),
+        step_max_work=np.max([e.step_max_work for e in extras], axis=0) if extras else zero,
+        # cumsum adds node after node (a sum's order is numpy's choice)
+        step_sum_work=np.cumsum([e.step_sum_work for e in extras], axis=0)[-1] if extras else zero,
+    )
+    return encode_round_totals(totals, merged)
 
 
 def _decoded(decode: Callable[[bytes], _T], payload: bytes, node: int) -> _T:
@@ -174,17 +208,43 @@ def node_summary(
 def node_totals(
     node: int, grouped: Sequence[GroupedUnit], decision: RoundDecision, config: PlannerConfig
 ) -> tuple[NodeDraft, bytes]:
-    """Phase 2: this node's units fitted and placed; the StepTotals payload for the hub."""
+    """Phase 2: this node's units fitted and placed; its totals payload for the hub: the
+    StepTotals, and the round facts the daemons report over every node (RoundExtras)."""
     draft = plan_node(node, grouped, decision, config)
-    return draft, summary_codec.encode_totals(draft.totals)
+    return draft, encode_node_totals(draft.totals, node_extras(draft, config))
+
+
+def node_extras(draft: NodeDraft, config: PlannerConfig) -> RoundExtras:
+    """This node's share of the round-wide facts the daemons used to read from every offer."""
+    c = draft.columns
+    work = config.cost.work(c["padded_tokens"], c["sum_sq"], c["patches"])
+    steps = int(c["num_samples"].shape[0])
+    offered = [(len(t), int(t.tokens.sum())) for u in draft.units for t in (u.emitted, u.leftover)]
+    return RoundExtras(
+        offered_samples=sum(n for n, _ in offered),
+        offered_tokens=sum(t for _, t in offered),
+        splits=sum(u.num_splits for u in draft.units),
+        recirculated=sum(len(u.leftover) for u in draft.units),
+        step_max_work=work.max(axis=1) if work.shape[1] else np.zeros(steps),
+        step_sum_work=work.sum(axis=1) if work.shape[1] else np.zeros(steps),
+    )
 
 
 def node_complete(
     draft: NodeDraft, decision: RoundDecision, totals_payload: bytes, config: PlannerConfig
-) -> NodeRoundPlan:
-    """Phase 3: this node's loss scales and updates over the round's totals."""
-    totals = decode_round_totals(totals_payload, decision.num_steps)
-    return complete_node(draft, decision, totals, config)
+) -> tuple[NodeRoundPlan, RoundExtras]:
+    """Phase 3: this node's loss scales and updates over the round's totals, and the round-wide
+    extras with their steps in the plan's order (--tokens-per-update reorders and cuts)."""
+    totals, extras = decode_round_totals(totals_payload, decision.num_steps)
+    plan = complete_node(draft, decision, totals, config)
+    max_work, sum_work = extras.step_max_work, extras.step_sum_work
+    if config.windows and config.tokens_per_update > 0:  # complete_node's order of the steps
+        order = windows.pack_order(totals.num_tokens, config.tokens_per_update)
+        max_work, sum_work = max_work[order], sum_work[order]
+    kept = slice(0, plan.num_steps)  # and its closed prefix
+    return plan, dataclasses.replace(
+        extras, step_max_work=max_work[kept], step_sum_work=sum_work[kept]
+    )
 
 
 # -- codecs --------------------------------------------------------------------------------------
@@ -247,7 +307,43 @@ def decode_decision(payload: bytes, config: PlannerConfig) -> DecisionPayload:
     return DecisionPayload(decision, facts)
 
 
-def encode_round_totals(totals: RoundTotals) -> bytes:
+def _encode_extras(extras: RoundExtras) -> bytes:
+    counts = (extras.offered_samples, extras.offered_tokens, extras.splits, extras.recirculated)
+    return b"".join(
+        [
+            _EXTRAS_HEAD.pack(*counts),
+            np.ascontiguousarray(extras.step_max_work, dtype="<f8").tobytes(),
+            np.ascontiguousarray(extras.step_sum_work, dtype="<f8").tobytes(),
+        ]
+    )
+
+
+def _decode_extras(payload: bytes, pos: int, steps: int) -> tuple[RoundExtras, int]:
+    counts = _EXTRAS_HEAD.unpack_from(payload, pos)
+    pos += _EXTRAS_HEAD.size
+    max_work = np.frombuffer(payload, dtype="<f8", count=steps, offset=pos).copy()
+    sum_work = np.frombuffer(payload, dtype="<f8", count=steps, offset=pos + 8 * steps).copy()
+    samples, tokens, splits, recirculated = (int(c) for c in counts)
+    extras = RoundExtras(samples, tokens, splits, recirculated, max_work, sum_work)
+    return extras, pos + 16 * steps
+
+
+def encode_node_totals(totals: StepTotals, extras: RoundExtras) -> bytes:
+    """A node's exchange-2 payload: u32 magic, u16 version, u16 kind 5, u32 steps, then its
+    RoundExtras (4 int64, 2 x steps float64), then summary_codec's StepTotals payload."""
+    steps = int(extras.step_max_work.shape[0])
+    head = _PREFIX.pack(_MAGIC, _VERSION, _NODE_TOTALS) + struct.pack("<I", steps)
+    return head + _encode_extras(extras) + summary_codec.encode_totals(totals)
+
+
+def decode_node_totals(payload: bytes) -> tuple[StepTotals, RoundExtras]:
+    _check_prefix(payload, _NODE_TOTALS)
+    (steps,) = struct.unpack_from("<I", payload, _PREFIX.size)
+    extras, pos = _decode_extras(payload, _PREFIX.size + 4, steps)
+    return summary_codec.decode_totals(payload[pos:]), extras
+
+
+def encode_round_totals(totals: RoundTotals, extras: RoundExtras) -> bytes:
     steps = int(totals.num_tokens.shape[0])
     has_approx = totals.approx_weights.size > 0
     parts = [
@@ -258,10 +354,11 @@ def encode_round_totals(totals: RoundTotals) -> bytes:
     ]
     if has_approx:
         parts.append(np.ascontiguousarray(totals.approx_weights, dtype="<f8").tobytes())
+    parts.append(_encode_extras(extras))
     return b"".join(parts)
 
 
-def decode_round_totals(payload: bytes, num_steps: int) -> RoundTotals:
+def decode_round_totals(payload: bytes, num_steps: int) -> tuple[RoundTotals, RoundExtras]:
     _check_prefix(payload, _ROUND_TOTALS)
     steps, drained, has_approx, _ = _TOTALS_HEAD.unpack_from(payload, _PREFIX.size)
     if steps != num_steps:
@@ -276,8 +373,9 @@ def decode_round_totals(payload: bytes, num_steps: int) -> RoundTotals:
     if has_approx:
         approx = np.frombuffer(payload, dtype="<f8", count=steps, offset=pos).copy()
         pos += 8 * steps
+    extras, pos = _decode_extras(payload, pos, steps)
     _check_end(payload, pos)
-    return RoundTotals(tokens, samples, approx, bool(drained))
+    return RoundTotals(tokens, samples, approx, bool(drained)), extras
 
 
 def _check_prefix(payload: bytes, kind: int) -> None:
