@@ -54,8 +54,8 @@ def live_round(offers, config, round_index, side=lambda node: {}, extras_out=Non
 
 
 def assert_same_extras(a, b) -> None:
-    assert (a.offered_samples, a.offered_tokens, a.splits, a.recirculated) == (
-        b.offered_samples, b.offered_tokens, b.splits, b.recirculated
+    assert (a.offered_samples, a.offered_tokens, a.splits) == (
+        b.offered_samples, b.offered_tokens, b.splits
     )  # fmt: skip
     assert a.step_max_work.tobytes() == b.step_max_work.tobytes()
     assert a.step_sum_work.tobytes() == b.step_sum_work.tobytes()
@@ -75,7 +75,8 @@ def test_the_hubs_decision_gives_every_node_its_part_of_the_whole_world_plan(cas
     # the round-wide facts the daemons read from every offer before, now from the hub
     extras = got[0]
     assert extras.splits == sum(u.num_splits for u in whole.units)
-    assert extras.recirculated == sum(len(u.leftover) for u in whole.units)
+    recirculated = extras.offered_samples - int(whole.stats.global_num_samples.sum())
+    assert recirculated == sum(len(u.leftover) for u in whole.units)
     tables = [t for u in whole.units for t in (u.emitted, u.leftover)]
     assert extras.offered_samples == sum(len(t) for t in tables)
     assert extras.offered_tokens == sum(int(t.tokens.sum()) for t in tables)
@@ -108,13 +109,13 @@ def offers_of(config, per_unit: int) -> list[UnitOffer]:
 def test_what_a_node_receives_does_not_grow_with_the_nodes_or_the_buffer(buffer):
     """Issue 25: the decision is bounded whatever the node count (a header, the facts, and
     company.py's cap profile of at most PROFILE_DEPTH floats); the totals are 32 bytes a step
-    plus 48."""
+    plus 40."""
     sizes = {}
     for nodes in (2, 8, 32):
         config = make_config(world=nodes, per_node=1, budget=4096, buffer=buffer)
         decided, summed, seen, parts = live_round(offers_of(config, buffer), config, 3)
         steps = seen[0].decision.num_steps
-        assert len(summed) == 16 + 32 + 32 * steps
+        assert len(summed) == 16 + 24 + 32 * steps
         sizes[nodes] = len(decided)
         assert len(decided) + len(summed) <= 16 * 1024, (nodes, len(decided), len(summed))
     assert max(sizes.values()) <= 200 + 8 * company.PROFILE_DEPTH, sizes
@@ -164,7 +165,7 @@ def test_a_summary_in_the_wrong_place_or_a_short_result_is_refused():
         split_round.hub_decide(payloads[::-1], config, 0)
     with pytest.raises(InvariantError, match="node 1 sent a round payload the hub cannot read"):
         split_round.hub_decide([payloads[0], payloads[1][:-3]], config, 0)
-    extras = split_round.RoundExtras(1, 2, 3, 4, np.ones(3), np.ones(3))
+    extras = split_round.RoundExtras(1, 2, 3, np.ones(3), np.ones(3))
     totals = split_round.encode_round_totals(
         RoundTotals(np.ones(3, np.int64), np.ones(3, np.int64), np.zeros(0), False), extras
     )
@@ -173,3 +174,32 @@ def test_a_summary_in_the_wrong_place_or_a_short_result_is_refused():
         split_round.decode_round_totals(totals, 4)
     with pytest.raises(InvariantError, match="trailing"):
         split_round.decode_round_totals(totals + b"x", 3)
+
+
+def test_the_hubs_cost_fit_reaches_every_node_bit_for_bit():
+    from odbd.daemon.cost_learning import CostLearner
+    from odbd.planner.config import CostModel
+    from odbd.planner.cost_fit import CostModelMode, FitConfig, FitState
+
+    config = make_config(world=2, per_node=1, budget=4096, buffer=8)
+    learner = CostLearner(CostModelMode.AUTO, CostModel(), FitConfig())
+    rng = np.random.default_rng(1)
+    padded = rng.integers(100, 4000, (200, 1)).astype(float)
+    sum_sq = padded * rng.uniform(50, 500, (200, 1))
+    seconds = 1e-4 * padded + 3e-8 * sum_sq + 0.01
+    rows = np.hstack([padded, sum_sq, seconds])
+    offers = offers_of(config, 8)
+    payloads = [
+        split_round.node_summary(
+            summary_codec.NodeSummary(n, 0, (), observations=rows[n * 64 : (n + 1) * 64]),
+            [offers[n]],
+            config,
+            0,
+        )[1]
+        for n in range(2)
+    ]
+    decided = split_round.hub_decide(payloads, config, 0, absorb=learner.absorb)
+    fit = split_round.decode_decision(decided, config).facts.fit
+    assert fit is not None and fit.state is FitState.FITTED
+    assert fit == learner.fit  # floats through JSON: exact
+    assert fit.num_observations == 128

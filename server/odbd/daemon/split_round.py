@@ -27,7 +27,7 @@ Payloads, version 1, little-endian, after summary_codec's u32 magic, u16 version
     round totals (kind 4): u32 num_steps, u8 drained, u8 has_approx, u16 reserved; then
         num_steps int64 tokens, num_steps int64 samples [, num_steps float64 approx weights],
         then RoundExtras summed over the nodes
-    RoundExtras: int64 offered samples, offered tokens, splits, recirculated; then num_steps
+    RoundExtras: int64 offered samples, offered tokens, splits; then num_steps
         float64 slowest rank's cost, num_steps float64 summed cost (the /metrics imbalance)
 """
 
@@ -39,7 +39,7 @@ import struct
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -49,7 +49,8 @@ from odbd.errors import InvariantError
 from odbd.ingest.schema_vote import schema_disagreement
 from odbd.planner import assignment, windows
 from odbd.planner.completion import RoundTotals, combine, complete_node
-from odbd.planner.config import PlannerConfig
+from odbd.planner.config import CostModel, PlannerConfig
+from odbd.planner.cost_fit import CostFit, FitState
 from odbd.planner.decision import decide_round
 from odbd.planner.node_plan import NodeDraft, plan_node
 from odbd.planner.summary import GroupedUnit, group_unit, summarize
@@ -62,7 +63,7 @@ _PREFIX = struct.Struct("<IHH")
 _DECISION_HEAD = struct.Struct("<IIBBHI")
 _TOTALS_HEAD = struct.Struct("<IBBH")
 _NO_CAP = 0xFFFF
-_EXTRAS_HEAD = struct.Struct("<qqqq")
+_EXTRAS_HEAD = struct.Struct("<qqq")
 _T = TypeVar("_T")
 
 
@@ -78,16 +79,20 @@ class RoundFacts:
     # daemon raises it, as each did when it compared the offers itself.
     invariant: str | None = None
     schema: str | None = None  # the nodes chose different sample schemas: the job fails
+    # --cost-model: the hub's fit after this round's observations (cost_learning.py), which
+    # every daemon adopts for the next round; None when the hub learns nothing
+    fit: CostFit | None = None
 
 
 @dataclass(frozen=True, slots=True)
 class RoundExtras:
     """Round-wide facts for progress and /metrics: summed (maxed) by the hub over the nodes."""
 
-    offered_samples: int  # samples of every unit's buffer this round (emitted or recirculated)
+    # samples of every unit's buffer this round, emitted or recirculated: the recirculated are
+    # these less the plan's global samples
+    offered_samples: int
     offered_tokens: int  # their loss tokens (round_loop's mean tokens per sample)
     splits: int  # groups split to reach T
-    recirculated: int
     step_max_work: FloatArray  # (T,) the slowest rank's planned cost per step
     step_sum_work: FloatArray  # (T,) the ranks' summed cost per step
 
@@ -101,13 +106,24 @@ class DecisionPayload:
 # -- the hub's two reductions --------------------------------------------------------------------
 
 
-def hub_decide(payloads: Sequence[bytes], config: PlannerConfig, round_index: int) -> bytes:
-    """Exchange 1 at the hub: every node's summary in node order -> the round's decision."""
+def hub_decide(
+    payloads: Sequence[bytes],
+    config: PlannerConfig,
+    round_index: int,
+    absorb: Callable[[list[np.ndarray]], CostFit] | None = None,
+) -> bytes:
+    """Exchange 1 at the hub: every node's summary in node order -> the round's decision.
+
+    `absorb` (CostLearner.absorb) takes every node's timed steps in node order; its fit goes
+    to every daemon in the facts, so the cost model stays the same everywhere while only the
+    hub holds the observation window."""
     summaries = [_decoded(summary_codec.decode_summary, p, n) for n, p in enumerate(payloads)]
     for node, summary in enumerate(summaries):
         if summary.node != node:
             raise InvariantError(f"the summary in node {node}'s place says node {summary.node}")
     facts = merge_facts(summaries)
+    if absorb is not None:
+        facts = dataclasses.replace(facts, fit=absorb([s.observations for s in summaries]))
     if facts.invariant is not None:
         return encode_decision(DecisionPayload(None, facts), round_index)
     units = sorted((u for s in summaries for u in s.units), key=lambda u: u.unit)
@@ -157,7 +173,6 @@ def hub_combine(payloads: Sequence[bytes], num_steps: int) -> bytes:
         offered_samples=sum(e.offered_samples for e in extras),
         offered_tokens=sum(e.offered_tokens for e in extras),
         splits=sum(e.splits for e in extras),
-        recirculated=sum(e.recirculated for e in extras),
         step_max_work=np.max([e.step_max_work for e in extras], axis=0) if extras else zero,
         # cumsum adds node after node (a sum's order is numpy's choice)
         step_sum_work=np.cumsum([e.step_sum_work for e in extras], axis=0)[-1] if extras else zero,
@@ -224,7 +239,6 @@ def node_extras(draft: NodeDraft, config: PlannerConfig) -> RoundExtras:
         offered_samples=sum(n for n, _ in offered),
         offered_tokens=sum(t for _, t in offered),
         splits=sum(u.num_splits for u in draft.units),
-        recirculated=sum(len(u.leftover) for u in draft.units),
         step_max_work=work.max(axis=1) if work.shape[1] else np.zeros(steps),
         step_sum_work=work.sum(axis=1) if work.shape[1] else np.zeros(steps),
     )
@@ -260,6 +274,15 @@ def encode_decision(payload: DecisionPayload, round_index: int) -> bytes:
         "invariant": f.invariant,
         "schema": f.schema,
     }
+    if f.fit is not None:  # floats as JSON round-trip exactly (repr), nan included
+        facts["fit"] = [
+            dataclasses.astuple(f.fit.model),
+            f.fit.state.value,
+            list(f.fit.seconds),
+            f.fit.error,
+            f.fit.fixed_error,
+            f.fit.num_observations,
+        ]
     blob = json.dumps(facts, separators=(",", ":")).encode()
     reference = np.zeros(0) if d is None or d.reference is None else d.reference
     has_cap = d is not None and d.reference is not None
@@ -297,6 +320,7 @@ def decode_decision(payload: bytes, config: PlannerConfig) -> DecisionPayload:
         ended=tuple((int(r), int(e), int(s)) for r, e, s in raw["ended"]),
         invariant=raw["invariant"],
         schema=raw["schema"],
+        fit=_fit_of(raw["fit"]) if "fit" in raw else None,
     )
     if facts.invariant is not None:
         return DecisionPayload(None, facts)
@@ -308,7 +332,7 @@ def decode_decision(payload: bytes, config: PlannerConfig) -> DecisionPayload:
 
 
 def _encode_extras(extras: RoundExtras) -> bytes:
-    counts = (extras.offered_samples, extras.offered_tokens, extras.splits, extras.recirculated)
+    counts = (extras.offered_samples, extras.offered_tokens, extras.splits)
     return b"".join(
         [
             _EXTRAS_HEAD.pack(*counts),
@@ -323,14 +347,14 @@ def _decode_extras(payload: bytes, pos: int, steps: int) -> tuple[RoundExtras, i
     pos += _EXTRAS_HEAD.size
     max_work = np.frombuffer(payload, dtype="<f8", count=steps, offset=pos).copy()
     sum_work = np.frombuffer(payload, dtype="<f8", count=steps, offset=pos + 8 * steps).copy()
-    samples, tokens, splits, recirculated = (int(c) for c in counts)
-    extras = RoundExtras(samples, tokens, splits, recirculated, max_work, sum_work)
+    samples, tokens, splits = (int(c) for c in counts)
+    extras = RoundExtras(samples, tokens, splits, max_work, sum_work)
     return extras, pos + 16 * steps
 
 
 def encode_node_totals(totals: StepTotals, extras: RoundExtras) -> bytes:
     """A node's exchange-2 payload: u32 magic, u16 version, u16 kind 5, u32 steps, then its
-    RoundExtras (4 int64, 2 x steps float64), then summary_codec's StepTotals payload."""
+    RoundExtras (3 int64, 2 x steps float64), then summary_codec's StepTotals payload."""
     steps = int(extras.step_max_work.shape[0])
     head = _PREFIX.pack(_MAGIC, _VERSION, _NODE_TOTALS) + struct.pack("<I", steps)
     return head + _encode_extras(extras) + summary_codec.encode_totals(totals)
@@ -341,6 +365,19 @@ def decode_node_totals(payload: bytes) -> tuple[StepTotals, RoundExtras]:
     (steps,) = struct.unpack_from("<I", payload, _PREFIX.size)
     extras, pos = _decode_extras(payload, _PREFIX.size + 4, steps)
     return summary_codec.decode_totals(payload[pos:]), extras
+
+
+def _fit_of(raw: list[Any]) -> CostFit:
+    model, state, seconds, error, fixed_error, num_observations = raw
+    a, b, c = (float(x) for x in seconds)
+    return CostFit(
+        model=CostModel(**{k: float(v) for k, v in zip("abcp", model, strict=True)}),
+        state=FitState(state),
+        seconds=(a, b, c),
+        error=float(error),
+        fixed_error=float(fixed_error),
+        num_observations=int(num_observations),
+    )
 
 
 def encode_round_totals(totals: RoundTotals, extras: RoundExtras) -> bytes:
