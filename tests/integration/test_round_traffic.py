@@ -71,12 +71,6 @@ def test_every_daemon_counts_the_round_messages_it_sent_and_received():
     print(f"2 nodes: hub {hub}, spoke {spoke}")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 25: the live daemons still exchange full offers and the hub relays every "
-    "node's offer to every node (hub bytes grow with N^2, a spoke receives N offers); passes "
-    "once the live round runs on the split planner",
-)
 def test_hub_traffic_grows_linearly_and_a_spoke_receives_little():
     two = round_work(run_job(2), 0)
     eight_result = run_job(8)

@@ -54,10 +54,10 @@ from odbd.daemon.job_end import (
 )
 from odbd.daemon.journal import Journal, check_header, replay
 from odbd.daemon.node_state import NodeState, Rejected
-from odbd.daemon.offer_codec import check_offer_fits
 from odbd.daemon.remake import Rewinder
 from odbd.daemon.round_loop import RoundLoop
 from odbd.daemon.socket_claim import claim_socket_path
+from odbd.daemon.split_round import check_summary_fits
 from odbd.errors import ConfigError, OdbdError
 from odbd.grpc_guard import DecodeGuard
 from odbd.ingest.arena import Arena, ArenaInUseError
@@ -160,7 +160,7 @@ class Daemon:
     async def startup(self) -> None:
         config = self.config
         world = config.world
-        check_offer_fits(config.buffer, world.ranks_per_node, world.num_nodes)
+        check_summary_fits(config.planner(0))  # follows the units, not --buffer
         # First, before anything is created: a live daemon on this socket refuses the start.
         claim_socket_path(config.socket)
         # Then the journal: one that is refused (a planted symlink) leaves nothing created.

@@ -45,9 +45,9 @@ import numpy as np
 
 from odbd.daemon import summary_codec
 from odbd.daemon.rewind import fresh_node_failure
-from odbd.errors import InvariantError
+from odbd.errors import ConfigError, InvariantError
 from odbd.ingest.schema_vote import schema_disagreement
-from odbd.planner import assignment, windows
+from odbd.planner import assignment, company, windows
 from odbd.planner.completion import RoundTotals, combine, complete_node
 from odbd.planner.config import CostModel, PlannerConfig
 from odbd.planner.cost_fit import CostFit, FitState
@@ -55,6 +55,7 @@ from odbd.planner.decision import decide_round
 from odbd.planner.node_plan import NodeDraft, plan_node
 from odbd.planner.summary import GroupedUnit, group_unit, summarize
 from odbd.planner.types import FloatArray, NodeRoundPlan, RoundDecision, StepTotals, UnitOffer
+from odbd.round.config import max_payload_bytes
 
 _MAGIC = 0x4F444253  # summary_codec's: one family of split-round payloads
 _VERSION = 1
@@ -101,6 +102,37 @@ class RoundExtras:
 class DecisionPayload:
     decision: RoundDecision | None  # None when facts.invariant says the round cannot be planned
     facts: RoundFacts
+
+
+# -- what fits a round -----------------------------------------------------------------------
+
+# Side facts of a summary beyond the units: rejection counts, the schema's description, end
+# points (JSON), and at most cost_learning.MAX_OBSERVATIONS rows of 3 float64.
+_SIDE_ALLOWANCE_BYTES = 4096 + 64 * 24
+
+
+def summary_bytes_bound(config: PlannerConfig) -> int:
+    """The largest summary a node sends: it follows the units, never the buffers (a unit's
+    record is 19 bytes; only units company.py samples carry their profile)."""
+    per_node = config.num_units // config.world.num_nodes
+    step = -(-config.num_units // company.CAP_SAMPLE_UNITS)  # company.sampled_units' stride
+    profiled = min(per_node, -(-per_node // step))
+    head = 24 + 19 * per_node
+    return head + 8 * company.PROFILE_DEPTH * profiled + _SIDE_ALLOWANCE_BYTES
+
+
+def check_summary_fits(config: PlannerConfig) -> None:
+    """Refuses at start-up a layout whose summaries would be refused at the first round (each
+    node's payload must fit its share of one round message, round/config.py)."""
+    nodes = config.world.num_nodes
+    limit, need = max_payload_bytes(nodes), summary_bytes_bound(config)
+    if need > limit:
+        raise ConfigError(
+            f"{nodes} nodes of {config.world.ranks_per_node} ranks make round summaries of up "
+            f"to {need / 1024:.0f} KiB per node, over the {limit / 1024:.0f} KiB each of "
+            f"{nodes} nodes may send in one round; the first round would fail. Run more "
+            "ranks per node (--nproc-per-node), or --balance node"
+        )
 
 
 # -- the hub's two reductions --------------------------------------------------------------------

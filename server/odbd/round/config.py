@@ -10,7 +10,9 @@ import grpc
 from odbd.errors import ConfigError
 
 # 2: the job token is proven by challenge-response (auth.py) instead of sent in the Hello.
-PROTOCOL_VERSION = 2
+# 3: the live round runs on the split planner (daemon/split_round.py): two exchanges per round,
+# summaries then step totals, each reduced by the hub to one result for every node.
+PROTOCOL_VERSION = 3
 # A round result carries every node's payload in one message: up to a few hundred KB per node
 # per round today, so 64 MiB leaves room for 64 nodes with ~1 MB offers each.
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
