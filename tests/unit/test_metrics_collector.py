@@ -14,7 +14,7 @@ from odbd.metrics.collector import KNOWN_REJECT_REASONS, DaemonCollector
 from odbd.metrics.stats import DaemonStats, Histogram
 from odbd.world import World
 
-ALLOWED_LABELS = {"rank", "peer", "reason", "le", "version", "node", "term", "model"}
+ALLOWED_LABELS = {"direction", "rank", "peer", "reason", "le", "version", "node", "term", "model"}
 
 
 def render(stats: DaemonStats, live: dict[str, float] | None = None) -> str:

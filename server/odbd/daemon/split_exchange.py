@@ -54,7 +54,7 @@ class SplitExchange:
         def reduce(payloads: list[bytes]) -> bytes:  # on the hub only
             begun = time.perf_counter()
             try:
-                return split_round.hub_decide(payloads, config, seed_round, absorb)
+                return split_round.hub_decide(payloads, config, seed_round, absorb, round_index)
             finally:
                 self.planning_s += time.perf_counter() - begun
 

@@ -43,7 +43,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from odbd.daemon import summary_codec
+from odbd.daemon import payload_checks, summary_codec
 from odbd.daemon.rewind import fresh_node_failure
 from odbd.errors import ConfigError, InvariantError
 from odbd.ingest.schema_vote import schema_disagreement
@@ -53,6 +53,7 @@ from odbd.planner.config import CostModel, PlannerConfig
 from odbd.planner.cost_fit import CostFit, FitState
 from odbd.planner.decision import decide_round
 from odbd.planner.node_plan import NodeDraft, plan_node
+from odbd.planner.round import units_of_node
 from odbd.planner.summary import GroupedUnit, group_unit, summarize
 from odbd.planner.types import FloatArray, NodeRoundPlan, RoundDecision, StepTotals, UnitOffer
 from odbd.round.config import max_payload_bytes
@@ -143,16 +144,17 @@ def hub_decide(
     config: PlannerConfig,
     round_index: int,
     absorb: Callable[[list[np.ndarray]], CostFit] | None = None,
+    label: int | None = None,
 ) -> bytes:
     """Exchange 1 at the hub: every node's summary in node order -> the round's decision.
 
-    `absorb` (CostLearner.absorb) takes every node's timed steps in node order; its fit goes
-    to every daemon in the facts, so the cost model stays the same everywhere while only the
-    hub holds the observation window."""
-    summaries = [_decoded(summary_codec.decode_summary, p, n) for n, p in enumerate(payloads)]
-    for node, summary in enumerate(summaries):
-        if summary.node != node:
-            raise InvariantError(f"the summary in node {node}'s place says node {summary.node}")
+    Each summary is range-checked first (payload_checks.summary_problem): a bad one fails the
+    job naming its node, never the planner. `absorb` (CostLearner.absorb) takes every node's
+    timed steps in node order; its fit goes to every daemon in the facts, so the cost model
+    stays the same everywhere while only the hub holds the observation window. `label` is
+    the round's number in messages (the loop's, without a restart's seed offset)."""
+    shown = round_index if label is None else label
+    summaries = [_summary_of(p, n, shown, config) for n, p in enumerate(payloads)]
     facts = merge_facts(summaries)
     if absorb is not None:
         facts = dataclasses.replace(facts, fit=absorb([s.observations for s in summaries]))
@@ -161,6 +163,28 @@ def hub_decide(
     units = sorted((u for s in summaries for u in s.units), key=lambda u: u.unit)
     decision = decide_round(units, config, round_index)
     return encode_decision(DecisionPayload(decision, facts), round_index)
+
+
+def _summary_of(
+    payload: bytes, node: int, round_index: int, config: PlannerConfig
+) -> summary_codec.NodeSummary:
+    try:
+        summary = summary_codec.decode_summary(payload)
+    except Exception as error:  # any parse failure: the peer sent something else
+        raise InvariantError(
+            f"node {node} sent a round {round_index} payload that is not an odbd summary "
+            f"({type(error).__name__}: {str(error)[:200]}); every daemon of a job must run the "
+            "same odbd release, and only this job's daemons may hold its token"
+        ) from None
+    units = units_of_node(config, node)
+    problem = payload_checks.summary_problem(summary, node, units, config.world.world_size)
+    if problem is not None:
+        raise payload_checks.BadPayloadError(
+            f"node {node} sent a round {round_index} summary with a value out of range: "
+            f"{problem}. Every daemon stops this job; every daemon of a job must run the same "
+            "odbd release, and only this job's daemons may hold its token"
+        )
+    return summary
 
 
 def merge_facts(summaries: Sequence[summary_codec.NodeSummary]) -> RoundFacts:

@@ -378,7 +378,7 @@ class Hub:
             try:
                 reduced = reduce(list(done.payloads))
             except Exception as exc:  # noqa: BLE001 (a hostile payload must not crash the hub)
-                reason = f"round {round_index} cannot be planned: {exc}"
+                reason = f"{exc}" if isinstance(exc, OdbdError) else f"round {round_index}: {exc}"
                 self._abort(peer_pb2.ABORT_KIND_PEER_LOST, round_index, reason, [], PeerLostError)
                 return
             done = CompletedRound(round_index, (reduced,), done.last_node)
