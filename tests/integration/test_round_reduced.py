@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from odbd.round import PeerLostError
+from odbd.round import PeerLostError, RoundTimeoutError
 from tests.integration.test_round_barrier import close_all, payload, run, start_cluster
 
 pytestmark = pytest.mark.timeout(60)
@@ -96,6 +96,25 @@ def test_a_single_node_reduces_its_own_payload() -> None:
             got = await barriers[0].exchange_reduced(0, b"abcdefgh", digest)
             assert got == digest([b"abcdefgh"])
             assert barriers[0].traffic.sent == barriers[0].traffic.received == 0
+        finally:
+            await close_all(barriers)
+
+    run(scenario())
+
+
+def test_a_round_timeout_names_the_planners_round_and_exchange() -> None:
+    """The live daemons run two barrier rounds per planner round: barrier round 3 is the
+    second exchange of round 1, and that is what the deadline's message says."""
+
+    async def scenario() -> None:
+        barriers = await start_cluster(2, exchanges_per_round=2, round_timeout_s=1.0)
+        try:
+            for k in range(3):
+                await asyncio.gather(
+                    *(b.exchange_reduced(k, payload(n, k), digest) for n, b in enumerate(barriers))
+                )
+            with pytest.raises(RoundTimeoutError, match=r"round 1 \(exchange 2 of 2\) did not"):
+                await barriers[0].exchange_reduced(3, payload(0, 3), digest)
         finally:
             await close_all(barriers)
 

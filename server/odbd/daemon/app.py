@@ -333,6 +333,7 @@ class Daemon:
             join_timeout_s=config.join_timeout_s,
             round_timeout_s=config.round_timeout_s,
             from_journal=self.journal_records is not None,
+            exchanges_per_round=2,  # split_exchange.py: summaries, then step totals
         )
 
     async def _serve_socket(self, trainer: TrainerService) -> None:

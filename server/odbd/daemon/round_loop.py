@@ -428,7 +428,7 @@ class RoundLoop:
             # neither read as a reason nor said for how long or when a deadline names the node.
             since_s = time.monotonic() - self._exchange_started_s
             return (
-                f"not every other node has sent its summary for round {self.round_index} yet "
+                f"not every other node has sent its offer for round {self.round_index} yet "
                 f"(this node sent its own {since_s:.0f} s ago; at --round-timeout "
                 f"{self.config.round_timeout_s:g} s the hub fails the job naming the missing node)"
             )

@@ -293,8 +293,9 @@ class Hub:
             return
         round_index = self._table.next_round(spoke.node)
         reason = (
-            f"lost {spoke.name} before round {round_index}: {why}. The job cannot continue "
-            "without every node; restart it on all nodes (resume from --state-dir)"
+            f"lost {spoke.name} before round {self._config.round_name(round_index)}: {why}. The "
+            "job cannot continue without every node; restart it on all nodes (resume from "
+            "--state-dir)"
         )
         self._abort(peer_pb2.ABORT_KIND_PEER_LOST, round_index, reason, [spoke.node], PeerLostError)
 
@@ -378,7 +379,12 @@ class Hub:
             try:
                 reduced = reduce(list(done.payloads))
             except Exception as exc:  # noqa: BLE001 (a hostile payload must not crash the hub)
-                reason = f"{exc}" if isinstance(exc, OdbdError) else f"round {round_index}: {exc}"
+                name = self._config.round_name(round_index)
+                reason = (
+                    f"{exc}"
+                    if isinstance(exc, OdbdError)  # names the node and the round itself
+                    else f"round {name} cannot be planned: {exc}"
+                )
                 self._abort(peer_pb2.ABORT_KIND_PEER_LOST, round_index, reason, [], PeerLostError)
                 return
             done = CompletedRound(round_index, (reduced,), done.last_node)
@@ -420,7 +426,7 @@ class Hub:
         self._timers.pop(round_index, None)
         missing = self._table.missing(round_index)
         reason = (
-            f"round {round_index} did not complete within the "
+            f"round {self._config.round_name(round_index)} did not complete within the "
             f"{self._config.round_timeout_s:g} s round deadline: "
             f"{'; '.join(self._why_missing(n, round_index) for n in missing) or 'no node'}. "
             "Every daemon stops this job; check why that daemon stalled (its log, producers and "
@@ -470,7 +476,8 @@ class Hub:
             return reason
         peers = _names(self._name(n) for n in missing if n != 0)
         return (
-            f"round {round_index} failed because this daemon (node 0, the hub) itself did not "
+            f"round {self._config.round_name(round_index)} failed because this daemon (node 0, "
+            "the hub) itself did not "
             f"run for {stall.duration_s:.1f} s, against a {timeout:g} s round deadline: the "
             "process was stopped or starved (SIGSTOP, a paused VM or container, swapping, CPU "
             f"starvation), so it could not hear the other daemons in time; {peers} is not to "

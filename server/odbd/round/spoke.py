@@ -256,7 +256,8 @@ class Spoke:
         except TimeoutError:
             self._fail(
                 RoundTimeoutError(
-                    f"round {round_index} did not complete within the {timeout:g} s round "
+                    f"round {self._config.round_name(round_index)} did not complete within the "
+                    f"{timeout:g} s round "
                     f"deadline and {self._hub} sent no verdict; it may be hung or overloaded"
                 )
             )
