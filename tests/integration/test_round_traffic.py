@@ -71,6 +71,7 @@ def test_every_daemon_counts_the_round_messages_it_sent_and_received():
     print(f"2 nodes: hub {hub}, spoke {spoke}")
 
 
+@pytest.mark.soak  # a 2-node and an 8-node job: ~2 min on 2 busy cores (`make soak`)
 def test_hub_traffic_grows_with_the_spokes_and_a_spoke_receives_little():
     """Issue 25: the hub sends each spoke one O(1) + O(T) result per exchange, not every
     node's offer, so its bytes per round grow with the spokes (1 -> 7 from 2 to 8 nodes), not
