@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from hypothesis import given
 
-from odbd.daemon import split_round, summary_codec
+from odbd.daemon import payload_checks, split_round, summary_codec
 from odbd.errors import InvariantError
 from odbd.planner import company
 from odbd.planner.completion import RoundTotals
@@ -161,9 +161,9 @@ def test_a_summary_in_the_wrong_place_or_a_short_result_is_refused():
         split_round.node_summary(summary_codec.NodeSummary(n, 0, ()), [offers[n]], config, 0)[1]
         for n in range(2)
     ]
-    with pytest.raises(InvariantError, match="node 0's place says node 1"):
+    with pytest.raises(payload_checks.BadPayloadError, match="node 0 sent .* calls itself node 1"):
         split_round.hub_decide(payloads[::-1], config, 0)
-    with pytest.raises(InvariantError, match="node 1 sent a round payload the hub cannot read"):
+    with pytest.raises(InvariantError, match="node 1 sent a round 0 payload that is not an odbd"):
         split_round.hub_decide([payloads[0], payloads[1][:-3]], config, 0)
     extras = split_round.RoundExtras(1, 2, 3, np.ones(3), np.ones(3))
     totals = split_round.encode_round_totals(
@@ -203,3 +203,28 @@ def test_the_hubs_cost_fit_reaches_every_node_bit_for_bit():
     assert fit is not None and fit.state is FitState.FITTED
     assert fit == learner.fit  # floats through JSON: exact
     assert fit.num_observations == 128
+
+
+@pytest.mark.parametrize(
+    ("unit", "side", "needle"),
+    [
+        ((1, False, 4, 5, 10, np.zeros(0)), {}, "5 groups of 4 samples"),
+        ((1, False, 4, 2, 2**31, np.zeros(0)), {}, "longest sample, 2147483648"),
+        ((1, False, 4, 2, 10, np.array([1.0, -2.0])), {}, "negative or non-finite"),
+        ((1, False, 4, 2, 10, np.array([np.nan])), {}, "negative or non-finite"),
+        ((0, False, 4, 2, 10, np.zeros(0)), {}, "summarizes units [0], but its units are [1]"),
+        ((1, False, 4, 2, 10, np.zeros(0)), {"ended": ((9, 0, 1),)}, "names no rank"),
+        ((1, False, 4, 2, 10, np.zeros(0)), {"rejected": {"made_up": 1}}, "not one odbd knows"),
+    ],
+)
+def test_a_summary_out_of_range_fails_naming_the_node_and_the_field(unit, side, needle):
+    from odbd.planner.types import UnitSummary
+
+    config = make_config(world=2, per_node=1, budget=4096, buffer=8)
+    offers = offers_of(config, 8)
+    good = split_round.node_summary(summary_codec.NodeSummary(0, 0, ()), [offers[0]], config, 0)[1]
+    summary = summary_codec.NodeSummary(1, 0, (UnitSummary(*unit),), **side)
+    bad = summary_codec.encode_summary(summary)
+    with pytest.raises(payload_checks.BadPayloadError, match="node 1 sent a round 5 summary") as e:
+        split_round.hub_decide([good, bad], config, 1_000_000_005, label=5)
+    assert needle in str(e.value)
