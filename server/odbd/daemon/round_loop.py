@@ -263,19 +263,22 @@ class RoundLoop:
                 self.round_index, seed_round, side, tuple(self.state.offers()), planner,
                 self.cost.absorb,
             )  # fmt: skip
-            self._exchanging = False
             facts = decided.facts
             if facts.invariant is not None:
+                self._exchanging = False
                 raise InvariantError(facts.invariant)
             self._take_facts(facts)
             if self._schemas_disagree(facts.schema) or self._past_budget():
+                self._exchanging = False
                 break
             if self._ends_by_request(facts.ended):
+                self._exchanging = False
                 break  # every rank called end_job(): this round's steps would be past the end
             assert decided.decision is not None
             plan, extras = await self.split.complete(
                 self.round_index, grouped, decided.decision, planner
             )
+            self._exchanging = False  # both exchanges: the others' totals are awaited too
             self.stats.round_planning.observe(self.split.planning_s)
             self.offered = (extras.offered_samples, extras.offered_tokens)
             self._apply(plan, facts.rejected, extras)
