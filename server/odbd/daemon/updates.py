@@ -9,7 +9,7 @@ from collections import Counter
 from odbclient.wire.odbd.v1 import trainer_pb2
 from odbd.metrics.stats import DaemonStats
 from odbd.planner.config import PlannerConfig
-from odbd.planner.types import RoundPlan
+from odbd.planner.types import NodeRoundPlan
 
 log = logging.getLogger("odbd.round")
 
@@ -28,7 +28,7 @@ class UpdateNumbering:
         self.in_epoch[epoch] = first_update
 
     def of_round(
-        self, plan: RoundPlan, step_epochs: list[int], round_index: int
+        self, plan: NodeRoundPlan, step_epochs: list[int], round_index: int
     ) -> list[trainer_pb2.Update | None]:
         """Each kept step's StepBatch.update (None without windows: the wire stays as before).
 
@@ -64,7 +64,7 @@ class UpdateNumbering:
                 )
         return out
 
-    def _warn_short_update(self, plan: RoundPlan, round_index: int) -> None:
+    def _warn_short_update(self, plan: NodeRoundPlan, round_index: int) -> None:
         """A round that closed no update mid-epoch sends one short update (planner/windows.py);
         warns once, since every such round makes tokens per update uneven."""
         windows = plan.windows
