@@ -16,7 +16,13 @@ from enum import StrEnum
 from pathlib import Path
 
 from odbd import flag_files, flags
-from odbd.config import DEFAULT_PADS, DaemonConfig, default_socket, node_rank_from_environment
+from odbd.config import (
+    DEFAULT_PADS,
+    DEFAULT_ROUND_FANOUT,
+    DaemonConfig,
+    default_socket,
+    node_rank_from_environment,
+)
 from odbd.daemon.socket_claim import claim_daemon_sockets
 from odbd.dataset_size import dataset_size_of
 from odbd.errors import ConfigError
@@ -324,6 +330,15 @@ def daemon_parser() -> flags.OneLineParser:
         help="a round's contributions arrive within S",
     )
     safety.add_argument(
+        "--round-fanout",
+        type=int,
+        default=DEFAULT_ROUND_FANOUT,
+        metavar="K",
+        help="children per daemon in the relay tree of the round exchanges: node 0 writes to "
+        f"at most K daemons, each relaying for at most K more (default {DEFAULT_ROUND_FANOUT}; the "
+        "same on every daemon)",
+    )
+    safety.add_argument(
         "--join-timeout",
         type=seconds(allow_zero=False),
         default=120.0,
@@ -536,6 +551,7 @@ def config_from_args(
         shm_size=args.shm_size,
         lease_timeout_s=args.lease_timeout,
         round_timeout_s=args.round_timeout,
+        round_fanout=args.round_fanout,
         join_timeout_s=args.join_timeout,
         steps_ahead=args.steps_ahead,
         rewind_steps=args.rewind_steps,

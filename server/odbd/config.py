@@ -20,6 +20,9 @@ if TYPE_CHECKING:  # odbd.round imports grpc; `odbd --help` and flag errors shou
     from odbd.round.config import PeerTls
 
 DEFAULT_PADS = {"labels": -100.0}
+# Children per daemon in the round relay tree (odbd.round.tree.DEFAULT_FANOUT, kept here so
+# `odbd --help` does not import grpc): measured in docs/bench/round.md.
+DEFAULT_ROUND_FANOUT = 4
 
 
 def default_socket() -> str:
@@ -96,6 +99,7 @@ class DaemonConfig:
     shm_size: int = 1 << 30
     lease_timeout_s: float = 60.0
     round_timeout_s: float = 300.0
+    round_fanout: int = DEFAULT_ROUND_FANOUT  # children per daemon in the round relay tree
     join_timeout_s: float = 120.0
     # An epoch may lose at most this fraction of its samples to rejections (over every node)
     # before the job fails; rejections.DEFAULT_MAX_REJECT_FRACTION.

@@ -332,6 +332,7 @@ class Daemon:
             tls=config.peer_tls,
             join_timeout_s=config.join_timeout_s,
             round_timeout_s=config.round_timeout_s,
+            fanout=config.round_fanout,
             from_journal=self.journal_records is not None,
             exchanges_per_round=2,  # split_exchange.py: summaries, then step totals
         )

@@ -1,0 +1,114 @@
+"""The relay tree of the round exchanges (round/tree.py) on real gRPC over 127.0.0.1: relays
+collect their subtree's payloads, the hub writes to at most --round-fanout children, and every
+node gets the same result; a relay that dies fails the job naming it and the nodes it cut off."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from odbd.demo.cluster import free_ports
+from odbd.round import PeerLostError, RoundBarrier, RoundTimeoutError
+from tests.integration.test_round_barrier import close_all, make_config, payload, run
+from tests.integration.test_round_reduced import digest
+
+pytestmark = pytest.mark.timeout(60)
+
+
+async def start_tree(num_nodes: int, fanout: int, **overrides: Any) -> list[RoundBarrier]:
+    """Every daemon on a fixed port: a relay's children must know where it listens."""
+    peers = tuple(f"127.0.0.1:{p}" for p in free_ports(num_nodes))
+    barriers = [
+        RoundBarrier(
+            make_config(
+                n, num_nodes, peers[0], peers=peers, listen=peers[n], fanout=fanout, **overrides
+            )
+        )
+        for n in range(num_nodes)
+    ]
+    await asyncio.gather(*(b.start() for b in barriers))
+    return barriers
+
+
+def test_a_tree_of_seven_gives_every_node_the_same_results_and_the_hub_writes_to_two() -> None:
+    async def scenario() -> None:
+        barriers = await start_tree(7, fanout=2)
+        try:
+            for k in range(0, 6, 2):
+                relayed = await asyncio.gather(
+                    *(b.exchange(k, payload(n, k)) for n, b in enumerate(barriers))
+                )
+                assert relayed == [[payload(n, k) for n in range(7)]] * 7
+                reduced = await asyncio.gather(
+                    *(
+                        b.exchange_reduced(k + 1, payload(n, k + 1), digest)
+                        for n, b in reversed(list(enumerate(barriers)))
+                    )
+                )
+                assert reduced == [digest([payload(n, k + 1) for n in range(7)])] * 7
+            traffic = [b.traffic for b in barriers]
+            # the hub wrote each result to its 2 children only, and they passed it on unchanged:
+            # every leaf received exactly what the hub sent one child
+            leaves = traffic[3:]
+            assert all(t.received == leaves[0].received > 0 for t in leaves), traffic
+            assert traffic[0].sent == 2 * leaves[0].received, traffic
+            # a relay sent the results down to its 2 children, and its subtree's payloads up
+            assert traffic[1].sent > 2 * leaves[0].received + traffic[3].sent + traffic[4].sent
+        finally:
+            await close_all(barriers)
+
+    run(scenario())
+
+
+def test_a_lost_relay_fails_the_job_naming_it_and_the_nodes_it_cut_off() -> None:
+    """Node 1 relays for nodes 3 and 4 (fan-out 2); its streams break without a Leave (as when
+    its process is killed): the hub names node 1 and the nodes it relays for, and they name it."""
+
+    async def scenario() -> None:
+        barriers = await start_tree(5, fanout=2, round_timeout_s=30.0)
+        relay = barriers[1]
+        try:
+            await asyncio.gather(
+                *(b.exchange_reduced(0, payload(n, 0), digest) for n, b in enumerate(barriers))
+            )
+            # a crash: the listener and the stream to the hub go away without a Leave
+            assert relay._server is not None and relay._spoke is not None
+            relay._spoke._call.cancel()
+            await relay._server.stop(0)
+            others = [n for n in range(5) if n != 1]
+            started = asyncio.get_running_loop().time()
+            results = await asyncio.gather(
+                *(barriers[n].exchange_reduced(1, payload(n, 1), digest) for n in others),
+                return_exceptions=True,
+            )
+            assert asyncio.get_running_loop().time() - started < 10.0  # not the 30 s deadline
+            for n, error in zip(others, results, strict=True):
+                assert isinstance(error, PeerLostError), (n, results)
+                assert "node 1 (127.0.0.1:" in str(error), (n, error)
+            hub_error = str(results[0])
+            assert "the nodes it relays for (3, 4)" in hub_error, hub_error
+        finally:
+            await close_all(barriers)
+
+    run(scenario())
+
+
+def test_a_stalled_leaf_below_a_relay_is_named_within_the_round_deadline() -> None:
+    async def scenario() -> None:
+        barriers = await start_tree(4, fanout=1, round_timeout_s=1.0)  # a chain 0 - 1 - 2 - 3
+        try:
+            await barriers[3].report_waiting(0, "rank 3 has not taken its steps")
+            results = await asyncio.gather(
+                *(barriers[n].exchange_reduced(0, payload(n, 0), digest) for n in range(3)),
+                return_exceptions=True,
+            )
+            for error in results:
+                assert isinstance(error, RoundTimeoutError), results
+                assert "node 3 (127.0.0.1:" in str(error), error
+                assert "rank 3 has not taken its steps" in str(error), error
+        finally:
+            await close_all(barriers)
+
+    run(scenario())
