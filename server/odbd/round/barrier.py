@@ -89,7 +89,7 @@ class RoundBarrier:
             self._hub = Hub(config, self._health.set_serving, self.traffic, report_up)
             handler = join_handler(self._hub.join)
         else:
-            handler = not_the_hub_handler(config.node_rank)
+            handler = not_the_hub_handler(config.node_rank, config.fanout)
         if config.listen:
             self._server, self._listen_address = await serve(
                 config.listen, handler, self._health, config.tls, config.num_nodes

@@ -598,8 +598,8 @@ class Hub:
             return reason
         peers = _names(self._name(n) for n in missing if n != 0)
         return (
-            f"round {self._config.round_name(round_index)} failed because this daemon (node 0, "
-            "the hub) itself did not "
+            f"round {self._config.round_name(round_index)} failed because this daemon "
+            f"({self._me()}) itself did not "
             f"run for {stall.duration_s:.1f} s, against a {timeout:g} s round deadline: the "
             "process was stopped or starved (SIGSTOP, a paused VM or container, swapping, CPU "
             f"starvation), so it could not hear the other daemons in time; {peers} is not to "
@@ -641,6 +641,10 @@ class Hub:
         for forming in (self._formed, self._children_joined):
             if not forming.done():
                 forming.cancel()
+
+    def _me(self) -> str:
+        node = self._config.node_rank
+        return "node 0, the hub" if node == 0 else f"node {node}, a relay of the round tree"
 
     def _address(self, node: int) -> str:
         configured = self._config.peers[node] if node < len(self._config.peers) else ""

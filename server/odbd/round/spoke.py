@@ -217,9 +217,10 @@ class Spoke:
         except grpc.aio.AioRpcError as exc:
             self._fail(
                 PeerLostError(
-                    f"lost the stream to {self._hub} ({exc.code().name}: {exc.details()}); the "
-                    "hub daemon exited or the network failed, and the job cannot continue "
-                    "without it: restart the job on all nodes"
+                    f"lost the stream to {self._hub} ({exc.code().name}: {exc.details()}); "
+                    f"{'the hub' if self._config.parent == 0 else 'that'} daemon exited or the "
+                    "network failed, and the job cannot continue without it: restart the job on "
+                    "all nodes"
                 )
             )
 
