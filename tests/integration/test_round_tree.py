@@ -112,3 +112,40 @@ def test_a_stalled_leaf_below_a_relay_is_named_within_the_round_deadline() -> No
             await close_all(barriers)
 
     run(scenario())
+
+
+def test_a_daemon_restarted_before_the_job_formed_rejoins_its_relay() -> None:
+    """A chain 0 - 1 - 2 (fan-out 1): node 2 joins relay 1 while the hub is not up yet, dies,
+    and its restart (as from --state-dir) is admitted in its place; then the job forms."""
+
+    async def scenario() -> None:
+        peers = tuple(f"127.0.0.1:{p}" for p in free_ports(3))
+
+        def barrier(node: int) -> RoundBarrier:
+            config = make_config(node, 3, peers[0], peers=peers, listen=peers[node], fanout=1)
+            return RoundBarrier(config)
+
+        relay, first = barrier(1), barrier(2)
+        relay_start, first_start = (
+            asyncio.create_task(relay.start()),
+            asyncio.create_task(first.start()),
+        )
+        while relay._hub is None or 2 not in relay._hub._spokes:
+            await asyncio.sleep(0.01)
+        first_start.cancel()  # node 2 dies before the job formed
+        with pytest.raises(asyncio.CancelledError):
+            await first_start
+        while 2 in relay._hub._spokes:
+            await asyncio.sleep(0.01)
+        second, hub = barrier(2), barrier(0)
+        barriers = [hub, relay, second]
+        try:
+            await asyncio.gather(hub.start(), second.start(), relay_start)
+            got = await asyncio.gather(
+                *(b.exchange_reduced(0, payload(n, 0), digest) for n, b in enumerate(barriers))
+            )
+            assert got == [digest([payload(n, 0) for n in range(3)])] * 3
+        finally:
+            await close_all(barriers)
+
+    run(scenario())

@@ -444,6 +444,32 @@ class Hub:
             return f"{self._name(node)} did not contribute"
         return f"{self._name(node)} did not contribute: it waits because {waiting[1]}"
 
+    def _why_all_missing(self, missing: list[int], round_index: int) -> str:
+        """Each missing node's reason; a child relay's subtree arrives in one piece, so what
+        this daemon knows is that the relay did not send it, and why nodes below it wait."""
+        parts = []
+        for node in missing:
+            relay = next((c for c in self._children if node in self._layout.subtree(c)), node)
+            if node in self._children and len(self._layout.subtree(node)) > 1:
+                below = ", ".join(str(n) for n in self._layout.subtree(node)[1:])
+                waiting = self._waiting.get(node)
+                why = (
+                    f": it waits because {waiting[1]}"
+                    if waiting and waiting[0] == round_index
+                    else ""
+                )
+                parts.append(
+                    f"{self._name(node)} did not send its own and its subtree's contributions "
+                    f"(it relays for nodes {below}; one of them may be the one that stalled){why}"
+                )
+            elif relay != node:
+                waiting = self._waiting.get(node)
+                if waiting is not None and waiting[0] == round_index:
+                    parts.append(f"{self._why_missing(node, round_index)} (below node {relay})")
+            else:
+                parts.append(self._why_missing(node, round_index))
+        return "; ".join(parts) or "no node"
+
     def _contribute(self, node: int, round_index: int, payload: bytes) -> None:
         if self._failure is not None:
             return  # the job is over; late contributions change nothing
@@ -546,7 +572,7 @@ class Hub:
             f"round {self._config.round_name(round_index)} did not complete within the "
             f"{self._config.round_timeout_s:g} s round deadline"
             f"{'' if not self._relay else f' at node {self._config.node_rank}, a relay'}: "
-            f"{'; '.join(self._why_missing(n, round_index) for n in missing) or 'no node'}. "
+            f"{self._why_all_missing(missing, round_index)}. "
             "Every daemon stops this job; check why that daemon stalled (its log, producers and "
             "trainers) or raise the round timeout"
         )
