@@ -7,11 +7,20 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import grpc
 import pytest
 
 from odbd.demo.cluster import free_ports
-from odbd.round import PeerLostError, RoundBarrier, RoundTimeoutError
-from tests.integration.test_round_barrier import close_all, make_config, payload, run
+from odbd.round import HandshakeError, PeerLostError, RoundBarrier, RoundTimeoutError
+from tests.integration.test_round_barrier import (
+    close_all,
+    make_config,
+    open_raw_stream,
+    payload,
+    raw_hello,
+    raw_join,
+    run,
+)
 from tests.integration.test_round_reduced import digest
 
 pytestmark = pytest.mark.timeout(60)
@@ -147,5 +156,51 @@ def test_a_daemon_restarted_before_the_job_formed_rejoins_its_relay() -> None:
             assert got == [digest([payload(n, 0) for n in range(3)])] * 3
         finally:
             await close_all(barriers)
+
+    run(scenario())
+
+
+@pytest.mark.parametrize(
+    ("overrides", "needle"),
+    [
+        # a daemon of the star protocol (3) that joins a relay of protocol 4
+        ({"protocol_version": 3}, "node 2 speaks odbd peer protocol 3, node 1 speaks 4"),
+        # --round-fanout differs: node 2 at fan-out 1 joins node 1, which has fan-out 2
+        (
+            {"fingerprint": {"round_fanout": "1"}},
+            "setting round_fanout differs: node 1 (a relay of the round tree) has 2, node 3 has 1",
+        ),
+    ],
+)
+def test_a_relay_refuses_a_mixed_protocol_or_fanout_naming_itself(
+    overrides: dict[str, Any], needle: str
+) -> None:
+    async def scenario() -> None:
+        peers = tuple(f"127.0.0.1:{p}" for p in free_ports(5))
+        config = make_config(
+            1, 5, peers[0], peers=peers, listen=peers[1], fanout=2, join_timeout_s=2.0
+        )
+        relay = RoundBarrier(config)  # children 3 and 4 at fan-out 2
+        starting = asyncio.create_task(relay.start())
+        while not relay.listen_address:
+            await asyncio.sleep(0.01)
+        channel, call = await open_raw_stream(relay.listen_address)
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            hello = raw_hello(3, 5, **overrides)
+            if "fingerprint" in overrides:
+                fingerprint = {**dict(config.settings), **overrides["fingerprint"]}
+                hello = raw_hello(3, 5, fingerprint=fingerprint)
+            await raw_join(call, hello)
+            await call.read()
+        details = refused.value.details() or ""
+        assert refused.value.code() is grpc.StatusCode.FAILED_PRECONDITION, details
+        assert needle.replace("node 2", "node 3") in details, details
+        assert "node 1" in details, details
+        await channel.close()
+        # a mixed release is a stranger, the job waits for the real node 3 and names it; a mixed
+        # fan-out is a member of the job that can never join: the job fails to form at once
+        with pytest.raises(HandshakeError, match="never joined node 1|cannot form"):
+            await starting
+        await relay.close()
 
     run(scenario())
