@@ -95,6 +95,8 @@ class Hub:
         self._waiting: dict[int, tuple[int, str]] = {}  # node -> (round, why it has not sent it)
         self._loop = asyncio.get_running_loop()
         self._formed: asyncio.Future[None] = self._loop.create_future()
+        self._reported_up = False  # a relay told its parent of a failure (_abort)
+        self._verdict_timer: asyncio.TimerHandle | None = None  # ... and awaits its verdict
         # every child joined (at the hub the same moment as _formed; a relay then joins its
         # parent, and welcomes its children with the parent's Welcome)
         self._children_joined: asyncio.Future[None] = self._loop.create_future()
@@ -344,8 +346,6 @@ class Hub:
     def _abort_from_child(self, spoke: _Spoke, abort: peer_pb2.Abort) -> None:
         """A relay below failed its subtree: the job fails everywhere with its reason."""
         missing = [self._of_subtree(spoke, ref.node_rank, "Abort") for ref in abort.missing]
-        spoke.state = "ending"  # its stream ends after the Abort; that is not a second loss
-        spoke.outbox.put_nowait(_End(grpc.StatusCode.ABORTED, abort.reason))
         error = _ABORT_ERRORS.get(abort.kind, PeerLostError)
         self._abort(abort.kind, abort.round, abort.reason[:_MAX_ABORT_CHARS], missing, error)
 
@@ -480,6 +480,10 @@ class Hub:
                 self._timers[round_index] = self._loop.call_later(
                     self._config.round_timeout_s, self._round_expired, round_index
                 )
+                if self._relay:  # halfway: tell the hub who below holds the round up
+                    self._loop.call_later(
+                        0.5 * self._config.round_timeout_s, self._report_missing, round_index
+                    )
             self._check_departed(round_index)
             self._send_early(round_index)
             return
@@ -560,6 +564,9 @@ class Hub:
             return
         if abort is None:
             abort = peer_pb2.Abort(kind=peer_pb2.ABORT_KIND_PEER_LOST, reason=str(error), round=0)
+        if self._verdict_timer is not None:
+            self._verdict_timer.cancel()
+        log.error("%s", error)
         self._failure = type(error)(str(error))
         self._end_children(peer_pb2.HubMessage(abort=abort).SerializeToString(), str(error))
         self._fail_local(type(error), str(error))
@@ -590,20 +597,56 @@ class Hub:
         missing: list[int],
         error: type[OdbdError],
     ) -> None:
-        """Fails the job everywhere: every stream gets an Abort, every local wait the error."""
-        if self._failure is not None:
+        """Fails the job everywhere: every stream gets an Abort, every local wait the error.
+
+        A joined relay does not decide: it reports the failure to the hub, whose Abort (this
+        one, or the hub's own if it failed first) comes back down to every node, so every
+        daemon fails with the same message. If no verdict comes within a grace (the hub
+        hangs), the relay fails its subtree itself."""
+        if self._failure is not None or self._reported_up:
             return
         if kind in (peer_pb2.ABORT_KIND_ROUND_TIMEOUT, peer_pb2.ABORT_KIND_PEER_LOST):
             reason = self._blame_own_stall(round_index, reason, missing)
-        log.error("%s", reason)
-        self._failure = error(reason)
         refs = [common_pb2.NodeRef(node_rank=n, address=self._address(n)) for n in missing]
         abort = peer_pb2.Abort(kind=kind, round=round_index, reason=reason, missing=refs)  # type: ignore[arg-type]
+        if self._report_up is not None and self._formed.done():
+            log.error("reporting to node %s: %s", self._config.parent, reason)
+            self._reported_up = True
+            self._report_up(peer_pb2.PeerMessage(abort=abort))
+            grace = grace_s(self._config.round_timeout_s)
+            self._verdict_timer = self._loop.call_later(
+                grace, self._fail_alone, error, reason, abort
+            )
+            return
+        log.error("%s", reason)
+        self._failure = error(reason)
         self._end_children(peer_pb2.HubMessage(abort=abort).SerializeToString(), reason)
-        if self._report_up is not None:
-            self._report_up(peer_pb2.PeerMessage(abort=abort))  # the hub fails the rest
         self._fail_local(error, reason)
         self._on_serving(False)
+
+    def _report_missing(self, round_index: int) -> None:
+        """A relay, half a deadline into a round its subtree has not completed: why it has not
+        sent the round up, for the hub to quote should the round time out (a node stopped
+        without a word, say SIGSTOP, has sent no Waiting of its own)."""
+        if self._failure is not None or round_index not in self._timers:
+            return
+        missing = self._table.missing(round_index)
+        if not missing or self._config.node_rank in missing:
+            return  # complete, or the relay's own reason (its round loop's) stands
+        names = _names(self._name(n) for n in missing)
+        self.note_waiting(
+            self._config.node_rank, round_index, f"{names} below it did not contribute yet"
+        )
+
+    def _fail_alone(self, error: type[OdbdError], reason: str, abort: peer_pb2.Abort) -> None:
+        """A relay whose report got no verdict from above within the grace."""
+        grace = grace_s(self._config.round_timeout_s)
+        reason = (
+            f"{reason} (node {self._config.node_rank} reported this to node "
+            f"{self._config.parent} and got no verdict within {grace:g} s)"
+        )
+        abort.reason = reason
+        self.fail_from_parent(error(reason), abort)
 
     def _end_children(self, abort_data: bytes, reason: str) -> None:
         for spoke in self._spokes.values():
