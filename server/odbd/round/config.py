@@ -212,6 +212,9 @@ class RoundConfig:
         """What the handshake compares: the fingerprint plus the job's node count and tree."""
         return {
             "num_nodes": str(self.num_nodes),
-            "round_fanout": str(self.fanout),
+            # Only when set, like the daemon's optional settings: a Hello built for the
+            # default tree (tools, tests) still matches. A daemon of another fan-out would also
+            # be refused as nobody's child (handshake.py), but this names the flag.
+            **({"round_fanout": str(self.fanout)} if self.fanout != DEFAULT_FANOUT else {}),
             **self.fingerprint,
         }

@@ -188,7 +188,12 @@ class Spoke:
         if self._channel.get_state() is grpc.ChannelConnectivity.READY:
             return (
                 f"{self._hub} accepted the connection but did not welcome node "
-                f"{self._config.node_rank} within {timeout:g} s; see the hub's log"
+                f"{self._config.node_rank} within {timeout:g} s; see its log"
+                + (
+                    ""
+                    if self._config.parent == 0
+                    else " (a relay joins the hub once every node it relays for joined it)"
+                )
             )
         tls = (
             "; with --tls-*, also that both certificates come from the same --tls-ca and name "
@@ -197,8 +202,9 @@ class Spoke:
             else ""
         )
         return (
-            f"could not reach {self._hub} within the {timeout:g} s join deadline; start node 0's "
-            f"daemon, and check --peers (node 0 first) and that its --listen is reachable{tls}"
+            f"could not reach {self._hub} within the {timeout:g} s join deadline; start node "
+            f"{self._config.parent}'s daemon, and check --peers (node 0 first) and that its "
+            f"--listen is reachable{tls}"
         )
 
     async def _read(self) -> None:
