@@ -20,7 +20,7 @@ from odbd.config import DEFAULT_PADS, DaemonConfig, default_socket, node_rank_fr
 from odbd.daemon.socket_claim import claim_daemon_sockets
 from odbd.dataset_size import dataset_size_of
 from odbd.errors import ConfigError
-from odbd.planner.config import Balance, Collate, Grouping, LossScaling
+from odbd.planner.config import Align, Balance, Collate, Grouping, LossScaling
 from odbd.planner.cost_fit import CostModelMode
 from odbd.world import World
 
@@ -222,6 +222,15 @@ def daemon_parser() -> flags.OneLineParser:
         metavar="T",
         help="close an update once its micro-steps hold >= T loss-bearing tokens over all ranks "
         "(0 = off; excludes --accumulate)",
+    )
+    plan.add_argument(
+        "--align",
+        type=flags.choice_of([a.value for a in Align]),
+        default="steps",
+        metavar=_choices(Align),
+        help="where ranks wait for each other: every micro-step (steps), or once per optimizer "
+        "update, each rank running its own micro-steps (updates; needs --accumulate or "
+        "--tokens-per-update, and DDP or ZeRO-1/2, not FSDP: docs/training.md)",
     )
     plan.add_argument(
         "--collate",
@@ -543,6 +552,7 @@ def config_from_args(
         check_finite=args.check_finite,
         accumulate=args.accumulate,
         tokens_per_update=args.tokens_per_update,
+        align=Align(args.align),
         collate=Collate(args.collate),
         concat=tuple(key for keys in args.concat for key in keys),
         max_patches=args.max_patches,

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 from odbclient import local_trust
 from odbd.errors import ConfigError
 from odbd.exposure import unprotected_reason
-from odbd.planner.config import Balance, Collate, Grouping, LossScaling, PlannerConfig
+from odbd.planner.config import Align, Balance, Collate, Grouping, LossScaling, PlannerConfig
 from odbd.planner.cost_fit import CostModelMode
 from odbd.world import World
 
@@ -106,6 +106,7 @@ class DaemonConfig:
     steps_ahead: int = 64  # plan the next round once a local rank has at most this many queued
     accumulate: int = 1  # micro-steps per optimizer update (planner/windows.py)
     tokens_per_update: int = 0  # or: close updates at >= this many loss tokens (0 = off)
+    align: Align = Align.STEPS  # --align updates: ranks wait once per update (update_align.py)
     collate: Collate = Collate.PADDED  # batch form; packed: a group's budget is sum of lengths
     concat: tuple[str, ...] = ()  # keys joined along their first dimension (pixel_values...)
     max_patches: int = 0  # a group's vision patches; 0 = no patch budget
@@ -231,6 +232,7 @@ class DaemonConfig:
             seed=self.seed,
             accumulate=self.accumulate,
             tokens_per_update=self.tokens_per_update,
+            align=self.align,
             collate=self.collate,
             max_patches=self.max_patches,
         )
@@ -271,6 +273,8 @@ class DaemonConfig:
             **(
                 {"tokens_per_update": str(self.tokens_per_update)} if self.tokens_per_update else {}
             ),
+            # Issue 26, likewise: update alignment permutes every round's slots.
+            **({"align": self.align.value} if self.align is not Align.STEPS else {}),
             # Issue 13, likewise only when set: the batch form and the patch budget change plans
             # (budgets, costs) and what every trainer must be able to take.
             **({"collate": self.collate.value} if self.collate is not Collate.PADDED else {}),

@@ -801,8 +801,8 @@ class RoundLoop:
                 s = step * g + local_rank
                 items.append(self._step_item(
                     facts, emitted, step, rank, s, slice(bounds[s], bounds[s + 1]),
-                    step_epochs[step], step_numbers[step], progress_messages[step], updates[step],
-                    patch_weight,
+                    step_epochs[step], step_numbers[step], progress_messages[step],
+                    self.updates.of_rank(updates[step], plan, step, rank), patch_weight,
                 ))  # fmt: skip
             self.free(self.queues[rank].push(items))
 

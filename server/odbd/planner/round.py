@@ -19,13 +19,13 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
 from odbd.errors import InvariantError
 from odbd.planner.completion import combine, complete_node
-from odbd.planner.config import Balance, PlannerConfig
+from odbd.planner.config import Align, Balance, PlannerConfig
 from odbd.planner.decision import decide_round
 from odbd.planner.node_plan import NodeDraft, plan_node
 from odbd.planner.summary import GroupedUnit, group_unit, summarize
@@ -38,6 +38,7 @@ from odbd.planner.types import (
     UnitOffer,
     UnitSummary,
 )
+from odbd.planner.update_align import align_updates, update_times
 
 
 @dataclass(slots=True)
@@ -87,6 +88,23 @@ def plan_round(
         grouped.append(mine)
     with clock.shared():
         decision = decide_round(summaries, config, round_index)
+    steps_config = replace(config, align=Align.STEPS)
+    plan, drafts = _place(grouped, decision, steps_config, clock)
+    if config.align is Align.UPDATES:
+        plan, drafts = _aligned_at_updates(plan, drafts, grouped, decision, config, clock)
+    if trace is not None:
+        trace.local_s.append([clock.local_s[n] for n in nodes])
+        trace.shared_s.append(clock.shared_s)
+        trace.summaries.append(summaries)
+        trace.totals.append([d.totals for d in drafts])
+    return plan
+
+
+def _place(
+    grouped: list[list[GroupedUnit]], decision: RoundDecision, config: PlannerConfig, clock: _Clock
+) -> tuple[RoundPlan, list[NodeDraft]]:
+    """Phases 2 and 3: every node's groups on (rank, step), updates closed, loss scales."""
+    nodes = range(len(grouped))
     drafts: list[NodeDraft] = []
     for node in nodes:
         with clock.local(node):
@@ -97,12 +115,33 @@ def plan_round(
     for node in nodes:
         with clock.local(node):
             parts.append(complete_node(drafts[node], decision, totals, config))
-    if trace is not None:
-        trace.local_s.append([clock.local_s[n] for n in nodes])
-        trace.shared_s.append(clock.shared_s)
-        trace.summaries.append(summaries)
-        trace.totals.append([d.totals for d in drafts])
-    return assemble(parts, decision)
+    return assemble(parts, decision), drafts
+
+
+def _aligned_at_updates(
+    split: RoundPlan,
+    drafts: list[NodeDraft],
+    grouped: list[list[GroupedUnit]],
+    decision: RoundDecision,
+    config: PlannerConfig,
+    clock: _Clock,
+) -> tuple[RoundPlan, list[NodeDraft]]:
+    """--align updates (update_align.py): the step plan's groups dealt by cost. A unit short
+    of groups for the round's slots splits groups under --align steps; with ranks aligned at
+    updates it may instead leave slots idle (its ranks skip them). Splitting saves padding
+    and fills ranks, but each piece costs a micro-step: the round takes whichever plan's
+    updates end sooner, the split one on a tie (never slower than --align steps)."""
+    with clock.shared():
+        best = align_updates(split, config)
+    if not any(u.num_splits for u in split.units):
+        return best, drafts  # nothing was split: the unsplit plan is the same
+    whole, whole_drafts = _place(grouped, decision, config, clock)
+    with clock.shared():
+        other = align_updates(whole, config)
+        c = config.cost.c
+        if float(update_times(other, c).sum()) < float(update_times(best, c).sum()):
+            return other, whole_drafts
+    return best, drafts
 
 
 def assemble(parts: Sequence[NodeRoundPlan], decision: RoundDecision) -> RoundPlan:
