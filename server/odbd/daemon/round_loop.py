@@ -61,6 +61,7 @@ from odbd.planner.progress import (
 )
 from odbd.planner.round import plan_round, units_of_node
 from odbd.planner.types import RoundPlan, SampleTable, UnitPlan
+from odbd.planner.update_align import rank_runs
 from odbd.round import RoundBarrier
 from odbd.serve.rank_queue import QueuedItem, RankQueue
 
@@ -563,11 +564,14 @@ class RoundLoop:
         s.global_tokens += int(stats.num_tokens[:kept].sum())
         s.step_max_work += float(work.max(axis=1).sum()) if kept else 0.0
         s.step_mean_work += float(work.mean(axis=1).sum()) if kept else 0.0
+        # --align updates: a rank's skipped slots are queued and delivered (steps) but never
+        # run, so they are no fillers (idle_steps)
+        runs = rank_runs(plan)[:kept]
         for rank in self.queues:
             rs = s.rank(rank)
             samples = stats.num_samples[:kept, rank]
             rs.steps += kept
-            rs.idle_steps += int((samples == 0).sum())
+            rs.idle_steps += int(((samples == 0) & runs[:, rank]).sum())
             rs.samples += int(samples.sum())
             rs.real_tokens += int(stats.real_tokens[:kept, rank].sum())
             rs.padded_tokens += int(stats.padded_tokens[:kept, rank].sum())
