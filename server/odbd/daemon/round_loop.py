@@ -49,7 +49,7 @@ from odbd.ingest.rejections import (
 )
 from odbd.ingest.schema_vote import schema_disagreement
 from odbd.metrics.stats import DaemonStats
-from odbd.planner.config import Collate, PlannerConfig
+from odbd.planner.config import Align, Collate, PlannerConfig
 from odbd.planner.cost_fit import FitConfig, FitState
 from odbd.planner.estimate import round_estimates
 from odbd.planner.progress import (
@@ -637,12 +637,14 @@ class RoundLoop:
     def _updates_before(self, epoch: int, update: int) -> int:
         """--max-updates after a restart: the updates trained before the resume point. Exact
         without windows (a step is an update) and with --accumulate K (an epoch of n steps is
-        ceil(n / K) updates, its last one short); with --tokens-per-update the earlier epochs'
-        updates are counted as if of K = the mean steps per update of the resume epoch."""
+        ceil(n / K) updates, its last one short); with --tokens-per-update (or --align updates,
+        whose updates may span more than K steps) the earlier epochs' updates are counted as if
+        of K = the mean steps per update of the resume epoch."""
         if not self.state.planner.windows:
             return sum(self.steps_in_epoch.values())
         k = max(self.config.accumulate, 1)
-        if self.config.tokens_per_update and update:
+        sized_by_plan = self.config.tokens_per_update or self.config.align is Align.UPDATES
+        if sized_by_plan and update:
             k = max(round(self.steps_in_epoch[epoch] / update), 1)
         earlier = sum(-(-n // k) for e, n in self.steps_in_epoch.items() if e < epoch)
         return earlier + update
