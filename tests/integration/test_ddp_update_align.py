@@ -84,25 +84,26 @@ def test_ranks_run_their_own_micro_steps_and_updates_keep_the_per_token_mean(
 
 
 def test_a_restart_resumes_every_rank_after_the_same_update(tmp_path: Path) -> None:
-    """2 daemons x 2 ranks, --align updates: every rank checkpoints after its own last
-    micro-step of update 1 of epoch 1 (at different steps), yet all resume at the same step,
-    with update 2, and epoch 1 trains every identity once across both runs."""
+    """1 daemon x 2 ranks (DATA, where ranks run different micro-step counts), --align
+    updates: every rank checkpoints after its own last micro-step of update 1 of epoch 1
+    (possibly at different steps), yet all resume at the same step, with update 2, and
+    epoch 1 trains every identity once across both runs."""
     from collections import Counter
 
-    from tests.integration.test_ddp_resume import DATA as RESUME_DATA
-    from tests.integration.test_ddp_resume import WORLD as RESUME_WORLD
     from tests.integration.test_ddp_resume import cluster_job_id, run_phase
 
     job_id = cluster_job_id()
-    flags = ("--accumulate", "2", "--align", "updates")
-    first, _ = run_phase(tmp_path, job_id, ["--stop-after-update", "1:1"], flags)
-    before = {rank: len(first.steps(rank)) for rank in range(RESUME_WORLD)}
-    for rank in range(RESUME_WORLD):
+    flags = ("--accumulate", "3", "--align", "updates")
+    phase = {"nodes": 1, "data": DATA}
+    first, _ = run_phase(tmp_path, job_id, ["--stop-after-update", "1:1"], flags, **phase)
+    before = {rank: len(first.steps(rank)) for rank in range(WORLD)}
+    for rank in range(WORLD):
         last = first.steps(rank)[-1]
         assert (last["epoch"], last["update"]["index"], last["update"]["end"]) == (1, 1, True)
-    second, logs = run_phase(tmp_path, job_id, ["--resume"], flags)
+    stopped = [first.steps(rank)[-1]["step"] for rank in range(WORLD)]
+    second, logs = run_phase(tmp_path, job_id, ["--resume"], flags, **phase)
     heads = set()
-    for rank in range(RESUME_WORLD):
+    for rank in range(WORLD):
         resumed = second.steps(rank)[before[rank] :]
         assert resumed, f"rank {rank} trained nothing after the restart\n{logs}"
         head = resumed[0]
@@ -111,5 +112,5 @@ def test_a_restart_resumes_every_rank_after_the_same_update(tmp_path: Path) -> N
         indices = [r["update"]["index"] for r in second.steps(rank, 1)]
         assert indices == sorted(indices) and set(indices) == set(range(indices[-1] + 1))
     assert len(heads) == 1, f"ranks resumed at different steps {heads}"
-    counts = Counter(second.ids(1))
-    assert counts == Counter(range(RESUME_DATA["size"])), "epoch 1 twice or never"
+    print(f"ranks ended update 1 of epoch 1 at steps {stopped}, all resumed at {heads}")
+    assert Counter(second.ids(1)) == Counter(range(DATA["size"])), "epoch 1 twice or never"
