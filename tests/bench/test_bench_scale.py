@@ -14,7 +14,8 @@ every step. After WARMUP rounds the bench reads every daemon twice, MEASURE roun
   (`ss -tip`: bytes_sent/bytes_received, HTTP/2 and gRPC framing included, /metrics excluded);
 - planning: `odbd_round_planning_seconds` when present; always the daemon's CPU time per round
   (utime + stime from /proc, everything the daemon did in the round: an upper bound);
-- RSS: VmRSS - RssShmem of each daemon process (not the arena; not its producer worker);
+- RSS: VmRSS - RssShmem of each daemon process (not the arena; not its producer worker), and
+  RssAnon, its private part;
 then Gloo `all_gather` among N processes of a uint8 tensor as large as a spoke's mean bytes
 sent per round (`tests/bench/test_bench_round.py`'s worker), after the daemons stopped.
 A projection to 128 and 1024 nodes fits the measured hub bytes and hub CPU per round over N and
@@ -119,11 +120,12 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def rss_mib(pid: int) -> float:
-    """VmRSS without RssShmem: the daemon's own memory, not the shm arena pages it touched."""
+def rss_mib(pid: int) -> tuple[float, float]:
+    """(VmRSS without RssShmem, RssAnon) in MiB: the daemon's memory without the shm arena pages
+    it touched, and of that its private part (the rest are library pages every daemon shares)."""
     status = Path(f"/proc/{pid}/status").read_text()
-    kib = {k: int(v) for k, v in re.findall(r"^(VmRSS|RssShmem):\s+(\d+) kB", status, re.M)}
-    return (kib["VmRSS"] - kib.get("RssShmem", 0)) / 1024
+    kib = {k: int(v) for k, v in re.findall(r"^(\w+):\s+(\d+) kB", status, re.M)}
+    return (kib["VmRSS"] - kib.get("RssShmem", 0)) / 1024, kib.get("RssAnon", 0) / 1024
 
 
 @dataclass
@@ -170,6 +172,7 @@ class Row:
     cpu_ms_hub: float
     rss_mib_max: float
     rss_mib_mean: float
+    anon_mib_mean: float
     gloo_p50_ms: float = math.nan
     gloo_p99_ms: float = math.nan
 
@@ -241,7 +244,9 @@ def _delta_buckets(
     return [(le, count - old.get(le, 0.0)) for le, count in buckets(after, name)]
 
 
-def summarize(n: int, before: Reading, after: Reading, rss: list[float], pids: list[int]) -> Row:
+def summarize(
+    n: int, before: Reading, after: Reading, rss: list[tuple[float, float]], pids: list[int]
+) -> Row:
     rounds = [after.rounds(i) - before.rounds(i) for i in range(n)]
     assert min(rounds) > 0, f"a daemon did no round while measured: {rounds}"
     pooled: dict[float, float] = {}
@@ -290,8 +295,9 @@ def summarize(n: int, before: Reading, after: Reading, rss: list[float], pids: l
         planning_ms=planning,
         cpu_ms_spoke=_mean([cpu[i] for i in spokes]),
         cpu_ms_hub=cpu[0],
-        rss_mib_max=max(rss),
-        rss_mib_mean=_mean(rss),
+        rss_mib_max=max(r for r, _ in rss),
+        rss_mib_mean=_mean([r for r, _ in rss]),
+        anon_mib_mean=_mean([a for _, a in rss]),
     )
 
 
@@ -392,9 +398,9 @@ def write_report(rows: list[Row]) -> None:
         "| nodes | rounds/s | barrier p50 ms | barrier p99 ms | gloo p50 ms | gloo p99 ms | "
         "bytes from | spoke sent KiB/round | spoke received KiB/round | hub sent KiB/round | "
         "hub received KiB/round | planning ms/round | CPU ms/round spoke | CPU ms/round hub | "
-        "RSS MiB mean / max (no shm) |",
+        "RSS MiB mean / max (no shm) | private MiB mean |",
         "| ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | "
-        "---: | ---: | ---: |",
+        "---: | ---: | ---: | ---: |",
     ]
     for r in rows:
         planning = "n/a" if math.isnan(r.planning_ms) else f"{r.planning_ms:.2f}"
@@ -403,7 +409,8 @@ def write_report(rows: list[Row]) -> None:
             f"{r.barrier_p99_ms:.1f} | {r.gloo_p50_ms:.2f} | {r.gloo_p99_ms:.2f} | "
             f"{r.bytes_source} | {_kib(r.spoke_sent)} | {_kib(r.spoke_received)} | "
             f"{_kib(r.hub_sent)} | {_kib(r.hub_received)} | {planning} | {r.cpu_ms_spoke:.1f} | "
-            f"{r.cpu_ms_hub:.1f} | {r.rss_mib_mean:.0f} / {r.rss_mib_max:.0f} |"
+            f"{r.cpu_ms_hub:.1f} | {r.rss_mib_mean:.0f} / {r.rss_mib_max:.0f} | "
+            f"{r.anon_mib_mean:.0f} |"
         )
     if len(rows) >= 2:
         lines += [

@@ -116,7 +116,7 @@ def test_a_partition_shorter_than_the_round_timeout_is_absorbed(net):
         fc.assert_exactly_once(SIZE)
     slow = hub[float("inf")] - max(v for le, v in hub.items() if le <= cut_s / 2)
     assert slow >= 1, f"no round at the hub waited for the partitioned node: {hub}"
-    print(f"\nNETS partition {cut_s:g} s < --round-timeout {round_timeout:g} s: absorbed, "
+    print(f"\nNETNS partition {cut_s:g} s < --round-timeout {round_timeout:g} s: absorbed, "
           f"{slow:.0f} round(s) over {cut_s / 2:g} s at the hub")  # fmt: skip
 
 
@@ -146,10 +146,11 @@ def test_a_partition_longer_than_the_round_timeout_fails_the_job_naming_the_node
             [error] = fc.errors(node)  # rank = node
             assert error["error"] == "JobFailedError" and name in error["message"], error
         assert fc.daemons[2].returncode == 1, fc.describe()  # it lost the hub
-        [error] = fc.errors(2)
-        assert error["error"] == "JobFailedError", error
+        [cut_off] = fc.errors(2)
+        assert cut_off["error"] == "JobFailedError", cut_off
     print(f"\nNETNS partition of node 2 > --round-timeout {round_timeout:g} s: every daemon "
-          f"failed naming it, the last after {max(exits.values()):.1f} s")  # fmt: skip
+          f"failed naming it, the last after {max(exits.values()):.1f} s; node 2's trainer: "
+          f"{cut_off['message'][:300]}")  # fmt: skip
 
 
 def test_a_crashed_node_restarted_from_state_dir_rejoins_and_the_job_completes(net, tmp_path):
@@ -189,7 +190,10 @@ def test_a_crashed_node_restarted_from_state_dir_rejoins_and_the_job_completes(n
         fc.assert_aligned()
         fc.assert_exactly_once(SIZE)
         restarts = [fc.log(n).count("journal") for n in range(NODES)]
+        steps = fc.assert_aligned()
     assert all(restarts), f"a daemon did not resume from its journal: {restarts}"
+    print(f"\nNETNS node 2 crashed after {stop_after} steps, every node restarted from "
+          f"--state-dir: {steps} steps per rank, every sample once")  # fmt: skip
 
 
 def _unlink_segments(fc: FaultCluster, node: int) -> None:
