@@ -24,9 +24,14 @@ def run_rank(rank: int, socket: str, epochs: int) -> None:
     except ODBClientError:
         return
     try:
-        for _ in range(epochs):
+        epoch = 0
+        while epochs == 0 or epoch < epochs:
+            taken = 0
             for _batch in client:
-                pass
+                taken += 1
+            if not taken:
+                return  # the job ended
+            epoch += 1
     except ODBClientError:
         pass  # the bench stopped the daemons
     finally:
@@ -36,7 +41,7 @@ def run_rank(rank: int, socket: str, epochs: int) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="scale_trainer")
     p.add_argument("--rank-socket", action="append", required=True, metavar="RANK=SOCKET")
-    p.add_argument("--epochs", type=int, default=1)
+    p.add_argument("--epochs", type=int, default=0, help="0: every epoch until the job ends")
     args = p.parse_args(argv)
     threads = []
     for item in args.rank_socket:

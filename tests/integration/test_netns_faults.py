@@ -57,6 +57,14 @@ def _cluster(net: tuple[Network, FaultProxy], *extra: str, **kwargs: object) -> 
     )  # type: ignore[arg-type]
 
 
+def _trained_or_failed(fc: FaultCluster, steps: int) -> bool:
+    """Every rank trained `steps` steps; raises at once if a rank failed before (rather than
+    waiting out the deadline of something that cannot happen any more)."""
+    failed = [e for r in range(fc.world) for e in fc.errors(r)]
+    assert not failed, f"a rank failed before the fault: {failed[0]}\n{fc.describe()}"
+    return all(fc.steps_seen(r) >= steps for r in range(fc.world))
+
+
 def _name(net: tuple[Network, FaultProxy], node: int) -> str:
     return f"node {node} ({net[0].address(node)}:{PEER_PORT})"
 
@@ -96,12 +104,12 @@ def test_four_nodes_at_50_ms_rtt_train_every_sample_once(net):
 
 def test_a_partition_shorter_than_the_round_timeout_is_absorbed(net):
     network, proxy = net
-    round_timeout, cut_s = 10.0, 3.0
+    round_timeout, cut_s = round(scaled(10.0), 1), 3.0
     args = ("--round-timeout", str(round_timeout), "--steps-ahead", "4")
     with _cluster(net, *args, metrics=True) as fc:
         release = fc.cluster.tmp / "release"
         fc.start_trainers("--step-sleep-s", "0.02", "--hold-s", "60", "--hold-until", str(release))
-        fc.wait_until(lambda: fc.steps_seen(0) >= 3, "rank 0 trained 3 steps")
+        fc.wait_until(lambda: _trained_or_failed(fc, 3), "every rank trained 3 steps")
         with proxy.partition(network.address(2)):
             time.sleep(cut_s)  # the fault itself: shorter than --round-timeout
         fc.wait_until(
@@ -122,12 +130,12 @@ def test_a_partition_shorter_than_the_round_timeout_is_absorbed(net):
 
 def test_a_partition_longer_than_the_round_timeout_fails_the_job_naming_the_node(net):
     network, proxy = net
-    round_timeout = 4.0
+    # Short, so the test is; scaled, so that a loaded machine's slow trainer start-up is not
+    # itself a missed round deadline (seen at load 29: ranks took over 60 s to attach).
+    round_timeout = round(scaled(4.0), 1)
     with _cluster(net, "--round-timeout", str(round_timeout), "--steps-ahead", "4") as fc:
         fc.start_trainers("--step-sleep-s", "0.02")
-        fc.wait_until(
-            lambda: all(fc.steps_seen(r) >= 2 for r in range(fc.world)), "every rank trained"
-        )
+        fc.wait_until(lambda: _trained_or_failed(fc, 2), "every rank trained 2 steps")
         cut = time.monotonic()
         proxy.set(network.address(2), partitioned=True)  # and never heals
         exits: dict[int, float] = {}
