@@ -24,6 +24,8 @@ from typing import Any, cast
 
 import pytest
 
+from tests.integration.harness import scaled
+
 PAYLOAD_BYTES = 16 * 1024  # one node's offer per round
 ROUNDS = int(os.environ.get("ODBD_BENCH_ROUNDS", "300"))  # measured rounds per process
 WARMUP = 30
@@ -120,8 +122,14 @@ def _collect(procs: list[Any], pipes: list[Connection], expected: int) -> list[f
                 waiting.remove(pipe)
                 pipe.close()
     for proc in procs:
-        proc.join(timeout=30)
-        assert proc.exitcode == 0, f"a benchmark process exited with {proc.exitcode}"
+        # Its report arrived: a process still exiting (32 torch processes on 2 loaded cores
+        # took over 30 s) is killed, not failed; one that exited did so with 0.
+        proc.join(timeout=scaled(60))
+        if proc.exitcode is None:
+            proc.kill()
+            proc.join(timeout=30)
+        else:
+            assert proc.exitcode == 0, f"a benchmark process exited with {proc.exitcode}"
     return samples
 
 

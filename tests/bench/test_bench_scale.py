@@ -444,7 +444,8 @@ def test_bench_scale_live_daemons_vs_gloo(tmp_path: Path) -> None:
     rows = []
     for n in NODES:
         row = run_nodes(n)
+        print(f"\n{row}")  # before Gloo: a failure there must not lose what the daemons did
         gloo(row, tmp_path / f"gloo{n}")
-        print(f"\n{row}")
+        print(f"gloo p50 {row.gloo_p50_ms:.2f} ms p99 {row.gloo_p99_ms:.2f} ms")
         rows.append(row)
     write_report(rows)
