@@ -345,6 +345,42 @@ def rounds(b: Board) -> None:
         w=6,
     )
     b.series(
+        "Round traffic per round, by daemon",
+        [
+            (
+                f"sum by (instance, direction) (rate(odbd_round_payload_bytes_total{J}{RI})) / "
+                "ignoring(direction) group_left "
+                f"max by (instance) (rate(odbd_rounds_total{J}{RI}))",
+                "{{instance}} {{direction}}",
+            )
+        ],
+        "bytes",
+        "Bytes of round messages each daemon sent and received per round. The hub's sent "
+        "bytes are the job's fan-out: they should grow with the node count, not its square.",
+        NEUTRAL,
+        w=6,
+    )
+    b.series(
+        "Planning time per round (slowest daemon)",
+        [
+            (
+                "histogram_quantile(0.5, max by (le) "
+                f"(rate(odbd_round_planning_seconds_bucket{J}{RI})))",
+                "p50",
+            ),
+            (
+                "histogram_quantile(0.99, max by (le) "
+                f"(rate(odbd_round_planning_seconds_bucket{J}{RI})))",
+                "p99",
+            ),
+        ],
+        "s",
+        "A daemon's CPU time planning a round after its exchange; it delays every rank's next "
+        "steps. Rising with the node count: the planner is not split.",
+        thresholds((None, _GREEN), (0.05, _YELLOW), (0.25, _RED)),
+        w=6,
+    )
+    b.series(
         "Rounds, splits, recirculated samples / s",
         [
             (f"max(rate(odbd_rounds_total{J}{RI}))", "rounds"),

@@ -1,6 +1,9 @@
-"""End-to-end training throughput: fixed batches vs the paper's ODBDataLoader vs odbd.
+"""End-to-end training throughput: odbd vs fixed batches, the paper's ODBDataLoader, and the
+batchers users pick instead (HF group_by_length, DataCollatorWithFlattening, Lhotse-style
+token-budget buckets, cosmos-rl-style load-balanced pools; see training_user_baselines).
 
-Run: `make bench-training` (= `.venv/bin/python -m pytest -q -m bench -s
+The first test below is the original comparison (tiny custom transformer). Run: `make
+bench-training` (= `.venv/bin/python -m pytest -q -m bench -s
 tests/bench/test_bench_training.py`). Same run, same tiny causal transformer, same long-tailed
 data (every sample once), same DDP world (1 node x 2 gloo ranks on CPU), same training script
 (`tests.integration.ddp_trainer`); only the data path differs:
@@ -29,6 +32,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests.bench import training_user_baselines as user
 from tests.bench.training_paper_env import PAPER_PACKAGE, ensure_paper_python
 from tests.integration.ddp_data import LongTailTokens
 from tests.integration.ddp_launch import Reports, data_flags, launch_ranks, run_odbd_training
@@ -188,3 +192,43 @@ def test_training_throughput_fixed_vs_paper_vs_odbd(tmp_path: Path) -> None:
     print(f"\nload average before the run: {load}")
     print("\n".join(lines))
     append_report(lines, load)
+
+
+USER_START, USER_END = "<!-- user-baselines:start -->", "<!-- user-baselines:end -->"
+HEADLINE_START, HEADLINE_END = "<!-- headline:start -->", "<!-- headline:end -->"
+
+
+def replace_between(text: str, start: str, end: str, lines: list[str]) -> str:
+    """`text` with what lies between the markers replaced (markers appended if absent)."""
+    block = "\n".join([start, *lines, end])
+    if start not in text:
+        return text.rstrip("\n") + "\n\n" + block + "\n"
+    head, _, rest = text.partition(start)
+    _, _, tail = rest.partition(end)
+    return head + block + tail
+
+
+def test_training_vs_user_baselines(tmp_path: Path) -> None:
+    load = os.getloadavg()
+    setup = user.Setup()
+    started = datetime.datetime.now(datetime.UTC)
+    m = user.measure(setup, tmp_path)
+    minutes = (datetime.datetime.now(datetime.UTC) - started).total_seconds() / 60
+    when = started.strftime("%Y-%m-%d %H:%M UTC")
+    lines = [
+        f"Measured {when} at commit {git_revision()} (`{COMMAND}`, {minutes:.1f} min for this "
+        f"part); {os.cpu_count()} cores, CPython {platform.python_version()}, load average "
+        f"before {', '.join(f'{x:.1f}' for x in load)}, after "
+        f"{', '.join(f'{x:.1f}' for x in os.getloadavg())}. {setup.data['size']} samples, "
+        f"{setup.model}, token budget {setup.token_budget} (buffer {setup.buffer} for odbd).",
+        "",
+    ]
+    for world in setup.worlds:
+        lines += [*user.table(m, world), ""]
+    lines += user.sweep_table(m)
+    headline = user.headline(m)
+    print("\n".join(["", *lines, "", *headline]))
+    text = REPORT.read_text()
+    text = replace_between(text, USER_START, USER_END, lines)
+    text = replace_between(text, HEADLINE_START, HEADLINE_END, headline)
+    REPORT.write_text(text)

@@ -102,9 +102,11 @@ def odbd_cluster(
     data: dict[str, object],
     daemon_args: Sequence[str],
     job_id: str | None = None,
+    dataset_file: Path = DATASET,
 ) -> LocalCluster:
-    """Daemons whose producers (one per node) serve `ddp_data.make(**data)`."""
-    dataset = ["--dataset", f"{DATASET}:make", "--workers", "1", "--shm-size", "64M"]
+    """Daemons whose producers (one per node) serve `make(**data)` of `dataset_file`
+    (default `ddp_data.py`)."""
+    dataset = ["--dataset", f"{dataset_file}:make", "--workers", "1", "--shm-size", "64M"]
     for key, value in data.items():
         dataset += ["--dataset-arg", f"{key}={value}"]
     spec = ClusterSpec(

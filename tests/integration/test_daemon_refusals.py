@@ -66,10 +66,11 @@ def test_mismatched_settings_are_refused_naming_the_setting_and_both_values():
         (["--world", "2", "--nproc-per-node", "2", "--dataset-size", "5", "--token-budget", "0"],
          "token budget must be > 0"),
         (["--world", "4", "--nproc-per-node", "2", "--dataset-size", "5"], "--peers"),
-        # W = 8192: a full offer (--buffer 1024 x 8 ranks) is over a node's share of a round
-        (["--world", "8192", "--nproc-per-node", "8", "--node-rank", "0", "--dataset-size", "5",
-          "--listen", "127.0.0.1:0", "--peers", ",".join(["127.0.0.1:1"] * 1024)],
-         "Pass --buffer 319 or less"),
+        # 8192 nodes: a summary with its cost profile is over a node's 8 KiB share of a round
+        # (W = 8192 with 8 ranks per node is accepted: summaries follow the units, issue 25)
+        (["--world", "8192", "--nproc-per-node", "1", "--node-rank", "0", "--dataset-size", "5",
+          "--listen", "127.0.0.1:0", "--peers", ",".join(["127.0.0.1:1"] * 8192)],
+         "8192 nodes of 1 ranks make round summaries of up to 14 KiB per node"),
     ],
 )  # fmt: skip
 def test_bad_flags_exit_2_with_one_line(args, message, tmp_path):

@@ -18,9 +18,9 @@ from grpc_health.v1 import health_pb2
 
 from odbclient.wire.odbd.v1 import peer_pb2
 from odbd.cli import config_from_args, daemon_parser
-from odbd.daemon import offer_codec
+from odbd.daemon import summary_codec
 from odbd.demo.cluster import ClusterSpec, LocalCluster
-from odbd.planner.types import SampleTable, UnitOffer
+from odbd.planner.types import UnitSummary
 from odbd.round import PROTOCOL_VERSION
 from tests.integration import faults_wire as wire
 from tests.integration.faults_cluster import synthetic
@@ -92,10 +92,12 @@ def test_replayed_round_is_refused_and_fails_the_job_naming_the_node(hub):
     "payload",
     [
         b"short",
-        struct.pack("<IHHI", 0x4F444252, 1, 0, 9) + b'{"units":',  # an offer's prefix, cut
-        struct.pack("<IHHI", 0x4F444252, 1, 0, 27) + b'{"units":[[0,false,99999]]}',
+        struct.pack("<IHHI", 0x4F444253, 1, 1, 1) + b"\x00" * 5,  # a summary's prefix, cut
+        struct.pack("<IHHIIHHI", 0x4F444253, 1, 1, 1, 0, 1, 0, 0),  # its unit record missing
+        # an offer of the release before (protocol 2)
+        struct.pack("<IHHI", 0x4F444252, 3, 0, 27) + b'{"units":[[0,false,99999]]}',
     ],
-    ids=["short", "cut-header", "rows-missing"],
+    ids=["short", "cut-header", "rows-missing", "old-offer"],
 )
 def test_garbage_round_payload_fails_the_job_naming_the_node(hub, payload):
     cluster, session = hub(*synthetic(SIZE), "--buffer", "4")  # the hub contributes round 0
@@ -103,7 +105,7 @@ def test_garbage_round_payload_fails_the_job_naming_the_node(hub, payload):
     assert cluster.wait(scaled(60)) == [1], cluster.log(0)
     log = cluster.log(0)
     assert "Traceback" not in log, log
-    assert "node 1 sent a round 0 payload that is not an odbd offer" in log, log
+    assert "node 1 sent a round 0 payload that is not an odbd summary" in log, log
     session.cancel()
     assert cluster.leftover_segments() == []
 
@@ -121,19 +123,19 @@ def test_out_of_range_offer_fails_the_job_naming_the_node(hub, rejected, observa
     """Issue 29: these crashed every daemon with TypeError / OverflowError, reported as an
     internal error (a bug in odbd)."""
     cluster, session = hub(*synthetic(SIZE), "--buffer", "4")
-    offer = offer_codec.NodeOffer(
+    summary = summary_codec.NodeSummary(
         1,
         0,
-        (UnitOffer(1, SampleTable.empty(), False),),
+        (UnitSummary(1, False, 0, 0, 0, np.zeros(0)),),
         rejected,
         None,
         np.array(observations, dtype=np.float64).reshape(-1, 3),
     )
-    session.send(_contribution(0, offer_codec.encode(offer)))
+    session.send(_contribution(0, summary_codec.encode_summary(summary)))
     assert cluster.wait(scaled(60)) == [1], cluster.log(0)
     log = cluster.log(0)
     assert "Traceback" not in log and "internal error" not in log, log
-    assert "node 1 sent a round 0 offer with a value out of range" in log and needle in log, log
+    assert "node 1 sent a round 0 summary with a value out of range" in log and needle in log, log
     session.cancel()
     assert cluster.leftover_segments() == []
 
@@ -141,12 +143,15 @@ def test_out_of_range_offer_fails_the_job_naming_the_node(hub, rejected, observa
 def test_late_hello_of_another_version_never_stops_a_formed_job(hub):
     cluster, session = hub("--dataset-size", str(SIZE))
     channel = grpc.insecure_channel(f"127.0.0.1:{cluster.peer_ports[0]}")
-    hello = peer_pb2.Hello(protocol_version=3, job_id=cluster.spec.job_id, node_rank=1)
+    other = PROTOCOL_VERSION - 1  # the release before the split round (protocol 2)
+    hello = peer_pb2.Hello(protocol_version=other, job_id=cluster.spec.job_id, node_rank=1)
     answer = wire.stream(channel, wire.JOIN, [peer_pb2.PeerMessage(hello=hello)])
     assert answer.code is grpc.StatusCode.FAILED_PRECONDITION, answer
-    assert "protocol 3" in answer.details
+    assert f"protocol {other}, the hub (node 0) speaks {PROTOCOL_VERSION}" in answer.details
     late = wire.Session(channel, wire.JOIN)  # one of us, with the token: the job formed already
-    hello = peer_pb2.Hello(protocol_version=2, job_id=cluster.spec.job_id, node_rank=1)
+    hello = peer_pb2.Hello(
+        protocol_version=PROTOCOL_VERSION, job_id=cluster.spec.job_id, node_rank=1
+    )
     answer = wire.peer_join(late, hello, TOKEN)
     assert isinstance(answer, wire.Answer), answer
     assert answer.code is grpc.StatusCode.FAILED_PRECONDITION, answer

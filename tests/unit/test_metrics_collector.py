@@ -14,7 +14,7 @@ from odbd.metrics.collector import KNOWN_REJECT_REASONS, DaemonCollector
 from odbd.metrics.stats import DaemonStats, Histogram
 from odbd.world import World
 
-ALLOWED_LABELS = {"rank", "peer", "reason", "le", "version", "node", "term", "model"}
+ALLOWED_LABELS = {"direction", "rank", "peer", "reason", "le", "version", "node", "term", "model"}
 
 
 def render(stats: DaemonStats, live: dict[str, float] | None = None) -> str:
@@ -75,6 +75,8 @@ def test_stats_render_the_values_the_hot_path_added():
     rank.wait_s, rank.compute_s = 0.25, 9.75
     stats.round_duration.observe(0.003)
     stats.last_peer[1] += 5
+    stats.round_planning.observe(0.002)
+    stats.round_traffic.sent, stats.round_traffic.received = 1234, 567
     f = families(render(stats, {"shm_used_bytes": 10.0, "shm_capacity_bytes": 20.0}))
     value = {
         (s.name, tuple(sorted(s.labels.items()))): s.value for x in f.values() for s in x.samples
@@ -86,6 +88,11 @@ def test_stats_render_the_values_the_hot_path_added():
     assert value[("odbd_round_duration_seconds_bucket", (("le", "0.005"),))] == 1
     assert value[("odbd_round_duration_seconds_bucket", (("le", "0.0025"),))] == 0
     assert value[("odbd_shm_capacity_bytes", ())] == 20
+    assert value[("odbd_round_payload_bytes_total", (("direction", "sent"),))] == 1234
+    assert value[("odbd_round_payload_bytes_total", (("direction", "received"),))] == 567
+    assert value[("odbd_round_planning_seconds_count", ())] == 1
+    assert value[("odbd_round_planning_seconds_bucket", (("le", "0.0025"),))] == 1
+    assert value[("odbd_round_planning_seconds_bucket", (("le", "0.001"),))] == 0
 
 
 def test_each_scrape_reports_the_cpu_the_ones_before_it_cost():

@@ -178,8 +178,7 @@ def test_plan_progress_is_the_per_step_loop(
     for per_step, final in rounds:
         samples = np.asarray(per_step, dtype=np.int64)
         plan = SimpleNamespace(
-            stats=SimpleNamespace(global_num_samples=samples, global_num_tokens=samples * 7),
-            final=final,
+            global_num_samples=samples, global_num_tokens=samples * 7, final=final
         )
         if join:  # one epoch per round but for a flush: a second epoch's steps after it
             step_epochs = sorted(quota // n + k % 2 for k in range(len(per_step)))

@@ -54,10 +54,10 @@ from odbd.daemon.job_end import (
 )
 from odbd.daemon.journal import Journal, check_header, replay
 from odbd.daemon.node_state import NodeState, Rejected
-from odbd.daemon.offer_codec import check_offer_fits
 from odbd.daemon.remake import Rewinder
 from odbd.daemon.round_loop import RoundLoop
 from odbd.daemon.socket_claim import claim_socket_path
+from odbd.daemon.split_round import check_summary_fits
 from odbd.errors import ConfigError, OdbdError
 from odbd.grpc_guard import DecodeGuard
 from odbd.ingest.arena import Arena, ArenaInUseError
@@ -72,6 +72,7 @@ from odbd.metrics.stats import DaemonStats
 from odbd.planner.config import Collate
 from odbd.round import RoundBarrier, RoundConfig
 from odbd.round.errors import HandshakeError
+from odbd.round.traffic import round_work_line
 from odbd.serve.admin_service import AdminService
 from odbd.serve.progress_status import progress_fields, trained_fields
 from odbd.serve.rank_queue import QueuedItem, RankQueue
@@ -159,7 +160,7 @@ class Daemon:
     async def startup(self) -> None:
         config = self.config
         world = config.world
-        check_offer_fits(config.buffer, world.ranks_per_node, world.num_nodes)
+        check_summary_fits(config.planner(0))  # follows the units, not --buffer
         # First, before anything is created: a live daemon on this socket refuses the start.
         claim_socket_path(config.socket)
         # Then the journal: one that is refused (a planted symlink) leaves nothing created.
@@ -213,6 +214,7 @@ class Daemon:
         trainer.from_journal = self.journal_records is not None
         await self._serve_socket(trainer)
         self.barrier = RoundBarrier(self._round_config())
+        self.stats.round_traffic = self.barrier.traffic  # odbd_round_payload_bytes_total
         others = [n for n in range(world.num_nodes) if n != config.node_rank]
         watch = asyncio.ensure_future(self._watch_for_clash(others))
         try:
@@ -331,6 +333,7 @@ class Daemon:
             join_timeout_s=config.join_timeout_s,
             round_timeout_s=config.round_timeout_s,
             from_journal=self.journal_records is not None,
+            exchanges_per_round=2,  # split_exchange.py: summaries, then step totals
         )
 
     async def _serve_socket(self, trainer: TrainerService) -> None:
@@ -663,6 +666,8 @@ class Daemon:
             attendance.cancel()
             if main.done():
                 main.result()  # raises the round's error, if any
+                s = self.stats
+                log.info("%s", round_work_line(s.round_traffic, s.rounds, s.round_planning.total))
             elif attendance.done():
                 attendance.result()  # raises AttachTimeoutError
             else:

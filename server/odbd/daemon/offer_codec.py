@@ -1,4 +1,8 @@
-"""The round payload: one node's offers, encoded as bytes for the round barrier.
+"""One node's full offers as bytes: the round payload before the split round (protocol 2).
+
+The live daemons send summaries now (summary_codec.py, split_round.py); `odbd simulate
+--planning-time` still encodes full offers to show what the split saves, and payload_checks.py
+decodes them for its fuzz tests.
 
 Layout, version 3 (all numbers little-endian):
     u32 magic 0x4f444252 ("ODBR"), u16 version, u16 reserved, u32 header_bytes
@@ -24,9 +28,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from odbd.errors import ConfigError, InvariantError
+from odbd.errors import InvariantError
 from odbd.planner.types import SampleTable, UnitOffer
-from odbd.round.config import max_payload_bytes
 
 _MAGIC = 0x4F444252
 _VERSION = 3
@@ -46,24 +49,6 @@ _HEAD_ALLOWANCE_BYTES = 4096
 def full_buffer_offer_bytes(buffered_samples: int) -> int:
     """A node's payload when its buffers hold `buffered_samples` (--buffer x ranks per node)."""
     return _PREFIX.size + _HEAD_ALLOWANCE_BYTES + ROW_BYTES * buffered_samples
-
-
-def check_offer_fits(buffer: int, ranks_per_node: int, num_nodes: int) -> None:
-    """Refuses at start-up a layout whose full offers would be refused at the first round.
-
-    Every node's offer travels in one round message, so each node's share shrinks with the node
-    count (round/config.py); better one line before the job forms than a failed first round.
-    """
-    limit = max_payload_bytes(num_nodes)
-    need = full_buffer_offer_bytes(buffer * ranks_per_node)
-    if need > limit:
-        fits = max(0, (limit - full_buffer_offer_bytes(0)) // (ROW_BYTES * ranks_per_node))
-        raise ConfigError(
-            f"--buffer {buffer} with {ranks_per_node} ranks per node makes a full round offer of "
-            f"{need / 1024:.0f} KiB per node, over the {limit / 1024:.0f} KiB each of "
-            f"{num_nodes} nodes may send in one round message; the first round would fail. "
-            f"Pass --buffer {fits} or less"
-        )
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,8 +18,10 @@ import numpy as np
 from odbd.daemon import offer_codec
 from odbd.daemon.cost_learning import MAX_OBSERVATIONS
 from odbd.daemon.offer_codec import NodeOffer
+from odbd.daemon.summary_codec import NodeSummary
 from odbd.errors import InvariantError, OdbdError
 from odbd.ingest.rejections import REJECT_FIXES
+from odbd.planner.company import PROFILE_DEPTH
 
 MAX_EPOCH = 2**31 - 1
 MAX_COUNT = 2**48  # rejection counts, resume points: far above any dataset
@@ -165,4 +167,59 @@ def _observations_problem(observations: np.ndarray) -> str | None:
     if ((seconds > 0) & (seconds < MIN_SECONDS)).any():
         # No step runs in under a nanosecond; the fit divides by the measured time.
         return f"a cost observation's seconds is above 0 but below {MIN_SECONDS:g}"
+    return None
+
+
+# -- the split round's summaries (issue 25): checked by the hub, which alone decides from them --
+
+MAX_SCHEMA_CHARS = 1 << 16  # a schema's description, as node_state.describe_schema writes it
+
+
+def summary_problem(
+    summary: NodeSummary, node: int, units: Sequence[int], world_size: int
+) -> str | None:
+    """The first out-of-range field of node `node`'s summary, or None if every field is valid
+    (the summary's units must be `units`; end points name ranks below `world_size`)."""
+    return (
+        _header_problem(summary, node)  # type: ignore[arg-type]  # node, epoch, resume alike
+        or _rejected_problem(summary.rejected, tuple(REJECT_FIXES))
+        or _unit_summaries_problem(summary, units)
+        or _observations_problem(summary.observations)
+        or _side_problem(summary, world_size)
+    )
+
+
+def _unit_summaries_problem(summary: NodeSummary, expected: Sequence[int]) -> str | None:
+    units = [u.unit for u in summary.units]
+    if units != list(expected):
+        return f"it summarizes units {units[:8]}, but its units are {list(expected)[:8]}"
+    for u in summary.units:
+        if not 0 <= u.num_groups <= u.num_samples <= MAX_COUNT:
+            return (
+                f"unit {u.unit} has {u.num_groups} groups of {u.num_samples} samples (groups "
+                f"must be 0..samples, samples 0..{MAX_COUNT})"
+            )
+        if not 0 <= u.max_length <= MAX_SAMPLE_TOKENS:
+            longest = u.max_length
+            return f"unit {u.unit}'s longest sample, {longest}, is outside 0..{MAX_SAMPLE_TOKENS}"
+        profile = u.profile
+        if len(profile) > PROFILE_DEPTH:
+            return f"unit {u.unit}'s cost profile has {len(profile)} values, over {PROFILE_DEPTH}"
+        if profile.size and not (np.isfinite(profile).all() and profile.min() >= 0):
+            return f"unit {u.unit}'s cost profile holds a negative or non-finite value"
+    return None
+
+
+def _side_problem(summary: NodeSummary, world_size: int) -> str | None:
+    schema = summary.schema
+    if schema is not None and (
+        not _is_int(schema[0])
+        or not isinstance(schema[1], str)
+        or len(schema[1]) > MAX_SCHEMA_CHARS
+    ):
+        return "its sample schema is not a (hash, description) of at most 64 Ki characters"
+    for point in summary.ended:
+        rank, epoch, step = point
+        if not 0 <= rank < world_size or not 0 <= epoch <= MAX_EPOCH or not 0 <= step <= MAX_COUNT:
+            return f"its end_job() point {point} names no rank of the job or no step"
     return None

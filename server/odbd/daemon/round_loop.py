@@ -1,10 +1,11 @@
-"""The round loop: wait until this node is ready, exchange offers, plan, queue the steps.
+"""The round loop: wait until this node is ready, exchange summaries, plan, queue the steps.
 
 1. wait: every local unit has a full buffer or is dry, and the trainers have at most
    `steps_ahead` steps queued (so the exchange of round k+1 overlaps their consumption of k)
-2. exchange: this node's offers go through the round barrier; all nodes' offers come back
-3. plan: plan_round on every node's offers (the same inputs on every daemon, the same plan)
-4. apply: this node's ranks get their steps; recirculated samples return to the buffer;
+2. exchange and plan (split_exchange.py, split_round.py): this node's unit summaries go to the
+   hub, which decides the round once; this node fits its own units to it, their step totals go
+   to the hub, and the round's totals come back: no node's samples leave it
+3. apply: this node's ranks get their steps; recirculated samples return to the buffer;
    epochs end (join: the flush round; non-join: the step that reaches the sample quota)
 """
 
@@ -24,7 +25,7 @@ import numpy as np
 from odbclient.shm import read_meta
 from odbclient.wire.odbd.v1 import trainer_pb2
 from odbd.config import DaemonConfig
-from odbd.daemon import offer_codec, payload_checks
+from odbd.daemon import split_round, summary_codec
 from odbd.daemon.cost_learning import CostLearner
 from odbd.daemon.end_requests import (
     EndDecision,
@@ -35,7 +36,7 @@ from odbd.daemon.end_requests import (
 )
 from odbd.daemon.journal import Journal, ResumeState
 from odbd.daemon.node_state import Locations, NodeState
-from odbd.daemon.rewind import fresh_node_failure
+from odbd.daemon.split_exchange import SplitExchange, barrier_round
 from odbd.daemon.trained import StepCounts, steps_trained
 from odbd.daemon.updates import UpdateNumbering
 from odbd.errors import InvariantError, OdbdError
@@ -47,10 +48,9 @@ from odbd.ingest.rejections import (
     epoch_rejection_summary,
     over_budget,
 )
-from odbd.ingest.schema_vote import schema_disagreement
 from odbd.metrics.stats import DaemonStats
 from odbd.planner.config import Align, Collate, PlannerConfig
-from odbd.planner.cost_fit import FitConfig, FitState
+from odbd.planner.cost_fit import CostFit, FitConfig, FitState
 from odbd.planner.estimate import round_estimates
 from odbd.planner.progress import (
     JobShape,
@@ -59,8 +59,7 @@ from odbd.planner.progress import (
     capped_job_progress,
     steps_progress,
 )
-from odbd.planner.round import plan_round, units_of_node
-from odbd.planner.types import RoundPlan, SampleTable, UnitPlan
+from odbd.planner.types import NodeRoundPlan, SampleTable, UnitPlan
 from odbd.planner.update_align import rank_runs
 from odbd.round import RoundBarrier
 from odbd.serve.rank_queue import QueuedItem, RankQueue
@@ -138,7 +137,8 @@ def _describe_rank(queue: RankQueue) -> str:
 
 @dataclass(slots=True)
 class EpochTally:
-    """Facts of the epoch being emitted, over every node (each daemon sees every offer)."""
+    """Facts of the epoch being emitted: steps, samples and rejections over every node (from
+    the hub's results); `seen` holds the identities this node's ranks were given."""
 
     steps: int = 0
     samples: int = 0
@@ -164,7 +164,7 @@ class RoundLoop:
         queues: dict[int, RankQueue],
         lanes: Lanes,
         read_sample: Callable[[int, int, int], memoryview],
-        on_planned: Callable[[RoundPlan], None],
+        on_planned: Callable[[NodeRoundPlan], None],
         stats: DaemonStats,
         journal: Journal | None = None,
         lanes_full: Callable[[], bool] = lambda: False,
@@ -227,12 +227,10 @@ class RoundLoop:
         self.updates_done = 0
         self.capped = False
         self.cost = CostLearner(config.cost_model, self.state.planner.cost, FitConfig())
-        self._offer_limits = payload_checks.OfferLimits(
-            units_of_node=[
-                list(units_of_node(self.state.planner, n)) for n in range(config.world.num_nodes)
-            ],
-            views_per_iteration=self.state.views_per_iteration,
-        )
+        self.split = SplitExchange(barrier, config.node_rank)
+        # (samples, loss tokens) every unit's buffer held this round (RoundExtras)
+        self.offered = (0, 0)
+        self._first_rank = config.local_ranks[0]  # a NodeRoundPlan's columns start here
 
     def _new_tally(self) -> EpochTally:
         return EpochTally(0, 0, np.zeros(self.state.dataset_size, dtype=bool), Counter())
@@ -248,10 +246,10 @@ class RoundLoop:
             raise JobFailed(self.failure)
         while not self.done:
             await self._wait_ready()
-            offer = offer_codec.NodeOffer(
+            side = summary_codec.NodeSummary(
                 node=self.config.node_rank,
                 epoch=self.state.epoch,
-                units=tuple(self.state.offers()),
+                units=(),
                 rejected=self.state.take_rejected_delta(),
                 resume=self.resume if self.round_index == 0 else None,
                 observations=self.cost.take_new(),
@@ -260,19 +258,32 @@ class RoundLoop:
             )
             self._end_unsent = False
             self._exchanging, self._exchange_started_s = True, time.monotonic()
-            payloads = await self.barrier.exchange(self.round_index, offer_codec.encode(offer))
-            self._exchanging = False
-            offers = [self._decode(node, p) for node, p in enumerate(payloads)]
-            self._check_agreement(offers)
-            if self._schemas_disagree(offers) or self._past_budget():
+            planner = self._planner()
+            seed_round = self.round_seed_base + self.round_index
+            grouped, decided = await self.split.decide(
+                self.round_index, seed_round, side, tuple(self.state.offers()), planner,
+                self.cost.absorb,
+            )  # fmt: skip
+            facts = decided.facts
+            if facts.invariant is not None:
+                self._exchanging = False
+                raise InvariantError(facts.invariant)
+            self._take_facts(facts)
+            if self._schemas_disagree(facts.schema) or self._past_budget():
+                self._exchanging = False
                 break
-            units = sorted((u for o in offers for u in o.units), key=lambda u: u.unit)
-            planner = self._planner([o.observations for o in offers])
-            plan = plan_round(units, planner, self.round_seed_base + self.round_index)
-            if self._ends_by_request(offers):
+            if self._ends_by_request(facts.ended):
+                self._exchanging = False
                 break  # every rank called end_job(): this round's steps would be past the end
-            self._apply(plan, offers)
-            self._record_round(plan)
+            assert decided.decision is not None
+            plan, extras = await self.split.complete(
+                self.round_index, grouped, decided.decision, planner
+            )
+            self._exchanging = False  # both exchanges: the others' totals are awaited too
+            self.stats.round_planning.observe(self.split.planning_s)
+            self.offered = (extras.offered_samples, extras.offered_tokens)
+            self._apply(plan, facts.rejected, extras)
+            self._record_round(plan, extras)
             self.on_planned(plan)
             self.round_index += 1
         if self.failure is not None:
@@ -318,7 +329,8 @@ class RoundLoop:
                 reason = self._wait_reason(room)
                 self._log_waiting(reason)
                 if reason != reported:
-                    await self.barrier.report_waiting(self.round_index, reason)
+                    round_index = barrier_round(self.round_index, 0)
+                    await self.barrier.report_waiting(round_index, reason)
                     reported = reason
             finally:
                 self._room = None
@@ -435,38 +447,23 @@ class RoundLoop:
 
     # -- 3. plan inputs ----------------------------------------------------------------------
 
-    def _decode(self, node: int, payload: bytes) -> offer_codec.NodeOffer:
-        return payload_checks.decode_offer(payload, node, self.round_index, self._offer_limits)
-
-    def _check_agreement(self, offers: list[offer_codec.NodeOffer]) -> None:
-        epochs = {o.epoch for o in offers}
-        if len(epochs) != 1:
-            raise InvariantError(f"nodes disagree on the epoch being planned: {sorted(epochs)}")
-        resumes = {o.resume for o in offers}
-        if len(resumes) != 1:
-            points = {o.node: o.resume for o in offers}
-            fresh = [node for node, point in points.items() if point is None]
-            if fresh:  # issue 23: name the node that lost its state, not the checkpoints
-                raise InvariantError(fresh_node_failure(fresh, points))
-            raise InvariantError(
-                f"nodes resume at different steps {points}: every trainer must load the "
-                "state_dict of the same checkpoint step"
-            )
+    def _take_facts(self, facts: split_round.RoundFacts) -> None:
+        """The round's merged side facts (the hub checked that the nodes agree on the epoch and
+        the resume point, split_round.merge_facts): rejections and the cost model."""
         assert self.tally.rejected is not None
-        for o in offers:
-            self.tally.rejected.update(o.rejected)
-            self.quota_consumed += sum(o.rejected.values()) if not self.config.join else 0
+        self.tally.rejected.update(facts.rejected)
+        self.quota_consumed += sum(facts.rejected.values()) if not self.config.join else 0
+        if facts.fit is not None:
+            self._adopt_fit(facts.fit)
 
     def _schema(self) -> tuple[int, str] | None:
         schema_hash = self.state.schema_hash
         return None if schema_hash is None else (schema_hash, self.state.schema_text)
 
-    def _schemas_disagree(self, offers: list[offer_codec.NodeOffer]) -> bool:
+    def _schemas_disagree(self, failure: str | None) -> bool:
         """Nodes that chose different sample schemas fail the job before this round is planned
-        (every daemon sees the same offers): one rule, so no node trains under a schema
-        another rejects."""
-        chosen = {o.node: o.schema for o in offers if o.schema is not None}
-        failure = schema_disagreement(chosen)
+        (the hub compared every node's, and every daemon gets its verdict): one rule, so no
+        node trains under a schema another rejects."""
         if failure is None:
             return False
         self.failure = failure
@@ -492,11 +489,11 @@ class RoundLoop:
         self._end_job(self.failure, failed=True)
         return True
 
-    def _planner(self, observations: list[np.ndarray]) -> PlannerConfig:
-        """The planner config of this round: its cost model is learned from every node's
-        timed steps (the same on every daemon, cost_learning.py) under --cost-model auto."""
-        fit = self.cost.absorb(observations)
-        if fit.state is FitState.FITTED and fit is not self.stats.cost_fit:
+    def _adopt_fit(self, fit: CostFit) -> None:
+        """The hub's fit of every node's timed steps so far (the hub absorbed this round's in
+        its decision, cost_learning.py): every daemon plans the next round with it."""
+        self.cost.fit = fit
+        if fit.state is FitState.FITTED and fit != self.stats.cost_fit:
             log.info(
                 "round %d: cost model fitted to %d rank-steps: %r s/padded token, %r s/l^2, "
                 "%r s/step, median error %.1f%% (fixed model %.1f%%)%s",
@@ -506,13 +503,19 @@ class RoundLoop:
             )  # fmt: skip
         self.stats.cost_fit = fit
         self.stats.cost_learned = self.cost.learned
+
+    def _planner(self) -> PlannerConfig:
+        """The planner config of this round: under --cost-model auto its cost model is the fit
+        of every node's timed steps up to the previous round (the same on every daemon)."""
         if not self.cost.learned:
             return self.state.planner
         return dataclasses.replace(self.state.planner, cost=self.cost.model)
 
     # -- 4. apply ----------------------------------------------------------------------------
 
-    def _apply(self, plan: RoundPlan, offers: list[offer_codec.NodeOffer]) -> None:
+    def _apply(
+        self, plan: NodeRoundPlan, rejected: dict[str, int], extras: split_round.RoundExtras
+    ) -> None:
         quota_before = self.quota_consumed
         step_epochs = self._step_epochs(plan)
         kept = len(step_epochs)
@@ -523,16 +526,11 @@ class RoundLoop:
         if self.config.max_updates:
             progress = self._capped_progress(progress, updates, steps_before)
         if self.journal is not None:
-            rejected: Counter[str] = Counter()
-            for o in offers:
-                rejected.update(o.rejected)
-            self._journal_round(plan, step_epochs, step_numbers, dict(rejected))
-        local = set(self.state.local_unit_ids())
-        for unit in plan.units:
+            self._journal_round(plan, step_epochs, step_numbers, rejected)
+        for unit in plan.units:  # this node's units only
             self._tally_identities(unit, kept)
-            if unit.unit in local:
-                self._queue_unit(plan, unit, step_epochs, step_numbers, progress, updates)
-        self._record_steps(plan, kept)
+            self._queue_unit(plan, unit, step_epochs, step_numbers, progress, updates)
+        self._record_steps(plan, kept, extras)
         self.stats.record_planned(
             step_epochs, step_numbers, progress.epoch_steps_estimate, progress.epoch_steps_exact
         )
@@ -540,51 +538,55 @@ class RoundLoop:
         if self.capped:
             self._end_job(f"--max-updates {self.config.max_updates} reached")
 
-    def _record_round(self, plan: RoundPlan) -> None:
+    def _record_round(self, plan: NodeRoundPlan, extras: split_round.RoundExtras) -> None:
         """Round facts for /metrics; every daemon records the same global numbers."""
         s = self.stats
         s.rounds += 1
-        record = self.barrier.last_round
+        record = self.split.last_round
         if record is not None:
             s.round_duration.observe(record.duration_s)
             s.last_peer[record.last_node] += 1
-        s.splits += sum(u.num_splits for u in plan.units)
-        s.recirculated += sum(len(u.leftover) for u in plan.units)
+        s.splits += extras.splits
+        s.recirculated += extras.offered_samples - int(plan.global_num_samples.sum())
         if self.done:
             return  # keep the last epoch's final progress (set by _end_epoch) on display
         s.epoch = self.state.epoch
         s.epoch_samples = self.tally.samples
         s.epoch_identities = self.tally.num_seen
 
-    def _record_steps(self, plan: RoundPlan, kept: int) -> None:
+    def _record_steps(
+        self, plan: NodeRoundPlan, kept: int, extras: split_round.RoundExtras
+    ) -> None:
         stats, s = plan.stats, self.stats
-        work = stats.work[:kept]
+        world = self.state.planner.world.world_size
         s.global_steps += kept
-        s.global_samples += int(stats.num_samples[:kept].sum())
-        s.global_tokens += int(stats.num_tokens[:kept].sum())
-        s.step_max_work += float(work.max(axis=1).sum()) if kept else 0.0
-        s.step_mean_work += float(work.mean(axis=1).sum()) if kept else 0.0
+        s.step_max_work += float(extras.step_max_work[:kept].sum())  # every rank's: the hub's
+        s.step_mean_work += float(extras.step_sum_work[:kept].sum()) / world
+        s.global_samples += int(plan.global_num_samples[:kept].sum())
+        s.global_tokens += int(plan.global_num_tokens[:kept].sum())
         # --align updates: a rank's skipped slots are queued and delivered (steps) but never
         # run, so they are no fillers (idle_steps)
         runs = rank_runs(plan)[:kept]
         for rank in self.queues:
-            rs = s.rank(rank)
-            samples = stats.num_samples[:kept, rank]
+            rs, column = s.rank(rank), rank - self._first_rank
+            samples = stats.num_samples[:kept, column]
             rs.steps += kept
-            rs.idle_steps += int(((samples == 0) & runs[:, rank]).sum())
+            rs.idle_steps += int(((samples == 0) & runs[:, column]).sum())
             rs.samples += int(samples.sum())
-            rs.real_tokens += int(stats.real_tokens[:kept, rank].sum())
-            rs.padded_tokens += int(stats.padded_tokens[:kept, rank].sum())
-            rs.loss_tokens += int(stats.num_tokens[:kept, rank].sum())
+            rs.real_tokens += int(stats.real_tokens[:kept, column].sum())
+            rs.padded_tokens += int(stats.padded_tokens[:kept, column].sum())
+            rs.loss_tokens += int(stats.num_tokens[:kept, column].sum())
 
     def _journal_round(
         self,
-        plan: RoundPlan,
+        plan: NodeRoundPlan,
         step_epochs: list[int],
         step_numbers: list[int],
         rejected: dict[str, int],
     ) -> None:
-        """Appends what this round hands to trainers, before any of it is queued."""
+        """Appends what this round hands to trainers, before any of it is queued: this node's
+        ranks' samples (the journal's per-rank counts are 0 for the other nodes' ranks, whose
+        samples only their own journal holds)."""
         assert self.journal is not None
         kept = len(step_epochs)
         g = self.state.planner.ranks_per_unit
@@ -594,13 +596,16 @@ class RoundLoop:
             for u in plan.units
         ]
         keys = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
-        per_step = plan.stats.global_num_samples[:kept].tolist()
+        per_step = plan.global_num_samples[:kept].tolist()
+        counts = np.zeros((kept, self.state.planner.world.world_size), dtype=np.int64)
+        local = plan.stats.num_samples.shape[1]
+        counts[:, self._first_rank : self._first_rank + local] = plan.stats.num_samples[:kept]
         steps = [[e, n, c] for e, n, c in zip(step_epochs, step_numbers, per_step, strict=True)]
         self.journal.append_round(
             self.round_seed_base + self.round_index,
             steps,
             keys,
-            plan.stats.num_samples[:kept],
+            counts,
             self.state.take_rejected_keys(),
             rejected,
         )
@@ -657,11 +662,11 @@ class RoundLoop:
             self.steps_in_epoch[epoch] += 1
         return numbers
 
-    def _step_epochs(self, plan: RoundPlan) -> list[int]:
+    def _step_epochs(self, plan: NodeRoundPlan) -> list[int]:
         limit = self._steps_within_cap(plan)
         if self.config.join:
             return [self.state.epoch] * min(plan.num_steps, limit)
-        per_step = plan.stats.global_num_samples.tolist()
+        per_step = plan.global_num_samples.tolist()
         n = max(self.state.dataset_size, 1)
         quota = self.config.epochs * self.state.dataset_size if self.config.epochs else None
         epochs: list[int] = []
@@ -674,7 +679,7 @@ class RoundLoop:
             self.quota_consumed += count
         return epochs
 
-    def _steps_within_cap(self, plan: RoundPlan) -> int:
+    def _steps_within_cap(self, plan: NodeRoundPlan) -> int:
         """How many of the round's steps --max-updates lets run: up to the step that ends the
         job's last update (then `capped`), else all. An update ends at every step without
         windows, else at each window's last step (the same on every daemon)."""
@@ -713,7 +718,11 @@ class RoundLoop:
         return dataclasses.replace(progress, job_fraction=fraction, job_steps_estimate=steps)
 
     def _plan_progress(
-        self, plan: RoundPlan, quota_before: int, step_epochs: list[int], step_numbers: list[int]
+        self,
+        plan: NodeRoundPlan,
+        quota_before: int,
+        step_epochs: list[int],
+        step_numbers: list[int],
     ) -> ProgressColumns:
         """Each kept step's StepBatch.progress, from global facts only (the same on every
         daemon): non-join counts the epoch's views by the sample quota (rejections included,
@@ -726,8 +735,8 @@ class RoundLoop:
         quota = quota_before
         facts = StepFactsColumns([], [], [], [], [], [], [])
         # Python ints, once per round: the properties sum a (T, world) array on every access.
-        global_samples = plan.stats.global_num_samples.tolist()
-        global_tokens = plan.stats.global_num_tokens.tolist()
+        global_samples = plan.global_num_samples.tolist()
+        global_tokens = plan.global_num_tokens.tolist()
         mean_tokens = self._mean_tokens(plan)
         self.planned_samples += sum(global_samples[: len(step_epochs)])
         self.planned_tokens += sum(global_tokens[: len(step_epochs)])
@@ -761,16 +770,14 @@ class RoundLoop:
         self.held_estimates = settled.held
         return settled.progress
 
-    def _mean_tokens(self, plan: RoundPlan) -> float:
+    def _mean_tokens(self, plan: NodeRoundPlan) -> float:
         """Loss tokens per sample over every sample ingested so far, as every daemon sees it:
-        those of the steps planned before this round and those this round's offers hold
-        (emitted now or recirculated). Ingested in sampler order, so unbiased by which
-        samples the planner picks first (planner/progress.py); 0.0 before any sample."""
-        samples, tokens = self.planned_samples, self.planned_tokens
-        for unit in plan.units:
-            for table in (unit.emitted, unit.leftover):
-                samples += len(table)
-                tokens += int(table.tokens.sum())
+        those of the steps planned before this round and those every unit's buffer held this
+        round (emitted now or recirculated; the hub's sum, `offered`). Ingested in sampler
+        order, so unbiased by which samples the planner picks first (planner/progress.py);
+        0.0 before any sample."""
+        samples = self.planned_samples + self.offered[0]
+        tokens = self.planned_tokens + self.offered[1]
         return tokens / samples if samples else 0.0
 
     def _tally_identities(self, unit: UnitPlan, kept: int) -> None:
@@ -781,7 +788,7 @@ class RoundLoop:
 
     def _queue_unit(
         self,
-        plan: RoundPlan,
+        plan: NodeRoundPlan,
         unit: UnitPlan,
         step_epochs: list[int],
         step_numbers: list[int],
@@ -799,6 +806,7 @@ class RoundLoop:
         self.state.return_samples(unit.unit, unit.leftover.concat(tail))
         progress_messages = _progress_messages(progress)  # one per step, every rank
         facts = _StepColumns.of(plan, unit, kept * g)
+        first = self._first_rank  # plan.stats' column of a rank is its rank less this
         patch_weight = self.cost.model.p  # once per round: the model is refit between rounds
         bounds = unit.slot_offsets.tolist()
         for local_rank, rank in enumerate(ranks):
@@ -806,9 +814,9 @@ class RoundLoop:
             for step in range(kept):
                 s = step * g + local_rank
                 items.append(self._step_item(
-                    facts, emitted, step, rank, s, slice(bounds[s], bounds[s + 1]),
+                    facts, emitted, step, rank, rank - first, s, slice(bounds[s], bounds[s + 1]),
                     step_epochs[step], step_numbers[step], progress_messages[step],
-                    self.updates.of_rank(updates[step], plan, step, rank), patch_weight,
+                    self.updates.of_rank(updates[step], plan, step, rank - first), patch_weight,
                 ))  # fmt: skip
             self.free(self.queues[rank].push(items))
 
@@ -852,6 +860,7 @@ class RoundLoop:
         emitted: _EmittedColumns,
         step: int,
         rank: int,
+        column: int,
         slot: int,
         rows: slice,
         epoch: int,
@@ -864,7 +873,7 @@ class RoundLoop:
         # Patches enter the fit as p token-equivalents each (the planner's own weight, the
         # cost model's p), so the learned model keeps the vision share fixed and fits the
         # scale of the whole step.
-        linear = facts.padded_tokens[step][rank] + patch_weight * facts.slot_patches[slot]
+        linear = facts.padded_tokens[step][column] + patch_weight * facts.slot_patches[slot]
         self.cost.expect(rank, epoch, number, linear, facts.slot_sum_sq[slot])
         if not idle and not self.filler_schema:
             self._learn_schema(
@@ -875,9 +884,9 @@ class RoundLoop:
             epoch=epoch,
             step=number,
             is_idle=idle,
-            loss_scale=facts.loss_scale[step][rank],
-            num_samples=facts.num_samples[step][rank],
-            num_tokens=facts.num_tokens[step][rank],
+            loss_scale=facts.loss_scale[step][column],
+            num_samples=facts.num_samples[step][column],
+            num_tokens=facts.num_tokens[step][column],
             global_num_samples=facts.global_num_samples[step],
             global_num_tokens=facts.global_num_tokens[step],
             sample_ids=emitted.sample_ids_bytes[rows.start * 8 : rows.stop * 8],
@@ -891,10 +900,10 @@ class RoundLoop:
             batch.update.CopyFrom(update)
         freed = [emitted.locations.take(rows)] if not idle else []
         counts = StepCounts(
-            samples=facts.num_samples[step][rank],
-            loss_tokens=facts.num_tokens[step][rank],
-            real_tokens=facts.real_tokens[step][rank],
-            padded_tokens=facts.padded_tokens[step][rank],
+            samples=facts.num_samples[step][column],
+            loss_tokens=facts.num_tokens[step][column],
+            real_tokens=facts.real_tokens[step][column],
+            padded_tokens=facts.padded_tokens[step][column],
             global_samples=facts.global_num_samples[step],
             epoch_last=progress.epoch_steps_exact and number + 1 == progress.epoch_steps_estimate,
         )
@@ -907,10 +916,10 @@ class RoundLoop:
         ]
         self.filler_schema = json.dumps(fields)
 
-    def _advance_epochs(self, plan: RoundPlan, step_epochs: list[int]) -> None:
+    def _advance_epochs(self, plan: NodeRoundPlan, step_epochs: list[int]) -> None:
         if self.config.join:
             self.tally.steps += len(step_epochs)
-            self.tally.samples += int(plan.stats.global_num_samples[: len(step_epochs)].sum())
+            self.tally.samples += int(plan.global_num_samples[: len(step_epochs)].sum())
             if plan.final and len(step_epochs) == plan.num_steps:  # not cut by --max-updates
                 self._end_epoch(self.state.epoch)
                 self.state.epoch += 1
@@ -922,7 +931,7 @@ class RoundLoop:
                 self._end_epoch(self.state.epoch)
                 self.state.epoch = epoch
             self.tally.steps += 1
-            self.tally.samples += int(plan.stats.global_num_samples[i])
+            self.tally.samples += int(plan.global_num_samples[i])
         n = self.state.dataset_size
         if self.capped and n and self.quota_consumed >= (self.state.epoch + 1) * n:
             self._end_epoch(self.state.epoch)  # the job's last update ends this epoch too
@@ -1045,12 +1054,11 @@ class RoundLoop:
     def _local_end_points(self) -> tuple[tuple[int, int, int], ...]:
         return tuple((r, e, s) for r, (e, s) in sorted(self.end_points_local.items()))
 
-    def _ends_by_request(self, offers: list[offer_codec.NodeOffer]) -> bool:
-        """Merges every node's end_job() points (the same on every daemon after a round);
-        True once they end the job here."""
-        for offer in offers:
-            for rank, epoch, step in offer.ended:
-                self.end_requests.setdefault(rank, (epoch, step))
+    def _ends_by_request(self, ended: tuple[tuple[int, int, int], ...]) -> bool:
+        """Merges every node's end_job() points (the hub's list in node order, the same on
+        every daemon after a round); True once they end the job here."""
+        for rank, epoch, step in ended:
+            self.end_requests.setdefault(rank, (epoch, step))
         if self.end_requests and self.end_first_s is None:
             self.end_first_s = time.monotonic()
         world = range(self.state.planner.world.world_size)
@@ -1155,19 +1163,19 @@ class _StepColumns:
     """A round's per-(step, rank) numbers as Python lists and one unit's per-slot sums, read
     once per round: each StepBatch then reads list items, not numpy scalars and reductions."""
 
-    loss_scale: list[list[float]]  # [step][rank]
-    num_samples: list[list[int]]  # [step][rank]
-    num_tokens: list[list[int]]  # [step][rank]
-    padded_tokens: list[list[int]]  # [step][rank]
-    real_tokens: list[list[int]]  # [step][rank]
+    loss_scale: list[list[float]]  # [step][column]: this node's ranks' columns
+    num_samples: list[list[int]]  # [step][column]
+    num_tokens: list[list[int]]  # [step][column]
+    padded_tokens: list[list[int]]  # [step][column]
+    real_tokens: list[list[int]]  # [step][column]
     global_num_samples: list[int]  # [step]
     global_num_tokens: list[int]  # [step]
     slot_sum_sq: list[float]  # [slot]: sum of squared lengths (the cost model's l^2 feature)
     slot_patches: list[float]  # [slot]: vision patches
 
     @staticmethod
-    def of(plan: RoundPlan, unit: UnitPlan, num_slots: int) -> _StepColumns:
-        stats = plan.stats
+    def of(plan: NodeRoundPlan, unit: UnitPlan, num_slots: int) -> _StepColumns:
+        stats = plan.stats  # this node's ranks' columns
         lengths = unit.emitted.lengths.astype(np.int64)
         return _StepColumns(
             stats.loss_scale.astype(np.float64).tolist(),
@@ -1175,8 +1183,8 @@ class _StepColumns:
             stats.num_tokens.tolist(),
             stats.padded_tokens.tolist(),
             stats.real_tokens.tolist(),
-            stats.global_num_samples.tolist(),
-            stats.global_num_tokens.tolist(),
+            plan.global_num_samples.tolist(),
+            plan.global_num_tokens.tolist(),
             _slot_sums(lengths * lengths, unit.slot_offsets, num_slots),
             _slot_sums(unit.emitted.patches.astype(np.int64), unit.slot_offsets, num_slots),
         )

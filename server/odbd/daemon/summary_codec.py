@@ -5,8 +5,9 @@ Summary payload, version 1 (little-endian), instead of offer_codec's samples:
     u32 epoch, u16 num_units, u16 side_bytes, u32 observations (m)
     then num_units records of u32 unit, u8 dry, u32 num_samples, u32 num_groups, u32 max_length,
     u16 profile_len
-    then side_bytes of UTF-8 JSON {"rejected": {reason: count}, "resume": [epoch, step] | null}
-    (0 bytes in the usual round: nothing rejected, no restart)
+    then side_bytes of UTF-8 JSON {"rejected": {reason: count}, "resume": [epoch, step] | null,
+    and "schema": [hash, text], "ended": [[rank, epoch, step]] when set} (0 bytes in the usual
+    round: nothing rejected, no restart, no schema chosen yet or none sent, nobody ended)
     then per unit profile_len float64 (its costliest groups' work, descending)
     then m rows of float64 [padded tokens, sum of squared lengths, seconds] (cost_learning.py)
 Totals payload, version 1:
@@ -54,12 +55,20 @@ class NodeSummary:
     rejected: dict[str, int] = field(default_factory=dict)
     resume: tuple[int, int] | None = None
     observations: np.ndarray = field(default_factory=lambda: np.zeros((0, 3)))
+    # The live round's other side facts (daemon/split_round.py), in the side JSON when set:
+    # the node's chosen sample schema (hash, description) and its ranks' end_job() points.
+    schema: tuple[int, str] | None = None
+    ended: tuple[tuple[int, int, int], ...] = ()
 
 
 def encode_summary(summary: NodeSummary) -> bytes:
     side = b""
-    if summary.rejected or summary.resume:
-        facts = {"rejected": summary.rejected, "resume": summary.resume}
+    if summary.rejected or summary.resume or summary.schema or summary.ended:
+        facts: dict[str, Any] = {"rejected": summary.rejected, "resume": summary.resume}
+        if summary.schema:
+            facts["schema"] = list(summary.schema)
+        if summary.ended:
+            facts["ended"] = [list(e) for e in summary.ended]
         side = json.dumps(facts, separators=(",", ":")).encode()
     m = int(summary.observations.shape[0])
     parts = [
@@ -95,6 +104,7 @@ def decode_summary(payload: bytes) -> NodeSummary:
     pos += 24 * m
     _check_end(payload, pos)
     resume = facts.get("resume")
+    schema = facts.get("schema")
     return NodeSummary(
         node,
         epoch,
@@ -102,6 +112,8 @@ def decode_summary(payload: bytes) -> NodeSummary:
         facts.get("rejected", {}),
         (int(resume[0]), int(resume[1])) if resume else None,
         observations.reshape(m, 3),
+        (int(schema[0]), str(schema[1])) if schema else None,
+        tuple((int(r), int(e), int(s)) for r, e, s in facts.get("ended", [])),
     )
 
 

@@ -11,7 +11,7 @@ import numpy as np
 from odbclient.wire.odbd.v1 import trainer_pb2
 from odbd.metrics.stats import DaemonStats
 from odbd.planner.config import PlannerConfig
-from odbd.planner.types import RoundPlan
+from odbd.planner.types import NodeRoundPlan
 
 log = logging.getLogger("odbd.round")
 
@@ -30,7 +30,7 @@ class UpdateNumbering:
         self.in_epoch[epoch] = first_update
 
     def of_round(
-        self, plan: RoundPlan, step_epochs: list[int], round_index: int
+        self, plan: NodeRoundPlan, step_epochs: list[int], round_index: int
     ) -> list[trainer_pb2.Update | None]:
         """Each kept step's StepBatch.update (None without windows: the wire stays as before).
 
@@ -67,16 +67,16 @@ class UpdateNumbering:
         return out
 
     def of_rank(
-        self, update: trainer_pb2.Update | None, plan: RoundPlan, step: int, rank: int
+        self, update: trainer_pb2.Update | None, plan: NodeRoundPlan, step: int, column: int
     ) -> trainer_pb2.Update | None:
-        """The Update of `rank` at `step`: `update` itself with --align steps; with --align
-        updates (planner/update_align.py) the rank's own micro-step count, position and end,
-        or skip for a slot after its last micro-step."""
+        """The Update of the rank in `plan.stats`' `column` at `step`: `update` itself with
+        --align steps; with --align updates (planner/update_align.py) the rank's own
+        micro-step count, position and end, or skip for a slot after its last micro-step."""
         if update is None or plan.micro_steps is None:
             return update
         w = int(np.searchsorted(plan.windows.ends, step, side="right"))
         start, end = int(plan.windows.starts[w]), int(plan.windows.ends[w])
-        mine = int(plan.micro_steps[w, rank])
+        mine = int(plan.micro_steps[w, column])
         position = step - start
         out = trainer_pb2.Update()
         out.CopyFrom(update)
@@ -90,7 +90,7 @@ class UpdateNumbering:
         out.skipped_after = end - start - mine if out.end else 0
         return out
 
-    def _warn_short_update(self, plan: RoundPlan, round_index: int) -> None:
+    def _warn_short_update(self, plan: NodeRoundPlan, round_index: int) -> None:
         """A round that closed no update mid-epoch sends one short update (planner/windows.py);
         warns once, since every such round makes tokens per update uneven."""
         windows = plan.windows

@@ -157,28 +157,16 @@ class IngestService:
             return
         outcome = self._state.commit(
             session.producer,
-            rows.view_keys.astype(np.int64, copy=False),
+            keys,
             locations,
             rows.lengths.astype(np.int64),
             rows.loss_tokens.astype(np.int64),
             rows.schema_hashes.astype(np.uint64, copy=False).view(np.int64),
             rows.patches.astype(np.int64),
         )
-        every = bool(outcome.accepted.all())  # the usual commit: no row to select or give back
-        kept = locations.offsets if every else locations.offsets[outcome.accepted]
-        nbytes = locations.nbytes if every else locations.nbytes[outcome.accepted]
-        self._lanes.hold(lane, kept)
-        self._stats.ingest_bytes += int(nbytes.sum())
-        self._stats.ingest_samples += len(kept)
-        for rejected in outcome.rejections:
-            self._on_rejected(rejected)
-        if not every:
-            self._send_free(session, locations.offsets[~outcome.accepted])  # rejected, stale
-        if outcome.voted_out:
-            self._drop_voted_out(outcome.voted_out)
-        if outcome.rejections:
-            self.pump_leases()  # rejected ids left the lease budget (see on_message)
-        self._on_progress()
+        pump = bool(outcome.rejections)  # rejected ids left the lease budget (see on_message)
+        accepted, rejections = outcome.accepted, outcome.rejections
+        self._settle_commit(session, locations, accepted, rejections, outcome.voted_out, pump)
 
     def _commit_remade(
         self, session: ProducerSession, rows: CommitRows, keys: np.ndarray, where: Locations
@@ -207,16 +195,34 @@ class IngestService:
             accepted[rest] = outcome.accepted
             rejections = outcome.rejections
             voted_out = outcome.voted_out
-        self._lanes.hold(session.lane.lane_id, where.offsets[accepted])
-        self._stats.ingest_bytes += int(where.nbytes[accepted].sum())
-        self._stats.ingest_samples += int(accepted.sum())
+        self._settle_commit(session, where, accepted, rejections, voted_out, pump=True)
+
+    def _settle_commit(
+        self,
+        session: ProducerSession,
+        where: Locations,
+        accepted: np.ndarray,
+        rejections: list[Rejected],
+        voted_out: list[Rejected],
+        pump: bool,
+    ) -> None:
+        """A commit's end: the accepted rows' bytes held and counted, the others given back
+        to the producer, the schema vote's losers dropped. `pump` grants new ids when the
+        lease budget changed (rejected ids leave it; see on_message)."""
+        every = bool(accepted.all())  # the usual commit: no row to select or give back
+        kept = where.offsets if every else where.offsets[accepted]
+        nbytes = where.nbytes if every else where.nbytes[accepted]
+        self._lanes.hold(session.lane.lane_id, kept)
+        self._stats.ingest_bytes += int(nbytes.sum())
+        self._stats.ingest_samples += len(kept)
         for rejected in rejections:
             self._on_rejected(rejected)
-        if not accepted.all():
-            self._send_free(session, where.offsets[~accepted])
+        if not every:
+            self._send_free(session, where.offsets[~accepted])  # rejected, stale
         if voted_out:
             self._drop_voted_out(voted_out)
-        self.pump_leases()
+        if pump:
+            self.pump_leases()
         self._on_progress()
 
     def _grant_remakes(self, session: ProducerSession, deadline: float) -> None:

@@ -160,12 +160,27 @@ class DaemonCollector(Collector):
         )
         yield GaugeMetricFamily(
             "odbd_epoch_identities_covered",
-            "distinct dataset identities emitted this epoch",
+            "distinct dataset identities emitted this epoch to this node's ranks (the job's on "
+            "one node; the split round keeps each node's samples on it)",
             value=s.epoch_identities,
         )
         hist = HistogramMetricFamily("odbd_round_duration_seconds", "round barrier exchange time")
         hist.add_metric([], s.round_duration.cumulative(), sum_value=s.round_duration.total)
         yield hist
+        planning = HistogramMetricFamily(
+            "odbd_round_planning_seconds",
+            "this daemon's time planning each round after its exchange (its own node's share)",
+        )
+        planning.add_metric([], s.round_planning.cumulative(), sum_value=s.round_planning.total)
+        yield planning
+        traffic = CounterMetricFamily(
+            "odbd_round_payload_bytes",
+            "bytes of round messages (contributions, results) over this daemon's peer streams",
+            labels=["direction"],
+        )
+        traffic.add_metric(["sent"], s.round_traffic.sent)
+        traffic.add_metric(["received"], s.round_traffic.received)
+        yield traffic
         last = CounterMetricFamily(
             "odbd_round_last_peer",
             "rounds in which this peer's offer arrived last",

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 from odbd.daemon.trained import NodeTrained, RankTrained
 from odbd.planner.config import CostModel
+from odbd.round.traffic import RoundTraffic
 
 if TYPE_CHECKING:
     from odbd.config import DaemonConfig
@@ -22,6 +23,9 @@ if TYPE_CHECKING:
 # Optimizer updates (--accumulate / --tokens-per-update): loss tokens and micro-steps per update.
 UPDATE_TOKEN_BUCKETS = tuple(float(2**k) for k in range(8, 25))
 UPDATE_STEP_BUCKETS = (1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0, 24.0, 32.0, 64.0, 128.0)
+# Planning one round: ~1 ms for a few ranks, tens of ms at W = 128 on one daemon's share.
+PLANNING_BUCKETS_S = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
+                      0.25, 0.5, 1, 2.5)  # fmt: skip
 LATENCY_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 
 
@@ -96,6 +100,10 @@ class DaemonStats:
     rounds: int = 0
     round_duration: Histogram = field(default_factory=lambda: Histogram(LATENCY_BUCKETS_S))
     last_peer: Counter[int] = field(default_factory=Counter)  # node whose offer came last
+    # This daemon's own round work: the planning of each round (its CPU on the critical path,
+    # after the exchange) and the round messages over its peer streams (the barrier's object).
+    round_planning: Histogram = field(default_factory=lambda: Histogram(PLANNING_BUCKETS_S))
+    round_traffic: RoundTraffic = field(default_factory=RoundTraffic)
     splits: int = 0
     recirculated: int = 0
     # Optimizer updates, every rank (global, from the plans); empty without windows.

@@ -217,6 +217,9 @@ class NodeRoundPlan:
     global_num_tokens: IntArray  # (num_steps,)
     final: bool
     windows: Windows
+    # (num_windows, this node's ranks) micro-steps per update with --align updates
+    # (planner/update_align.py); None with --align steps
+    micro_steps: IntArray | None = None
 
 
 @dataclass(frozen=True, slots=True)

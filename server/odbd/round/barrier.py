@@ -14,6 +14,7 @@ rounds with the same message.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import grpc
@@ -25,6 +26,7 @@ from odbd.round.hub import Hub
 from odbd.round.server import PeerHealth, join_handler, not_the_hub_handler, serve
 from odbd.round.spoke import Spoke
 from odbd.round.table import CompletedRound
+from odbd.round.traffic import RoundTraffic
 
 _STOP_GRACE_S = 1.0  # lets spokes read the last round's result before the hub's server stops
 
@@ -50,6 +52,7 @@ class RoundBarrier:
         self._spoke: Spoke | None = None
         self._started = False
         self.last_round: RoundRecord | None = None
+        self.traffic = RoundTraffic()  # bytes of round messages over this daemon's streams
 
     @property
     def config(self) -> RoundConfig:
@@ -74,7 +77,7 @@ class RoundBarrier:
     async def _form(self) -> None:
         config = self._config
         if config.is_hub:
-            self._hub = Hub(config, self._health.set_serving)
+            self._hub = Hub(config, self._health.set_serving, self.traffic)
             handler = join_handler(self._hub.join)
         else:
             handler = not_the_hub_handler(config.node_rank)
@@ -85,7 +88,7 @@ class RoundBarrier:
         if self._hub is not None:
             await self._hub.wait_formed()
         elif config.num_nodes > 1:
-            self._spoke = Spoke(config, self._listen_address)
+            self._spoke = Spoke(config, self._listen_address, self.traffic)
             await self._spoke.connect()
         if self._server is not None:
             self._health.set_serving(True)
@@ -106,6 +109,32 @@ class RoundBarrier:
             done = CompletedRound(round_index, (payload,), last_node=0)  # single node
         self.last_round = RoundRecord(round_index, time.perf_counter() - started_s, done.last_node)
         return list(done.payloads)
+
+    async def exchange_reduced(
+        self, round_index: int, payload: bytes, reduce: Callable[[list[bytes]], bytes]
+    ) -> bytes:
+        """The hub's reduce(every node's payload of round `round_index`, in node order), the
+        same bytes on every daemon: reduce runs on the hub only (a spoke's is never called).
+
+        The hub sends one small result instead of every payload to every node, so its
+        traffic grows with the node count, not its square (daemon/split_round.py). Raises what
+        exchange() raises, and PeerLostError when reduce refused a node's payload.
+        """
+        self._check_round(round_index, payload)
+        started_s = time.perf_counter()
+        if self._hub is not None:
+            done = await self._hub.exchange(round_index, payload, reduce)
+        elif self._spoke is not None:
+            done = await self._spoke.exchange(round_index, payload)
+        else:
+            done = CompletedRound(round_index, (reduce([payload]),), last_node=0)
+        self.last_round = RoundRecord(round_index, time.perf_counter() - started_s, done.last_node)
+        if len(done.payloads) != 1:
+            raise InvariantError(
+                f"round {round_index}'s result holds {len(done.payloads)} payloads, not the "
+                "hub's one reduced result: the hub runs another odbd release"
+            )
+        return done.payloads[0]
 
     async def report_waiting(self, round_index: int, reason: str) -> None:
         """Why this daemon has not contributed `round_index` yet, e.g. "rank 3 has not taken

@@ -10,7 +10,9 @@ import grpc
 from odbd.errors import ConfigError
 
 # 2: the job token is proven by challenge-response (auth.py) instead of sent in the Hello.
-PROTOCOL_VERSION = 2
+# 3: the live round runs on the split planner (daemon/split_round.py): two exchanges per round,
+# summaries then step totals, each reduced by the hub to one result for every node.
+PROTOCOL_VERSION = 3
 # A round result carries every node's payload in one message: up to a few hundred KB per node
 # per round today, so 64 MiB leaves room for 64 nodes with ~1 MB offers each.
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
@@ -108,6 +110,16 @@ class RoundConfig:
     # this daemon was restarted from a --state-dir journal: a node that never joins may be one
     # that kept running (only every daemon restarted together can resume the job)
     from_journal: bool = False
+    # Barrier rounds per planner round (the live daemons: 2, split_exchange.py), so that
+    # messages name the planner's round: barrier round 7 is "round 3 (exchange 2 of 2)".
+    exchanges_per_round: int = 1
+
+    def round_name(self, barrier_round: int) -> str:
+        """A barrier round as operators know it: the planner's round (and its exchange)."""
+        n = self.exchanges_per_round
+        if n == 1:
+            return str(barrier_round)
+        return f"{barrier_round // n} (exchange {barrier_round % n + 1} of {n})"
 
     def __post_init__(self) -> None:
         self._check_layout()

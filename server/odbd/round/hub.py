@@ -26,6 +26,7 @@ from odbd.round.log_budget import LogBudget
 from odbd.round.spoke import grace_s
 from odbd.round.stall import TICK_S, StallWatch
 from odbd.round.table import CompletedRound, ProtocolViolation, RoundTable
+from odbd.round.traffic import RoundTraffic
 
 log = logging.getLogger(__name__)
 
@@ -54,14 +55,23 @@ class _Spoke:
 
 
 class Hub:
-    def __init__(self, config: RoundConfig, on_serving: Callable[[bool], None]) -> None:
+    def __init__(
+        self,
+        config: RoundConfig,
+        on_serving: Callable[[bool], None],
+        traffic: RoundTraffic | None = None,
+    ) -> None:
         self._config = config
+        self.traffic = traffic if traffic is not None else RoundTraffic()
         self._on_serving = on_serving
         self._table = RoundTable(config.num_nodes, max_payload_bytes(config.num_nodes))
         self._spokes: dict[int, _Spoke] = {}  # node -> admitted spoke
         self._advertised: dict[int, str] = {}  # node -> listener address from its Hello
         self._refusals: dict[int, str] = {}  # node -> why its last Hello was refused
         self._waiters: dict[int, asyncio.Future[CompletedRound]] = {}  # the hub's own rounds
+        # round -> what the hub sends instead of every payload (exchange(reduce=...)): set by
+        # the hub's own contribution, so before the round can complete
+        self._reducers: dict[int, Callable[[list[bytes]], bytes]] = {}
         self._timers: dict[int, asyncio.TimerHandle] = {}  # round -> its deadline
         self._sent_early: dict[int, int] = {}  # round -> the spoke that got its result early
         self._failure: OdbdError | None = None
@@ -254,6 +264,7 @@ class Hub:
                         f"{spoke.name} sent a {kind} for node {contribution.node_rank} after "
                         "its handshake"
                     )
+                self.traffic.received += msg.ByteSize()
                 self._contribute(spoke.node, contribution.round, contribution.payload)
             # A killed process reads as a plain end of stream here, which is why a deliberate
             # shutdown says Leave first.
@@ -282,8 +293,9 @@ class Hub:
             return
         round_index = self._table.next_round(spoke.node)
         reason = (
-            f"lost {spoke.name} before round {round_index}: {why}. The job cannot continue "
-            "without every node; restart it on all nodes (resume from --state-dir)"
+            f"lost {spoke.name} before round {self._config.round_name(round_index)}: {why}. The "
+            "job cannot continue without every node; restart it on all nodes (resume from "
+            "--state-dir)"
         )
         self._abort(peer_pb2.ABORT_KIND_PEER_LOST, round_index, reason, [spoke.node], PeerLostError)
 
@@ -314,11 +326,22 @@ class Hub:
 
     # -- rounds -------------------------------------------------------------------------------
 
-    async def exchange(self, round_index: int, payload: bytes) -> CompletedRound:
-        """The hub's own contribution; resolves when the round completes or the job aborts."""
+    async def exchange(
+        self,
+        round_index: int,
+        payload: bytes,
+        reduce: Callable[[list[bytes]], bytes] | None = None,
+    ) -> CompletedRound:
+        """The hub's own contribution; resolves when the round completes or the job aborts.
+
+        With `reduce`, every node (the hub too) gets the one payload reduce(every payload in
+        node order) instead of every payload: the split round (daemon/split_round.py). If it
+        raises, a node sent a payload the job cannot use and the job fails with its message."""
         self.raise_failure()
         waiter: asyncio.Future[CompletedRound] = self._loop.create_future()
         self._waiters[round_index] = waiter
+        if reduce is not None:
+            self._reducers[round_index] = reduce
         try:
             self._contribute(0, round_index, payload)
         except ProtocolViolation as exc:
@@ -351,6 +374,20 @@ class Hub:
         timer = self._timers.pop(round_index, None)
         if timer is not None:
             timer.cancel()
+        reduce = self._reducers.pop(round_index, None)
+        if reduce is not None:
+            try:
+                reduced = reduce(list(done.payloads))
+            except Exception as exc:  # noqa: BLE001 (a hostile payload must not crash the hub)
+                name = self._config.round_name(round_index)
+                reason = (
+                    f"{exc}"
+                    if isinstance(exc, OdbdError)  # names the node and the round itself
+                    else f"round {name} cannot be planned: {exc}"
+                )
+                self._abort(peer_pb2.ABORT_KIND_PEER_LOST, round_index, reason, [], PeerLostError)
+                return
+            done = CompletedRound(round_index, (reduced,), done.last_node)
         result = peer_pb2.RoundResult(
             round=round_index, payloads=done.payloads, last_node_rank=done.last_node
         )
@@ -359,6 +396,7 @@ class Hub:
         for spoke in self._spokes.values():
             if spoke.state == "active" and spoke.node != has_it:
                 spoke.outbox.put_nowait(data)
+                self.traffic.sent += len(data)
         waiter = self._waiters.pop(round_index, None)
         if waiter is not None and not waiter.done():
             waiter.set_result(done)
@@ -367,6 +405,8 @@ class Hub:
 
     def _send_early(self, round_index: int) -> None:
         """Sends a round's result to its one missing spoke before it contributes (peer.proto)."""
+        if round_index in self._reducers:
+            return  # a reduced round's result needs every payload, the straggler's too
         node = self._table.straggler(round_index)
         spoke = self._spokes.get(node) if node else None  # never node 0: the hub itself
         if spoke is None or spoke.state != "active" or round_index in self._sent_early:
@@ -377,14 +417,16 @@ class Hub:
             last_node_rank=spoke.node,
             recipient_payload_omitted=True,
         )
-        spoke.outbox.put_nowait(peer_pb2.HubMessage(result=result).SerializeToString())
+        data = peer_pb2.HubMessage(result=result).SerializeToString()
+        spoke.outbox.put_nowait(data)
+        self.traffic.sent += len(data)
         self._sent_early[round_index] = spoke.node
 
     def _round_expired(self, round_index: int) -> None:
         self._timers.pop(round_index, None)
         missing = self._table.missing(round_index)
         reason = (
-            f"round {round_index} did not complete within the "
+            f"round {self._config.round_name(round_index)} did not complete within the "
             f"{self._config.round_timeout_s:g} s round deadline: "
             f"{'; '.join(self._why_missing(n, round_index) for n in missing) or 'no node'}. "
             "Every daemon stops this job; check why that daemon stalled (its log, producers and "
@@ -434,7 +476,8 @@ class Hub:
             return reason
         peers = _names(self._name(n) for n in missing if n != 0)
         return (
-            f"round {round_index} failed because this daemon (node 0, the hub) itself did not "
+            f"round {self._config.round_name(round_index)} failed because this daemon (node 0, "
+            "the hub) itself did not "
             f"run for {stall.duration_s:.1f} s, against a {timeout:g} s round deadline: the "
             "process was stopped or starved (SIGSTOP, a paused VM or container, swapping, CPU "
             f"starvation), so it could not hear the other daemons in time; {peers} is not to "

@@ -21,6 +21,7 @@ from odbd.round.errors import HandshakeError, PeerLostError, RoundTimeoutError
 from odbd.round.server import JOIN_METHOD
 from odbd.round.stall import TICK_S, StallWatch, frozen_past_deadline
 from odbd.round.table import CompletedRound
+from odbd.round.traffic import RoundTraffic
 
 _ABORT_ERRORS: dict[int, type[OdbdError]] = {
     peer_pb2.ABORT_KIND_ROUND_TIMEOUT: RoundTimeoutError,
@@ -54,8 +55,11 @@ def error_of_abort(abort: peer_pb2.Abort) -> OdbdError:
 
 
 class Spoke:
-    def __init__(self, config: RoundConfig, listen_address: str) -> None:
+    def __init__(
+        self, config: RoundConfig, listen_address: str, traffic: RoundTraffic | None = None
+    ) -> None:
         self._config = config
+        self.traffic = traffic if traffic is not None else RoundTraffic()
         self._listen_address = listen_address
         self._hub = f"the hub node 0 ({config.hub_address})"
         options = CHANNEL_OPTIONS + _CONNECT_OPTIONS
@@ -186,6 +190,7 @@ class Spoke:
             while (msg := await self._call.read()) is not grpc.aio.EOF:
                 kind = msg.WhichOneof("kind")
                 if kind == "result":
+                    self.traffic.received += msg.ByteSize()
                     self._deliver(msg.result)
                 elif kind == "abort":
                     self._fail(error_of_abort(msg.abort))
@@ -241,7 +246,9 @@ class Spoke:
             with contextlib.suppress(
                 grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError
             ):
-                await self._call.write(peer_pb2.PeerMessage(contribution=contribution))
+                message = peer_pb2.PeerMessage(contribution=contribution)
+                self.traffic.sent += message.ByteSize()
+                await self._call.write(message)
         timeout = self._config.round_timeout_s
         try:
             async with asyncio.timeout(timeout + grace_s(timeout)):
@@ -249,7 +256,8 @@ class Spoke:
         except TimeoutError:
             self._fail(
                 RoundTimeoutError(
-                    f"round {round_index} did not complete within the {timeout:g} s round "
+                    f"round {self._config.round_name(round_index)} did not complete within the "
+                    f"{timeout:g} s round "
                     f"deadline and {self._hub} sent no verdict; it may be hung or overloaded"
                 )
             )
