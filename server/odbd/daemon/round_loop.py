@@ -25,7 +25,7 @@ import numpy as np
 from odbclient.shm import read_meta
 from odbclient.wire.odbd.v1 import trainer_pb2
 from odbd.config import DaemonConfig
-from odbd.daemon import split_round, summary_codec
+from odbd.daemon import split_round, split_updates, summary_codec
 from odbd.daemon.cost_learning import CostLearner
 from odbd.daemon.end_requests import (
     EndDecision,
@@ -227,7 +227,9 @@ class RoundLoop:
         self.updates_done = 0
         self.capped = False
         self.cost = CostLearner(config.cost_model, self.state.planner.cost, FitConfig())
-        self.split = SplitExchange(barrier, config.node_rank)
+        self.split = SplitExchange(
+            barrier, config.node_rank, split_updates.exchanges_per_round(self.state.planner)
+        )
         # (samples, loss tokens) every unit's buffer held this round (RoundExtras)
         self.offered = (0, 0)
         self._first_rank = config.local_ranks[0]  # a NodeRoundPlan's columns start here
@@ -329,7 +331,7 @@ class RoundLoop:
                 reason = self._wait_reason(room)
                 self._log_waiting(reason)
                 if reason != reported:
-                    round_index = barrier_round(self.round_index, 0)
+                    round_index = barrier_round(self.round_index, 0, self.split.per_round)
                     await self.barrier.report_waiting(round_index, reason)
                     reported = reason
             finally:
