@@ -1,6 +1,7 @@
 """--align updates on real DDP gradients (issue 26): ranks aligned at optimizer updates.
 
-One daemon x two gloo ranks, `--accumulate 3 --align updates`, the tiny transformer in float64
+One daemon x two gloo ranks, and two daemons x one rank (the split planner's third exchange,
+daemon/split_updates.py), `--accumulate 3 --align updates`, the tiny transformer in float64
 without optimizer steps (`ddp_trainer --grads`). Each rank runs its own micro-steps of an
 update (the client drops the slots it skips), `no_sync()` on all but its last, where DDP
 all-reduces once; rank 0 saves the gradient DDP produced for each update. Recomputed in one
@@ -32,27 +33,38 @@ DATA = {"size": 80, "seed": 3, "median_len": 20, "max_len": 160}
 DAEMON = ["--token-budget", "256", "--buffer", "8", "--accumulate", "3", "--align", "updates"]
 
 
+@pytest.mark.parametrize(
+    ("nodes", "world"),
+    [
+        (1, WORLD),
+        # 2 daemons x 2 ranks: the split planner's third exchange (daemon/split_updates.py);
+        # each node deals its own groups, the hub's grid gives every update the length of the
+        # busiest rank of either node
+        (2, 4),
+    ],
+)
 def test_ranks_run_their_own_micro_steps_and_updates_keep_the_per_token_mean(
-    tmp_path: Path,
+    tmp_path: Path, nodes: int, world: int
 ) -> None:
     cluster, reports, daemon_codes, rank_codes = run_odbd_training(
-        nodes=1,
-        ranks_per_node=WORLD,
+        nodes=nodes,
+        ranks_per_node=world // nodes,
         data=DATA,
         daemon_args=["--epochs", str(EPOCHS), *DAEMON],
         trainer_args=["--grads", "--dtype", "float64", "--epochs", str(EPOCHS), *MODEL.to_args()],
         out_dir=tmp_path,
         timeout_s=200.0,
     )
-    assert rank_codes == [0] * WORLD and daemon_codes == [0], f"{rank_codes}\n{cluster.log(0)}"
+    logs = "\n".join(cluster.log(n) for n in range(nodes))
+    assert rank_codes == [0] * world and daemon_codes == [0] * nodes, f"{rank_codes}\n{logs}"
     # (epoch, update) -> rank -> its micro-steps' records, in order
     updates: dict[tuple[int, int], dict[int, list[dict]]] = defaultdict(lambda: defaultdict(list))
-    for rank in range(WORLD):
+    for rank in range(world):
         for record in reports.steps(rank):
             updates[(record["epoch"], record["update"]["index"])][rank].append(record)
     uneven = 0
     for key, per_rank in updates.items():
-        assert sorted(per_rank) == list(range(WORLD)), f"update {key}: not every rank ran it"
+        assert sorted(per_rank) == list(range(world)), f"update {key}: not every rank ran it"
         counts = []
         for rank, micro in per_rank.items():
             heads = [m["update"] for m in micro]
@@ -62,6 +74,9 @@ def test_ranks_run_their_own_micro_steps_and_updates_keep_the_per_token_mean(
             assert {h["num_steps"] for h in heads} == {len(micro)}
             counts.append(len(micro))
         uneven += len(set(counts)) > 1
+        # one step grid on every node: the update starts at the same step on every rank
+        starts = {micro[0]["step"] for micro in per_rank.values()}
+        assert len(starts) == 1, f"update {key} starts at steps {starts} on different ranks"
         tokens = sum(r["num_tokens"] for micro in per_rank.values() for r in micro)
         assert {m["update"]["tokens"] for micro in per_rank.values() for m in micro} == {tokens}
     for epoch in range(EPOCHS):
@@ -79,7 +94,8 @@ def test_ranks_run_their_own_micro_steps_and_updates_keep_the_per_token_mean(
         error = relative_error(grad, per_token_mean_gradient(dataset, ids))
         worst = max(worst, error)
         assert error < 1e-9, f"update {key}: relative error {error:.3g}"
-    print(f"--align updates: {len(updates)} updates, {uneven} with uneven micro-steps per rank, "
+    print(f"--align updates, {nodes} node(s): {len(updates)} updates, {uneven} with uneven "
+          f"micro-steps per rank, "
           f"worst relative gradient error {worst:.3g}")  # fmt: skip
 
 
