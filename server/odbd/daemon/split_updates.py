@@ -228,6 +228,8 @@ def decode_deals(payload: bytes) -> list[NodeDeal]:
                 f"a deal of {positions} positions has update lengths summing to "
                 f"{int(lengths.sum())}"
             )
+        if not np.isfinite(times).all() or (times < 0).any():
+            raise InvariantError("a deal's update times are negative or not finite")
         columns, pos = _read_columns(payload, pos, positions)
         out.append(NodeDeal((), lengths, times, *columns))
     split_round._check_end(payload, pos)
