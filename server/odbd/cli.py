@@ -20,7 +20,7 @@ from odbd.config import DEFAULT_PADS, DaemonConfig, default_socket, node_rank_fr
 from odbd.daemon.socket_claim import claim_daemon_sockets
 from odbd.dataset_size import dataset_size_of
 from odbd.errors import ConfigError
-from odbd.planner.config import Balance, Collate, Grouping, LossScaling
+from odbd.planner.config import Attention, Balance, Collate, Grouping, LossScaling
 from odbd.planner.cost_fit import CostModelMode
 from odbd.world import World
 
@@ -231,6 +231,16 @@ def daemon_parser() -> flags.OneLineParser:
         help="padded: rows padded per --pad, area longest x count <= L; packed: one padding-free "
         "row per rank-step with position_ids and cu_seq_lens (Hugging Face padding-free), "
         "sum of lengths <= L",
+    )
+    plan.add_argument(
+        "--attention",
+        type=flags.choice_of([a.value for a in Attention]),
+        default="auto",
+        metavar=_choices(Attention),
+        help="--collate packed: what a packed row's attention costs. dense: over the whole row "
+        "(eager/sdpa, CPU; rows are then cut at the cheapest length per token); varlen: per "
+        "sample (flash_attention_2, flex document masks); auto: learned from the step times "
+        "trainers report (--cost-model auto), varlen until then",
     )
     plan.add_argument(
         "--concat",
@@ -544,6 +554,7 @@ def config_from_args(
         accumulate=args.accumulate,
         tokens_per_update=args.tokens_per_update,
         collate=Collate(args.collate),
+        attention=Attention(args.attention),
         concat=tuple(key for keys in args.concat for key in keys),
         max_patches=args.max_patches,
         patch_key=args.patch_key,

@@ -50,7 +50,7 @@ from odbd.ingest.rejections import (
 from odbd.ingest.schema_vote import schema_disagreement
 from odbd.metrics.stats import DaemonStats
 from odbd.planner.config import Collate, PlannerConfig
-from odbd.planner.cost_fit import FitConfig, FitState
+from odbd.planner.cost_fit import CostFit, FitConfig, FitState, row_feature
 from odbd.planner.estimate import round_estimates
 from odbd.planner.progress import (
     JobShape,
@@ -225,7 +225,9 @@ class RoundLoop:
         # round holding the job's last update is planned (the steps after it are not run).
         self.updates_done = 0
         self.capped = False
-        self.cost = CostLearner(config.cost_model, self.state.planner.cost, FitConfig())
+        self.cost = CostLearner(
+            config.cost_model, self.state.planner.cost, FitConfig(), row_feature(self.state.planner)
+        )
         self._offer_limits = payload_checks.OfferLimits(
             units_of_node=[
                 list(units_of_node(self.state.planner, n)) for n in range(config.world.num_nodes)
@@ -498,9 +500,9 @@ class RoundLoop:
         if fit.state is FitState.FITTED and fit is not self.stats.cost_fit:
             log.info(
                 "round %d: cost model fitted to %d rank-steps: %r s/padded token, %r s/l^2, "
-                "%r s/step, median error %.1f%% (fixed model %.1f%%)%s",
+                "%r s/step, median error %.1f%% (fixed model %.1f%%)%s%s",
                 self.round_index, fit.num_observations, *fit.seconds, 100 * fit.error,
-                100 * fit.fixed_error,
+                100 * fit.fixed_error, _attention_note(fit),
                 "" if self.cost.learned else "; not used (--cost-model fixed)",
             )  # fmt: skip
         self.stats.cost_fit = fit
@@ -1207,3 +1209,14 @@ def _progress_messages(progress: ProgressColumns) -> list[trainer_pb2.Progress]:
             strict=True,
         )
     ]
+
+
+def _attention_note(fit: CostFit) -> str:
+    """How the fit priced packed rows' attention (--attention dense/auto), for the refit log."""
+    if not fit.model.dense_rows and "dense" not in fit.errors:
+        return ""
+    chosen = "dense" if fit.model.dense_rows else "varlen"
+    tried = ", ".join(f"{name} {100 * e:.1f}%" for name, e in sorted(fit.errors.items()))
+    best = fit.model.best_row()
+    row = f", packed rows up to {best:.0f} tokens" if best < float("inf") else ""
+    return f"; attention over packed rows: {chosen} ({tried}){row}"
