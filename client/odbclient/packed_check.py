@@ -67,8 +67,9 @@ class PackedVerdict:
         fixes = []
         if "use_cache" in self.causes:
             fixes.append(
-                "set model.config.use_cache = False (or pass use_cache=False) for training: "
-                "with a KV cache transformers builds its mask from the cache and not from the "
+                "set model.config.use_cache = False (or pass use_cache=False; under the "
+                "Trainer TrainingArguments(use_cache=False), its default) for training: with a "
+                "KV cache transformers builds its mask from the cache and not from the "
                 "restarting position_ids"
             )
         if "attention_mask" in self.causes:
