@@ -76,7 +76,7 @@ def train(
     )
     assert codes == [0] * WORLD, f"{codes}\n{logs}"
     for log in out_dir.glob("trainer*.log"):
-        assert "not to be a single sample" not in log.read_text(), ranks.logs()
+        assert "not to be a single sample" not in log.read_text(), logs
     return Reports.read(out_dir, WORLD)
 
 
@@ -135,9 +135,7 @@ def test_accelerate_adapter_trains_every_batch_with_exact_loss_scaling(tmp_path:
     check_adapter_run(train("accelerate", tmp_path), tmp_path)
 
 
-@pytest.mark.parametrize(
-    ("framework", "model"), [("hf", "gpt2"), ("accelerate", "llama")]
-)
+@pytest.mark.parametrize(("framework", "model"), [("hf", "gpt2"), ("accelerate", "llama")])
 def test_adapters_refuse_packed_batches_into_a_model_that_attends_across_samples(
     tmp_path: Path, framework: str, model: str
 ) -> None:
