@@ -158,6 +158,14 @@ def daemon_parser() -> flags.OneLineParser:
         "(ODBClient.report_compute) once warmed up, fixed until then; fixed: never",
     )
     plan.add_argument(
+        "--cost-warmup",
+        type=count(3),
+        default=64,
+        metavar="N",
+        help="--cost-model auto: timed rank-steps (over every node) before the first fit; "
+        "fewer lets a short job plan with its own costs sooner, on a noisier fit",
+    )
+    plan.add_argument(
         "--balance",
         type=flags.choice_of([b.value for b in Balance]),
         default="node",
@@ -555,6 +563,7 @@ def config_from_args(
         tokens_per_update=args.tokens_per_update,
         collate=Collate(args.collate),
         attention=Attention(args.attention),
+        cost_warmup=args.cost_warmup,
         concat=tuple(key for keys in args.concat for key in keys),
         max_patches=args.max_patches,
         patch_key=args.patch_key,

@@ -92,6 +92,7 @@ class DaemonConfig:
     loss_scaling: LossScaling = LossScaling.EXACT
     grouping: Grouping = Grouping.MIN_TIME
     cost_model: CostModelMode = CostModelMode.AUTO  # planner/cost_fit.py, daemon/cost_learning.py
+    cost_warmup: int = 64  # timed rank-steps (over every node) before the first fit
     balance: Balance = Balance.NODE
     length_key: str = "input_ids"
     labels_key: str = "labels"
@@ -174,6 +175,11 @@ class DaemonConfig:
             )
         if self.epochs < 0:
             raise ConfigError(f"--epochs must be >= 0 (0 = endless), got {self.epochs}")
+        if self.cost_warmup < 3:
+            raise ConfigError(
+                f"--cost-warmup must be >= 3 timed steps (the fit has 3 coefficients), got "
+                f"{self.cost_warmup}"
+            )
         if self.attention is not Attention.AUTO and self.collate is not Collate.PACKED:
             raise ConfigError(
                 f"--attention {self.attention.value} prices packed rows, but batches are "
@@ -274,6 +280,7 @@ class DaemonConfig:
             "loss_scaling": self.loss_scaling.value,
             # Plans depend on the model; a release without the flag planned with the fixed one.
             **({"cost_model": self.cost_model.value} if self.cost_model.value != "fixed" else {}),
+            **({"cost_warmup": str(self.cost_warmup)} if self.cost_warmup != 64 else {}),
             "dataset_size": str(dataset_size),
             "length_key": self.length_key,
             # Only when set (as below): every daemon must fail a job at the same count.

@@ -226,7 +226,12 @@ class RoundLoop:
         self.updates_done = 0
         self.capped = False
         self.cost = CostLearner(
-            config.cost_model, self.state.planner.cost, FitConfig(), row_feature(self.state.planner)
+            config.cost_model,
+            self.state.planner.cost,
+            FitConfig(
+                warmup=config.cost_warmup, window=max(config.cost_warmup, FitConfig().window)
+            ),
+            row_feature(self.state.planner),
         )
         self._offer_limits = payload_checks.OfferLimits(
             units_of_node=[
