@@ -30,7 +30,8 @@ def run(loader: str, out: Path, data: dict, args: argparse.Namespace, attention:
             nodes=1, ranks_per_node=WORLD, data={**data, "label_shift": 0},
             daemon_args=["--collate", "packed", "--token-budget", str(args.budget),
                          "--buffer", str(args.buffer), "--attention", attention,
-                         "--cost-model", "auto"],
+                         "--cost-model", "auto", "--cost-warmup", str(args.cost_warmup),
+                         "--steps-ahead", str(args.steps_ahead)],
         )  # fmt: skip
         cluster.start()
         cluster.wait_sockets(120.0)
@@ -64,6 +65,8 @@ def main() -> None:
     p.add_argument("--dim", type=int, default=256)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--attention", action="append", default=[])
+    p.add_argument("--cost-warmup", type=int, default=16)
+    p.add_argument("--steps-ahead", type=int, default=8)
     args = p.parse_args()
     attentions = args.attention or ["varlen", "dense"]
     data = {"size": args.size, "seed": 0, "vocab": 256, "median_len": args.median_len,

@@ -49,8 +49,15 @@ from odbd.ingest.rejections import (
 )
 from odbd.ingest.schema_vote import schema_disagreement
 from odbd.metrics.stats import DaemonStats
-from odbd.planner.config import Collate, PlannerConfig
-from odbd.planner.cost_fit import CostFit, FitConfig, FitState, row_feature
+from odbd.planner.config import ROW_CAP_SHIFTS, Collate, PlannerConfig
+from odbd.planner.cost_fit import (
+    CostFit,
+    CostModelMode,
+    FitConfig,
+    FitState,
+    RowFeature,
+    row_feature,
+)
 from odbd.planner.estimate import round_estimates
 from odbd.planner.progress import (
     JobShape,
@@ -513,7 +520,7 @@ class RoundLoop:
         self.stats.cost_fit = fit
         self.stats.cost_learned = self.cost.learned
         if not self.cost.learned:
-            return self.state.planner
+            return warmup_planner(self.state.planner, self.cost, self.round_index)
         return dataclasses.replace(self.state.planner, cost=self.cost.model)
 
     # -- 4. apply ----------------------------------------------------------------------------
@@ -1225,3 +1232,13 @@ def _attention_note(fit: CostFit) -> str:
     best = fit.model.best_row()
     row = f", packed rows up to {best:.0f} tokens" if best < float("inf") else ""
     return f"; attention over packed rows: {chosen} ({tried}){row}"
+
+
+def warmup_planner(planner: PlannerConfig, cost: CostLearner, round_index: int) -> PlannerConfig:
+    """The round's planner before the cost fit is usable: as configured, except that packed
+    rows whose attention is to be learned (--attention auto/dense with --cost-model auto)
+    take turns at full, half and quarter budget (ROW_CAP_SHIFTS; the same on every daemon)."""
+    if cost.mode is not CostModelMode.AUTO or cost.rows is RowFeature.SAMPLES:
+        return planner
+    shift = ROW_CAP_SHIFTS[round_index % len(ROW_CAP_SHIFTS)]
+    return dataclasses.replace(planner, row_cap=max(planner.token_budget >> shift, 1))

@@ -45,6 +45,12 @@ class Attention(StrEnum):
     AUTO = "auto"
 
 
+# While the cost fit warms up under --attention auto/dense, round r caps packed rows at
+# budget >> ROW_CAP_SHIFTS[r % len]: full, half and quarter rows, so the fit can tell a row's
+# square from its length, and a dense kernel pays full rows' squares in a third of the rounds.
+ROW_CAP_SHIFTS = (0, 1, 2)
+
+
 class LossScaling(StrEnum):
     """What `loss_scale` of a (rank, step) means; DESIGN.md section 3.4."""
 
@@ -116,6 +122,10 @@ class PlannerConfig:
     # --attention as given (the cost's dense_rows is what this round plans with: fixed by
     # dense/varlen, learned under auto)
     attention: Attention = Attention.VARLEN
+    # A packed row's token cap this round besides the budget (0 = none): the daemon varies it
+    # while --attention auto/dense warms the cost fit up (ROW_CAP_SHIFTS), so the fit sees rows
+    # of several lengths, not only full ones (whose squares it could not tell from their length).
+    row_cap: int = 0
 
     def __post_init__(self) -> None:
         if self.cost.dense_rows and self.collate is not Collate.PACKED:
@@ -157,8 +167,10 @@ class PlannerConfig:
         the cheapest row length per token (CostModel.best_row) when that is shorter, so rows
         are not filled to a budget where their attention costs more than the steps it saves.
         Padded groups: --token-budget."""
-        best = self.cost.best_row()
-        if self.collate is not Collate.PACKED or best >= self.token_budget:
+        if self.collate is not Collate.PACKED:
+            return self.token_budget
+        best = min(self.cost.best_row(), float(self.row_cap or self.token_budget))
+        if best >= self.token_budget:
             return self.token_budget
         return max(int(best), 1)
 
