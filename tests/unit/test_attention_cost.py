@@ -153,3 +153,19 @@ def test_the_daemon_flag_sets_the_planner_and_the_fingerprint() -> None:
     assert "attention" not in auto.fingerprint(100)  # old daemons still match
     with pytest.raises(ConfigError, match="--attention dense prices packed rows"):
         daemon_config(attention=Attention.DENSE)
+
+
+def test_rows_take_turns_at_full_half_and_quarter_budget_while_the_fit_warms_up() -> None:
+    from odbd.daemon.cost_learning import CostLearner
+    from odbd.daemon.round_loop import warmup_planner
+    from odbd.planner.cost_fit import CostModelMode
+
+    planner = packed_config(CostModel(), Attention.AUTO)
+    learning = CostLearner(CostModelMode.AUTO, planner.cost, FitConfig(), RowFeature.CHOOSE)
+    budgets = [warmup_planner(planner, learning, r).row_budget for r in range(6)]
+    assert budgets == [BUDGET, BUDGET // 2, BUDGET // 4] * 2
+    # Nothing to learn about rows: varlen, padded, or a fixed cost model plan as configured.
+    for rows, mode in ((RowFeature.SAMPLES, CostModelMode.AUTO), (RowFeature.CHOOSE,
+                       CostModelMode.FIXED)):  # fmt: skip
+        same = CostLearner(mode, planner.cost, FitConfig(), rows)
+        assert [warmup_planner(planner, same, r) for r in range(3)] == [planner] * 3
