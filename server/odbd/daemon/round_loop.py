@@ -1230,7 +1230,11 @@ def _attention_note(fit: CostFit) -> str:
     chosen = "dense" if fit.model.dense_rows else "varlen"
     tried = ", ".join(f"{name} {100 * e:.1f}%" for name, e in sorted(fit.errors.items()))
     best = fit.model.best_row()
-    row = f", packed rows up to {best:.0f} tokens" if best < float("inf") else ""
+    row = ""
+    if best < 1.0:  # c = 0: every sample costs least alone
+        row = ", one sample per packed row (no per-step constant measured)"
+    elif best < float("inf"):
+        row = f", packed rows up to {best:.0f} tokens"
     return f"; attention over packed rows: {chosen} ({tried}){row}"
 
 
