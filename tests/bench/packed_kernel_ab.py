@@ -78,7 +78,12 @@ def main() -> None:
             for name in names:
                 loader, _, attention = name.partition("-")
                 out = Path(tmp) / f"{name}-{rep}"
-                r = run(loader, out, data, args, attention)
+                try:
+                    r = run(loader, out, data, args, attention)
+                except SystemExit as failed:  # a gloo rank aborted under load: once more
+                    print(f"retrying {name} rep {rep}: {str(failed)[:200]}", flush=True)
+                    out = Path(tmp) / f"{name}-{rep}-retry"
+                    r = run(loader, out, data, args, attention)
                 if loader == "odbd":
                     fits = [ln for ln in (out / "daemon.log").read_text().splitlines()
                             if "cost model fitted" in ln]  # fmt: skip
