@@ -58,7 +58,7 @@ def tiny_gpt2(use_cache: bool = True) -> Any:
 
 def build_model(args: argparse.Namespace) -> Any:
     make = tiny_gpt2 if args.model == "gpt2" else tiny_llama
-    return make(use_cache=not args.no_cache)
+    return make(use_cache=args.cache != "off")  # "default": the configs' default, True
 
 
 def flat_grad(model: torch.nn.Module) -> torch.Tensor:
@@ -147,7 +147,8 @@ def train_hf(args: argparse.Namespace, client: ODBClient, log: StepLog) -> dict[
         eval_strategy="steps" if args.eval_steps else "no",
         eval_steps=args.eval_steps or None,
         per_device_eval_batch_size=2,
-        use_cache=not args.no_cache,  # the Trainer sets the model's config.use_cache to this
+        # The Trainer sets the model's config.use_cache to this (False unless --cache on).
+        use_cache=args.cache == "on",
     )
     eval_dataset = None
     if args.eval_steps:
@@ -221,7 +222,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--grad-accum", type=int, default=1, help="HF gradient_accumulation_steps")
     p.add_argument("--eval-steps", type=int, default=0, help="HF evaluation every N steps")
     p.add_argument("--model", choices=["llama", "gpt2"], default="llama")
-    p.add_argument("--no-cache", action="store_true", help="config.use_cache=False")
+    p.add_argument(
+        "--cache", choices=["default", "on", "off"], default="default",
+        help="KV cache in training: default = the config's (True) and the Trainer's (False)",
+    )  # fmt: skip
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     rank = int(os.environ.get("RANK", "0"))  # unset: one process (accelerate launch --cpu)

@@ -145,7 +145,7 @@ def test_adapters_refuse_packed_batches_into_a_model_that_attends_across_samples
     and every rank stops before training, naming the model, its kernel and the fix."""
     codes, logs = launch(
         framework, tmp_path, daemon_args=("--collate", "packed"),
-        trainer_args=("--model", model),
+        trainer_args=("--model", model, "--cache", "on"),
     )  # fmt: skip
     assert all(code not in (0, None) for code in codes), f"{codes}\n{logs}"
     kernel = "sdpa" if model == "gpt2" else "eager"
@@ -163,7 +163,7 @@ def test_adapters_accept_packed_batches_into_a_model_that_keeps_samples_apart(
     """The same models with use_cache=False pass the probe and train every sample once."""
     reports = train(
         framework, tmp_path, daemon_args=("--collate", "packed"),
-        trainer_args=("--max-steps", str(MAX_STEPS), "--model", model, "--no-cache"),
+        trainer_args=("--max-steps", str(MAX_STEPS), "--model", model, "--cache", "off"),
     )  # fmt: skip
     assert Counter(reports.ids(0)) == Counter(range(DATA["size"])), "identities lost or repeated"
     logs = "\n".join(p.read_text() for p in tmp_path.glob("trainer*.log"))
