@@ -49,8 +49,15 @@ from odbd.ingest.rejections import (
     over_budget,
 )
 from odbd.metrics.stats import DaemonStats
-from odbd.planner.config import Collate, PlannerConfig
-from odbd.planner.cost_fit import CostFit, FitConfig, FitState
+from odbd.planner.config import ROW_CAP_SHIFTS, Collate, PlannerConfig
+from odbd.planner.cost_fit import (
+    CostFit,
+    CostModelMode,
+    FitConfig,
+    FitState,
+    RowFeature,
+    row_feature,
+)
 from odbd.planner.estimate import round_estimates
 from odbd.planner.progress import (
     JobShape,
@@ -225,7 +232,14 @@ class RoundLoop:
         # round holding the job's last update is planned (the steps after it are not run).
         self.updates_done = 0
         self.capped = False
-        self.cost = CostLearner(config.cost_model, self.state.planner.cost, FitConfig())
+        self.cost = CostLearner(
+            config.cost_model,
+            self.state.planner.cost,
+            FitConfig(
+                warmup=config.cost_warmup, window=max(config.cost_warmup, FitConfig().window)
+            ),
+            row_feature(self.state.planner),
+        )
         self.split = SplitExchange(barrier, config.node_rank)
         # (samples, loss tokens) every unit's buffer held this round (RoundExtras)
         self.offered = (0, 0)
@@ -495,9 +509,9 @@ class RoundLoop:
         if fit.state is FitState.FITTED and fit != self.stats.cost_fit:
             log.info(
                 "round %d: cost model fitted to %d rank-steps: %r s/padded token, %r s/l^2, "
-                "%r s/step, median error %.1f%% (fixed model %.1f%%)%s",
+                "%r s/step, median error %.1f%% (fixed model %.1f%%)%s%s",
                 self.round_index, fit.num_observations, *fit.seconds, 100 * fit.error,
-                100 * fit.fixed_error,
+                100 * fit.fixed_error, _attention_note(fit),
                 "" if self.cost.learned else "; not used (--cost-model fixed)",
             )  # fmt: skip
         self.stats.cost_fit = fit
@@ -507,7 +521,7 @@ class RoundLoop:
         """The planner config of this round: under --cost-model auto its cost model is the fit
         of every node's timed steps up to the previous round (the same on every daemon)."""
         if not self.cost.learned:
-            return self.state.planner
+            return warmup_planner(self.state.planner, self.cost, self.round_index)
         return dataclasses.replace(self.state.planner, cost=self.cost.model)
 
     # -- 4. apply ----------------------------------------------------------------------------
@@ -1215,3 +1229,28 @@ def _progress_messages(progress: ProgressColumns) -> list[trainer_pb2.Progress]:
             strict=True,
         )
     ]
+
+
+def _attention_note(fit: CostFit) -> str:
+    """How the fit priced packed rows' attention (--attention dense/auto), for the refit log."""
+    if not fit.model.dense_rows and "dense" not in fit.errors:
+        return ""
+    chosen = "dense" if fit.model.dense_rows else "varlen"
+    tried = ", ".join(f"{name} {100 * e:.1f}%" for name, e in sorted(fit.errors.items()))
+    best = fit.model.best_row()
+    row = ""
+    if best < 1.0:  # c = 0: every sample costs least alone
+        row = ", one sample per packed row (no per-step constant measured)"
+    elif best < float("inf"):
+        row = f", packed rows up to {best:.0f} tokens"
+    return f"; attention over packed rows: {chosen} ({tried}){row}"
+
+
+def warmup_planner(planner: PlannerConfig, cost: CostLearner, round_index: int) -> PlannerConfig:
+    """The round's planner before the cost fit is usable: as configured, except that packed
+    rows whose attention is to be learned (--attention auto/dense with --cost-model auto)
+    take turns at full, half and quarter budget (ROW_CAP_SHIFTS; the same on every daemon)."""
+    if cost.mode is not CostModelMode.AUTO or cost.rows is RowFeature.SAMPLES:
+        return planner
+    shift = ROW_CAP_SHIFTS[round_index % len(ROW_CAP_SHIFTS)]
+    return dataclasses.replace(planner, row_cap=max(planner.token_budget >> shift, 1))

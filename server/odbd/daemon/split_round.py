@@ -338,6 +338,7 @@ def encode_decision(payload: DecisionPayload, round_index: int) -> bytes:
             f.fit.error,
             f.fit.fixed_error,
             f.fit.num_observations,
+            f.fit.errors,
         ]
     blob = json.dumps(facts, separators=(",", ":")).encode()
     reference = np.zeros(0) if d is None or d.reference is None else d.reference
@@ -424,15 +425,20 @@ def decode_node_totals(payload: bytes) -> tuple[StepTotals, RoundExtras]:
 
 
 def _fit_of(raw: list[Any]) -> CostFit:
-    model, state, seconds, error, fixed_error, num_observations = raw
+    model, state, seconds, error, fixed_error, num_observations, errors = raw
     a, b, c = (float(x) for x in seconds)
+    *coefficients, dense_rows = model
     return CostFit(
-        model=CostModel(**{k: float(v) for k, v in zip("abcp", model, strict=True)}),
+        model=CostModel(
+            **{k: float(v) for k, v in zip("abcp", coefficients, strict=True)},
+            dense_rows=bool(dense_rows),
+        ),
         state=FitState(state),
         seconds=(a, b, c),
         error=float(error),
         fixed_error=float(fixed_error),
         num_observations=int(num_observations),
+        errors={str(k): float(v) for k, v in errors.items()},
     )
 
 
