@@ -64,6 +64,7 @@ class SimulationResult:
     # it was planned, and bytes of the samples that arrived (ingested) for it; empty when off
     moved_samples: IntArray = field(default_factory=lambda: np.zeros(0, np.int64))
     moved_bytes: IntArray = field(default_factory=lambda: np.zeros(0, np.int64))
+    moved_peak_bytes: IntArray = field(default_factory=lambda: np.zeros(0, np.int64))  # 1 node
     ingested_bytes: IntArray = field(default_factory=lambda: np.zeros(0, np.int64))
 
     def stats(self) -> StepStats:
@@ -183,6 +184,7 @@ class _Simulation:
         self.migration: LinkModel | None = None
         self.moved_samples: list[int] = []
         self.moved_bytes: list[int] = []
+        self.moved_peak_bytes: list[int] = []
         self.ingested_bytes: list[int] = []
         self._arrived_tokens = 0  # tokens ingested since the last round was planned
         self.patches = np.zeros_like(lengths)  # (N,) vision patches per dataset identity
@@ -218,6 +220,7 @@ class _Simulation:
             world_size=self.config.world.world_size,
             moved_samples=np.asarray(self.moved_samples, dtype=np.int64),
             moved_bytes=np.asarray(self.moved_bytes, dtype=np.int64),
+            moved_peak_bytes=np.asarray(self.moved_peak_bytes, dtype=np.int64),
             ingested_bytes=np.asarray(self.ingested_bytes, dtype=np.int64),
         )
 
@@ -265,6 +268,7 @@ class _Simulation:
             offers = list(moves.offers)
             self.moved_samples.append(moves.num_moved)
             self.moved_bytes.append(moves.bytes_moved)
+            self.moved_peak_bytes.append(moves.busiest_node_bytes(config.num_units))
             self.ingested_bytes.append(
                 int(np.ceil(self._arrived_tokens * self.migration.bytes_per_token))
             )

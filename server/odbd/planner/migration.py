@@ -53,8 +53,8 @@ DEFAULT_LINK_BYTES_PER_S = 25e9 / 8
 DEFAULT_SECONDS_PER_WORK = 1.2e-4
 # Bytes a token takes in a sample when the real payload size is unknown (simulate): int32 ids.
 DEFAULT_BYTES_PER_TOKEN = 4.0
-LEVELS = 64  # equal-work bins of the pooled round (costliest first)
-K_CANDIDATES = (0, 2, 4, 8, 16, 32, 64)  # bins balanced, costliest first; the best net gain wins
+LEVELS = 64  # equal-work bins of the pooled round's samples that can share a group
+WORK_CANDIDATES = (2, 4, 8, 16, 32)  # bins balanced (costliest first) besides every bin
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -97,6 +97,14 @@ class MigrationPlan:
     def bytes_moved(self) -> int:
         return int(self.nbytes.sum())
 
+    def busiest_node_bytes(self, num_units: int) -> int:
+        """The most bytes one node sends or receives: what sets the moves' time on the link."""
+        if self.num_moved == 0:
+            return 0
+        out = np.bincount(self.sources, weights=self.nbytes, minlength=num_units)
+        into = np.bincount(self.targets, weights=self.nbytes, minlength=num_units)
+        return int(np.maximum(out, into).max())
+
 
 def plan_migration(
     offers: Sequence[UnitOffer],
@@ -117,16 +125,29 @@ def plan_migration(
         return nothing
     before = _estimate(pool.unit, pool, config)
     best_k, best_net, best = 0, 0.0, (pool.unit, 0.0, 0.0)
-    for k in K_CANDIDATES[1:]:
-        unit = _balanced_units(pool, config.num_units, k)
+    unit, done = pool.unit.copy(), 0
+    for k in _candidates(pool):
+        _balance_levels(pool, unit, range(done, k), config.num_units)
+        done = k
         gain = (before - _estimate(unit, pool, config)) * link.seconds_per_work
         move_s = _move_seconds(pool, unit, config.num_units, link)
         if gain - move_s > best_net:
-            best_k, best_net, best = k, gain - move_s, (unit, gain, move_s)
+            best_k, best_net, best = k, gain - move_s, (unit.copy(), gain, move_s)
     if best_k == 0:
         return nothing
     unit, gain, move_s = best
     return _apply(offers, pool, unit, best_k, gain, move_s, offered)
+
+
+def _candidates(pool: _Pool) -> list[int]:
+    """Numbers of levels to balance, costliest first: the groups of one alone, then with the
+    costliest 2, 4, ... of the equal-work bins."""
+    s = pool.singleton_levels
+    out = [s] if s else []
+    out += [s + k for k in WORK_CANDIDATES if s + k <= len(pool.levels)]
+    if not out or out[-1] < len(pool.levels):
+        out.append(len(pool.levels))
+    return sorted(set(k for k in out if k > 0))
 
 
 def _sample_bytes(
@@ -155,8 +176,10 @@ class _Pool:
     work: np.ndarray  # (n,) float64 one-sample work
     lengths: IntArray
     nbytes: IntArray
-    level: IntArray  # (n,) equal-work bin, 0 = costliest
     singleton: np.ndarray  # (n,) bool: no other sample fits beside it (a group of one)
+    levels: list[IntArray]  # pool positions of each level, costliest level first
+    chunks: list[int]  # per level: a unit's share is a multiple of this (G for groups of one)
+    singleton_levels: int  # the first this many levels hold the groups of one
     budget: int
     ranks: int
 
@@ -180,13 +203,22 @@ class _Pool:
         # level are already spread evenly and do not move back and forth between bins.
         order = np.lexsort((unit, row, -work))
         unit, row, work, lengths, nbytes = (x[order] for x in (unit, row, work, lengths, nbytes))
-        level = _levels(work, config.num_units)
         half = config.token_budget // 2
         # Padded or packed alike, two samples longer than L/2 never share a group.
         singleton = lengths > half
+        g = config.ranks_per_unit
+        # Groups of one in blocks of W (G per node): each node's k-th run of G is then the k-th
+        # block's share, and step k runs W neighbours of the round's sorted order.
+        single = np.flatnonzero(singleton)
+        block = g * config.num_units
+        levels = [single[i : i + block] for i in range(0, len(single), block)]
+        rest = np.flatnonzero(~singleton)
+        bins = _levels(work[rest], config.num_units)
+        cuts = np.flatnonzero(np.diff(bins)) + 1
+        work_levels = [x for x in np.split(rest, cuts) if x.size]
         return _Pool(
-            unit, row, work, lengths, nbytes, level, singleton, config.token_budget,
-            config.ranks_per_unit,
+            unit, row, work, lengths, nbytes, singleton, levels + work_levels,
+            [g] * len(levels) + [1] * len(work_levels), len(levels), config.token_budget, g,
         )  # fmt: skip
 
 
@@ -209,19 +241,20 @@ def _levels(work: np.ndarray, num_units: int) -> IntArray:
     return np.cumsum(level)
 
 
-def _balanced_units(pool: _Pool, num_units: int, k: int) -> IntArray:
-    """New unit of every pooled sample with the costliest k levels balanced across units."""
-    unit = pool.unit.copy()
-    for lv in range(min(k, LEVELS)):
-        idx = np.flatnonzero(pool.level == lv)
-        if idx.size == 0:
-            continue
+def _balance_levels(pool: _Pool, unit: IntArray, levels: range, num_units: int) -> None:
+    """Moves samples of `levels` (in `unit`, in place) so every unit holds its share of each:
+    the level's count over the units in whole chunks, the units holding the most keeping the
+    remainder (fewest moves; ties: lower unit); a unit over its share sends its cheapest."""
+    for lv in levels:
+        idx = pool.levels[lv]
+        chunk = pool.chunks[lv]
         counts = np.bincount(pool.unit[idx], minlength=num_units)
-        base, extra = divmod(int(idx.size), num_units)
-        # The remainder stays with the units holding the most (fewest moves); ties: lower unit.
-        keep_extra = np.lexsort((np.arange(num_units), -counts))[:extra]
-        target = np.full(num_units, base, np.int64)
-        target[keep_extra] += 1
+        chunks, tail = divmod(int(idx.size), chunk)
+        base, extra = divmod(chunks, num_units)
+        by_most = np.lexsort((np.arange(num_units), -counts))
+        target = np.full(num_units, base * chunk, np.int64)
+        target[by_most[:extra]] += chunk
+        target[by_most[extra % num_units]] += tail
         surplus = counts - target
         if not surplus.any():
             continue
@@ -233,7 +266,6 @@ def _balanced_units(pool: _Pool, num_units: int, k: int) -> IntArray:
         if len(slots) != len(outgoing):
             raise InvariantError(f"level {lv}: {len(outgoing)} samples for {len(slots)} places")
         unit[np.asarray(outgoing, np.int64)] = slots
-    return unit
 
 
 def _estimate(unit: IntArray, pool: _Pool, config: PlannerConfig) -> float:
