@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -18,7 +20,7 @@ from tests.unit.planner_factories import make_config
 FREE_LINK = LinkModel(bytes_per_s=1e30)
 
 
-def where(offers) -> dict[int, tuple[int, int]]:
+def where(offers: Iterable[UnitOffer]) -> dict[int, tuple[int, int]]:
     """view -> (unit, length) over every offer."""
     return {
         v: (o.unit, int(n))
@@ -108,8 +110,13 @@ def test_moves_conserve_samples_and_balance_each_level(nodes: int, data: st.Data
     offers = offers_of(per_unit)
     plan = plan_migration(offers, config, FREE_LINK)
     before, after = where(offers), where(plan.offers)
-    assert sorted(before) == sorted(after)  # no loss, no duplication
-    assert sum(len(o.samples) for o in plan.offers) == len(before)
+    waiting = where(UnitOffer(u, t, False) for u, t in enumerate(plan.held))
+    # No loss, no duplication: every sample is offered once or waits once, on one unit.
+    assert sorted(before) == sorted([*after, *waiting])
+    assert sum(len(o.samples) for o in plan.offers) + len(waiting) == len(before)
+    for view, (unit, length) in waiting.items():
+        assert before[view] == (unit, length) and length > config.token_budget  # never moved
+        assert view not in plan.views.tolist()
     moved = dict(zip(plan.views.tolist(), plan.targets.tolist(), strict=True))
     for view, (unit, length) in after.items():
         assert length == before[view][1]
@@ -139,3 +146,18 @@ def test_simulate_with_migration_beats_data_local_on_a_skewed_dataset() -> None:
     # Every view of the epoch emitted exactly once, moved or not.
     emitted = np.concatenate([u.emitted.views for r in on.rounds for u in r.units])
     assert sorted(emitted.tolist()) == list(range(len(lengths)))
+
+
+def test_samples_over_the_budget_of_mixed_cost_wait_for_company_and_run_by_the_flush() -> None:
+    # 2 nodes x 2 ranks: a step runs 4 groups of one. Four giants of very different cost wait
+    # (their block spreads far beyond HOLD_SPREAD); four equal ones run at once.
+    config = make_config(world=4, per_node=2, budget=1000, buffer=16)
+    spread = [[5000, 3000, 100, 100], [2000, 1200, 100, 100]]
+    plan = plan_migration(offers_of(spread), config, FREE_LINK)
+    assert sum(len(t) for t in plan.held) > 0
+    assert all((t.ages == 1).all() for t in plan.held)  # one recirculation older
+    equal = [[4000, 4000, 100, 100], [4000, 4000, 100, 100]]
+    assert sum(len(t) for t in plan_migration(offers_of(equal), config, FREE_LINK).held) == 0
+    # Every unit dry: the epoch flushes, nothing may wait.
+    flush = plan_migration(offers_of(spread, dry=True), config, FREE_LINK)
+    assert sum(len(t) for t in flush.held) == 0

@@ -263,9 +263,10 @@ class _Simulation:
             config = dataclasses.replace(
                 config, cost=self.costs[len(self.rounds) % len(self.costs)]
             )
+        held: tuple[SampleTable, ...] = ()
         if self.migration is not None:
             moves = plan_migration(offers, config, self.migration)
-            offers = list(moves.offers)
+            offers, held = list(moves.offers), moves.held
             self.moved_samples.append(moves.num_moved)
             self.moved_bytes.append(moves.bytes_moved)
             self.moved_peak_bytes.append(moves.busiest_node_bytes(config.num_units))
@@ -276,6 +277,8 @@ class _Simulation:
         plan = plan_round(offers, config, len(self.rounds), self.trace)
         for unit, feed in zip(plan.units, self.feeds, strict=True):
             feed.buffer = unit.leftover
+            if held and len(held[unit.unit]):
+                feed.buffer = feed.buffer.concat(held[unit.unit])
         return plan
 
     def _keep(self, plan: RoundPlan, kept: int, epochs: IntArray) -> None:

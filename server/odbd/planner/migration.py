@@ -10,13 +10,17 @@ oracle of simulate/oracle.py is the reference; OrchMLLM's Batch Post-Balancing D
 the same idea across DP ranks).
 
 What moves: the round's samples, pooled over every node, sorted costliest first (cost model
-work of one sample, a x l + b x l^2 + p x patches) and cut into LEVELS bins of equal work. In
-each bin every node's target is its even share of the bin's count (the remainder stays with the
-nodes holding the most); a node over its target sends its cheapest samples of the bin to the
-nodes under it. Bins are balanced costliest first: balancing k bins moves the fewest bytes for
-the most of the tail, and `plan_migration` takes the k (from K_CANDIDATES) whose estimated
-round-time gain beats the time the bytes take on the link by the most (nothing moves when no k
-does). Every daemon computes the same moves from the same summaries: this module is pure.
+work of one sample, a x l + b x l^2 + p x patches). Samples over L/2 (groups of one: no other
+sample fits beside them) are cut into blocks of W, G per node, so each node's k-th run of G is
+its share of the k-th block and step k runs W neighbours of the round's order; the rest is cut
+into LEVELS bins of equal work, each node's target being its even share of a bin's count (the
+remainder stays with the nodes holding the most). A node over its target sends its cheapest
+samples of the level to the nodes under it. Levels are balanced costliest first, and
+`plan_migration` takes the number whose estimated round-time gain beats the time the bytes
+take on the link by the most (nothing moves when none does). Samples over the budget whose
+block of W spreads wider than HOLD_SPREAD wait for a later round (_holds), where more of them
+meet: the steps that run them are the ones a round plan loses most to (docs/bench/migration.md).
+Every daemon computes the same moves from the same inputs: this module is pure.
 
 The link model: `bytes_per_s` per node and direction (a node sends and receives at once); the
 round's move time is the busiest node's max(bytes out, bytes in) / bytes_per_s. It is charged
@@ -54,6 +58,12 @@ DEFAULT_SECONDS_PER_WORK = 1.2e-4
 # Bytes a token takes in a sample when the real payload size is unknown (simulate): int32 ids.
 DEFAULT_BYTES_PER_TOKEN = 4.0
 LEVELS = 64  # equal-work bins of the pooled round's samples that can share a group
+# Samples over the budget (groups of one) run W to a step; a step lasts its costliest. A block of
+# W neighbours in cost order whose cheapest is under (1 - HOLD_SPREAD) x its costliest waits for
+# the next round (its costliest member does), where more of them meet: at most HOLD_ROUNDS
+# rounds per sample, never in a round where every unit is dry (the epoch must flush).
+HOLD_SPREAD = 0.05
+HOLD_ROUNDS = 32
 WORK_CANDIDATES = (2, 4, 8, 16, 32)  # bins balanced (costliest first) besides every bin
 
 
@@ -88,6 +98,9 @@ class MigrationPlan:
     gain_s: float  # estimated round-time gain of the moves, seconds
     move_s: float  # the moves' time on the link (busiest node), seconds
     bytes_offered: int = 0  # bytes of every sample offered this round
+    # per unit: samples over the budget kept out of this round's offer (back in its buffer for
+    # the next round, one recirculation older); empty tables when nothing waits
+    held: tuple[SampleTable, ...] = ()
 
     @property
     def num_moved(self) -> int:
@@ -133,7 +146,7 @@ def plan_migration(
         move_s = _move_seconds(pool, unit, config.num_units, link)
         if gain - move_s > best_net:
             best_k, best_net, best = k, gain - move_s, (unit.copy(), gain, move_s)
-    if best_k == 0:
+    if best_k == 0 and not pool.held.any():
         return nothing
     unit, gain, move_s = best
     return _apply(offers, pool, unit, best_k, gain, move_s, offered)
@@ -177,6 +190,7 @@ class _Pool:
     lengths: IntArray
     nbytes: IntArray
     singleton: np.ndarray  # (n,) bool: no other sample fits beside it (a group of one)
+    held: np.ndarray  # (n,) bool: waits for the next round (HOLD_SPREAD)
     levels: list[IntArray]  # pool positions of each level, costliest level first
     chunks: list[int]  # per level: a unit's share is a multiple of this (G for groups of one)
     singleton_levels: int  # the first this many levels hold the groups of one
@@ -193,6 +207,7 @@ class _Pool:
         unit = np.concatenate([np.full(len(o.samples), o.unit, np.int64) for o in offers])
         row = np.concatenate([np.arange(len(t), dtype=np.int64) for t in tables])
         lengths = np.concatenate([t.lengths for t in tables])
+        ages = np.concatenate([t.ages for t in tables])
         patches = np.concatenate([t.patches for t in tables])
         nbytes = np.concatenate(sizes)
         work = np.asarray(
@@ -202,24 +217,50 @@ class _Pool:
         # Ties interleave the units (row within its unit, then unit), so equal samples of a
         # level are already spread evenly and do not move back and forth between bins.
         order = np.lexsort((unit, row, -work))
-        unit, row, work, lengths, nbytes = (x[order] for x in (unit, row, work, lengths, nbytes))
+        unit, row, work, lengths, nbytes, ages = (
+            x[order] for x in (unit, row, work, lengths, nbytes, ages)
+        )
         half = config.token_budget // 2
         # Padded or packed alike, two samples longer than L/2 never share a group.
         singleton = lengths > half
         g = config.ranks_per_unit
+        block = g * config.num_units
+        flush = all(o.dry for o in offers)
+        held = _holds(work, lengths > config.token_budget, ages, block, flush)
         # Groups of one in blocks of W (G per node): each node's k-th run of G is then the k-th
         # block's share, and step k runs W neighbours of the round's sorted order.
-        single = np.flatnonzero(singleton)
-        block = g * config.num_units
+        single = np.flatnonzero(singleton & ~held)
         levels = [single[i : i + block] for i in range(0, len(single), block)]
-        rest = np.flatnonzero(~singleton)
+        rest = np.flatnonzero(~singleton & ~held)
         bins = _levels(work[rest], config.num_units)
         cuts = np.flatnonzero(np.diff(bins)) + 1
         work_levels = [x for x in np.split(rest, cuts) if x.size]
         return _Pool(
-            unit, row, work, lengths, nbytes, singleton, levels + work_levels,
+            unit, row, work, lengths, nbytes, singleton, held, levels + work_levels,
             [g] * len(levels) + [1] * len(work_levels), len(levels), config.token_budget, g,
         )  # fmt: skip
+
+
+def _holds(
+    work: np.ndarray, outsized: np.ndarray, ages: IntArray, block: int, flush: bool
+) -> np.ndarray:
+    """Which samples over the budget wait a round: walking them costliest first, a block of the
+    next `block` whose cheapest is within HOLD_SPREAD of its costliest runs (one step's worth);
+    otherwise the costliest waits, unless it has waited HOLD_ROUNDS already. The last partial
+    block runs (its steps mix with groups of ordinary cost anyway)."""
+    held = np.zeros(work.shape, dtype=bool)
+    if flush:
+        return held
+    big = np.flatnonzero(outsized)
+    p = 0
+    while p + block <= big.size:
+        first, last = work[big[p]], work[big[p + block - 1]]
+        if last >= (1 - HOLD_SPREAD) * first or ages[big[p]] >= HOLD_ROUNDS:
+            p += block if last >= (1 - HOLD_SPREAD) * first else 1
+        else:
+            held[big[p]] = True
+            p += 1
+    return held
 
 
 def _levels(work: np.ndarray, num_units: int) -> IntArray:
@@ -279,7 +320,7 @@ def _estimate(unit: IntArray, pool: _Pool, config: PlannerConfig) -> float:
     rest = np.zeros(nodes)
     groups = np.zeros(nodes)
     for u in range(nodes):
-        mine = unit == u
+        mine = (unit == u) & ~pool.held
         single = mine & pool.singleton
         costs = pool.work[single]  # already costliest first (the pool's order)
         runs.append(costs[::g])
@@ -312,11 +353,16 @@ def _apply(
     offered: int,
 ) -> MigrationPlan:
     moved = np.flatnonzero(unit != pool.unit)
+    waiting = np.flatnonzero(pool.held)
     tables = [o.samples for o in offers]
     staying: list[IntArray] = []
+    held: list[SampleTable] = []
     for o, t in zip(offers, tables, strict=True):
         keep = np.ones(len(t), dtype=bool)
         keep[pool.row[moved[pool.unit[moved] == o.unit]]] = False
+        mine = pool.row[waiting[pool.unit[waiting] == o.unit]]
+        keep[mine] = False
+        held.append(t.take(np.sort(mine)).aged())
         staying.append(keep)
     new_offers = []
     for o, t, keep in zip(offers, tables, staying, strict=True):
@@ -339,4 +385,5 @@ def _apply(
         gain,
         move_s,
         offered,
+        tuple(held),
     )
