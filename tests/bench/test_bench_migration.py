@@ -38,7 +38,7 @@ from tests.bench.test_bench_planner import (
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "bench" / "migration.md"
 COMMAND = ".venv/bin/python -m pytest -q -m bench -s tests/bench/test_bench_migration.py"
-LINK = LinkModel()  # the defaults: 25 Gb/s, 1.2e-4 s per token-equivalent, 4 bytes/token
+LINK = LinkModel()  # the defaults: 8 Gb/s, 1.2e-4 s per token-equivalent, 4 bytes/token
 MARK = ("<!-- bench:migration -->", "<!-- /bench:migration -->")
 
 

@@ -46,11 +46,12 @@ class Migrate(StrEnum):
     OFF = "off"  # every sample stays on the node whose producers made it
 
 
-# 25 Gb/s: the slowest data-centre NIC a multi-node training job is likely to run on. Measured on
-# this machine (docs/bench/migration.md): memcpy ~10 GB/s and one gRPC stream over loopback
-# ~1 GB/s, neither of which is a network; a default above the real link would move bytes that
-# then delay the round, a default below it only forgoes some gain.
-DEFAULT_LINK_BYTES_PER_S = 25e9 / 8
+# 8 Gb/s: what one gRPC stream of 1 MiB messages carried over loopback on this machine (median
+# 9.0 Gb/s, 2 cores at load ~14; memcpy 2.9 GiB/s there; docs/bench/migration.md). The bulk
+# channel is such a stream, so this is the most a daemon moves whatever its NIC; on a slower
+# link pass --link-gbps. A default above the real rate would move bytes that then delay the
+# round, one below it only forgoes some gain (rounds last seconds, moves milliseconds).
+DEFAULT_LINK_BYTES_PER_S = 8e9 / 8
 # Seconds per token-equivalent of the default cost model (c = 1800 reproduces the paper's 8B
 # step times): 6 x 8e9 FLOP per trained token at ~400 TFLOP/s (a ~1 PFLOP/s bf16 GPU at 40 %
 # MFU) is 1.2e-4 s. Live daemons use their fitted cost model's seconds instead.
