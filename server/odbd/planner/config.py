@@ -83,6 +83,10 @@ class PlannerConfig:
     tokens_per_update: int = 0
     collate: Collate = Collate.PADDED  # packed: a group's budget is its sum of lengths
     max_patches: int = 0  # a group's vision patches (sum over its samples); 0 = no patch budget
+    # --migrate auto: migration.py balances the nodes' buffers and holds samples over the budget
+    # for company; company.py's cap then stays off in rounds with such a sample (it would hold
+    # them on some nodes only and break the blocks of W that migration.py aligned).
+    migrate: bool = False
 
     def __post_init__(self) -> None:
         if self.max_patches < 0:

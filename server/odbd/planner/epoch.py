@@ -132,6 +132,8 @@ def simulate(
     """
     lengths = np.asarray(lengths, dtype=np.int64)
     loss_tokens = lengths if tokens is None else np.asarray(tokens, dtype=np.int64)
+    if migration is not None and not config.migrate:
+        config = dataclasses.replace(config, migrate=True)
     _check_inputs(lengths, loss_tokens, epochs, arrivals_per_round, config, join)
     sim = _Simulation(lengths, loss_tokens, config, shuffle, arrivals_per_round)
     sim.costs = list(costs)

@@ -63,7 +63,7 @@ LEVELS = 64  # equal-work bins of the pooled round's samples that can share a gr
 # W neighbours in cost order whose cheapest is under (1 - HOLD_SPREAD) x its costliest waits for
 # the next round (its costliest member does), where more of them meet: at most HOLD_ROUNDS
 # rounds per sample, never in a round where every unit is dry (the epoch must flush).
-HOLD_SPREAD = 0.05
+HOLD_SPREAD = 0.02
 HOLD_ROUNDS = 32
 WORK_CANDIDATES = (2, 4, 8, 16, 32)  # bins balanced (costliest first) besides every bin
 
