@@ -126,6 +126,10 @@ class PlannerConfig:
     # while --attention auto/dense warms the cost fit up (ROW_CAP_SHIFTS), so the fit sees rows
     # of several lengths, not only full ones (whose squares it could not tell from their length).
     row_cap: int = 0
+    # --migrate auto: migration.py balances the nodes' buffers and holds samples over the budget
+    # for company; company.py's cap then stays off in rounds with such a sample (it would hold
+    # them on some nodes only and break the blocks of W that migration.py aligned).
+    migrate: bool = False
 
     def __post_init__(self) -> None:
         if self.cost.dense_rows and self.collate is not Collate.PACKED:
