@@ -3,13 +3,9 @@ identity count: tests/unit/test_identities.py)."""
 
 from __future__ import annotations
 
-from collections import Counter
-
 import numpy as np
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
-from odbd.daemon.round_loop import EpochTally, _slot_sums
+from odbd.daemon.round_loop import _slot_sums
 
 
 def test_slot_sums_are_the_sums_of_each_slots_rows_and_zero_for_an_idle_slot() -> None:
