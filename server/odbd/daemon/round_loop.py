@@ -34,7 +34,7 @@ from odbd.daemon.end_requests import (
     end_decision,
     missing_failure,
 )
-from odbd.daemon.journal import Journal, ResumeState
+from odbd.daemon.journal import Journal, JournalStep, ResumeState
 from odbd.daemon.node_state import Locations, NodeState
 from odbd.daemon.split_exchange import SplitExchange, barrier_round
 from odbd.daemon.trained import StepCounts, steps_trained
@@ -59,6 +59,7 @@ from odbd.planner.cost_fit import (
     row_feature,
 )
 from odbd.planner.estimate import round_estimates
+from odbd.planner.identities import EpochIdentities, IdentitySource, StepIdentities
 from odbd.planner.progress import (
     JobShape,
     ProgressColumns,
@@ -143,21 +144,17 @@ def _describe_rank(queue: RankQueue) -> str:
 
 @dataclass(slots=True)
 class EpochTally:
-    """Facts of the epoch being emitted: steps, samples and rejections over every node (from
-    the hub's results); `seen` holds the identities this node's ranks were given."""
+    """Facts of the epoch being emitted: steps, samples, rejections and distinct identities
+    over every node (from the hub's results, so the same on every daemon)."""
 
     steps: int = 0
     samples: int = 0
-    seen: np.ndarray | None = None  # (N,) bool: identity emitted this epoch
+    identities: EpochIdentities = dataclasses.field(default_factory=EpochIdentities)
     rejected: Counter[str] | None = None
-    num_seen: int = 0  # seen.sum(), kept as identities are marked (a round is O(its samples))
 
-    def mark_seen(self, identities: np.ndarray) -> None:
-        assert self.seen is not None
-        fresh = identities[~self.seen[identities]]
-        if fresh.size:  # an identity may repeat (the sampler pads an epoch by repeating some)
-            self.num_seen += len(set(fresh.tolist()))  # a set in C: no sort, unlike np.unique
-            self.seen[fresh] = True
+    @property
+    def num_seen(self) -> int:
+        return self.identities.count
 
 
 class RoundLoop:
@@ -241,12 +238,15 @@ class RoundLoop:
             row_feature(self.state.planner),
         )
         self.split = SplitExchange(barrier, config.node_rank)
+        self.split.source = IdentitySource(
+            state.dataset_size, state.views_per_iteration, state.identities_of
+        )
         # (samples, loss tokens) every unit's buffer held this round (RoundExtras)
         self.offered = (0, 0)
         self._first_rank = config.local_ranks[0]  # a NodeRoundPlan's columns start here
 
     def _new_tally(self) -> EpochTally:
-        return EpochTally(0, 0, np.zeros(self.state.dataset_size, dtype=bool), Counter())
+        return EpochTally(0, 0, EpochIdentities(), Counter())
 
     async def run(self) -> None:
         if self.state.dataset_size == 0:
@@ -539,15 +539,14 @@ class RoundLoop:
         if self.config.max_updates:
             progress = self._capped_progress(progress, updates, steps_before)
         if self.journal is not None:
-            self._journal_round(plan, step_epochs, step_numbers, rejected)
+            self._journal_round(plan, step_epochs, step_numbers, rejected, extras)
         for unit in plan.units:  # this node's units only
-            self._tally_identities(unit, kept)
             self._queue_unit(plan, unit, step_epochs, step_numbers, progress, updates)
         self._record_steps(plan, kept, extras)
         self.stats.record_planned(
             step_epochs, step_numbers, progress.epoch_steps_estimate, progress.epoch_steps_exact
         )
-        self._advance_epochs(plan, step_epochs)
+        self._advance_epochs(plan, step_epochs, extras.step_identities())
         if self.capped:
             self._end_job(f"--max-updates {self.config.max_updates} reached")
 
@@ -593,10 +592,12 @@ class RoundLoop:
         step_epochs: list[int],
         step_numbers: list[int],
         rejected: dict[str, int],
+        extras: split_round.RoundExtras,
     ) -> None:
         """Appends what this round hands to trainers, before any of it is queued: this node's
         ranks' samples (the journal's per-rank counts are 0 for the other nodes' ranks, whose
-        samples only their own journal holds)."""
+        samples only their own journal holds), and every node's identities per step (the
+        hub's), so a restart counts the epoch's identities as the others do."""
         assert self.journal is not None
         kept = len(step_epochs)
         g = self.state.planner.ranks_per_unit
@@ -618,6 +619,7 @@ class RoundLoop:
             counts,
             self.state.take_rejected_keys(),
             rejected,
+            [list(extras.step_identities().of_step(i)) for i in range(kept)],
         )
 
     def restore(self, resume: ResumeState, update: int = 0) -> None:
@@ -639,8 +641,7 @@ class RoundLoop:
             if s.epoch == resume.epoch:
                 self.tally.steps += 1
                 self.tally.samples += s.global_samples
-                for keys in s.keys_by_rank:
-                    self.tally.mark_seen(self.state.identities_of(keys))
+                self._restore_identities(s)
         self.steps_in_epoch[resume.epoch] = resume.step
         if not self.config.join:
             self.quota_consumed += sum(resume.rejected.values())
@@ -648,6 +649,17 @@ class RoundLoop:
         self.resume = (resume.epoch, resume.step)
         self.round_seed_base = resume.incarnation * 1_000_000_000
         self.updates_done = self._updates_before(resume.epoch, update)
+
+    def _restore_identities(self, step: JournalStep) -> None:
+        """A trained step's identities, as the round's result gave them to every daemon; a
+        journal from before they were recorded holds this node's ranks' views only."""
+        if step.identities is not None:
+            self.tally.identities.fold(*step.identities)
+            return
+        source = self.split.source
+        assert source is not None
+        local = source.of_steps([np.concatenate(step.keys_by_rank)])
+        self.tally.identities.fold(*local.of_step(0))
 
     def _updates_before(self, epoch: int, update: int) -> int:
         """--max-updates after a restart: the updates trained before the resume point. Exact
@@ -788,12 +800,6 @@ class RoundLoop:
         tokens = self.planned_tokens + self.offered[1]
         return tokens / samples if samples else 0.0
 
-    def _tally_identities(self, unit: UnitPlan, kept: int) -> None:
-        g = self.state.planner.ranks_per_unit
-        end = int(unit.slot_offsets[kept * g])
-        keys = unit.emitted.views[:end]
-        self.tally.mark_seen(self.state.identities_of(keys))
-
     def _queue_unit(
         self,
         plan: NodeRoundPlan,
@@ -924,10 +930,17 @@ class RoundLoop:
         ]
         self.filler_schema = json.dumps(fields)
 
-    def _advance_epochs(self, plan: NodeRoundPlan, step_epochs: list[int]) -> None:
+    def _advance_epochs(
+        self, plan: NodeRoundPlan, step_epochs: list[int], emitted: StepIdentities
+    ) -> None:
+        """Counts the kept steps into their epochs' tallies and ends the epochs they finish.
+        `emitted`: every node's identities per step (the hub's sum), folded into each step's
+        own epoch (a --no-join round may end one epoch and start the next)."""
         if self.config.join:
             self.tally.steps += len(step_epochs)
             self.tally.samples += int(plan.global_num_samples[: len(step_epochs)].sum())
+            for i in range(len(step_epochs)):
+                self.tally.identities.fold(*emitted.of_step(i))
             if plan.final and len(step_epochs) == plan.num_steps:  # not cut by --max-updates
                 self._end_epoch(self.state.epoch)
                 self.state.epoch += 1
@@ -940,6 +953,7 @@ class RoundLoop:
                 self.state.epoch = epoch
             self.tally.steps += 1
             self.tally.samples += int(plan.global_num_samples[i])
+            self.tally.identities.fold(*emitted.of_step(i))
         n = self.state.dataset_size
         if self.capped and n and self.quota_consumed >= (self.state.epoch + 1) * n:
             self._end_epoch(self.state.epoch)  # the job's last update ends this epoch too
@@ -950,7 +964,7 @@ class RoundLoop:
 
     def _end_epoch(self, epoch: int) -> None:
         tally = self.tally
-        assert tally.seen is not None and tally.rejected is not None
+        assert tally.rejected is not None
         if tally.samples == 0:
             # Decided from global facts (every node's offers), so every daemon fails alike; the
             # trainers get the failed JobEnd instead of an empty epoch.
