@@ -66,6 +66,12 @@ def test_two_nodes_two_ranks_several_epochs():
     # Reshuffled per epoch: same identities, different order (tail padding repeats differ).
     assert set(result.emitted_ids(0)) == set(result.emitted_ids(1)) == set(range(size))
     assert result.emitted_ids(0) != result.emitted_ids(1)
+    # Every node's EpochEnd counts the job's identities, not its own ranks' (each daemon
+    # plans only its node since issue 25: it said ~size / 2 before the hub's round totals
+    # carried them).
+    for rank in range(result.cluster.world):  # ranks 0-1 on node 0, 2-3 on node 1
+        ends = [r["summary"] for r in result.epoch_ends(rank)]
+        assert [e["num_identities"] for e in ends] == [size, size], (rank, ends)
 
 
 def test_four_nodes_non_join_reaches_the_quota_every_epoch():

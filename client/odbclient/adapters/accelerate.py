@@ -80,6 +80,7 @@ from odbclient.adapters.hf_checkpoint import (
 from odbclient.batch import Batch
 from odbclient.client import ODBClient, launcher_world
 from odbclient.errors import JobMismatchError, RankRefusedError, StateDictError
+from odbclient.packed_check import check_packed_model, is_packed_batch
 from odbclient.update_align import refuse_distributed_type, refuse_per_layer_collectives
 
 __all__ = ["ODBAccelerate", "StepInputs"]
@@ -94,7 +95,9 @@ class StepInputs:
 class ODBAccelerate:
     """One rank's odbd epochs for an `Accelerator` loop, and the loss-scaled backward."""
 
-    def __init__(self, accelerator: Accelerator, client: ODBClient) -> None:
+    def __init__(
+        self, accelerator: Accelerator, client: ODBClient, model: torch.nn.Module | None = None
+    ) -> None:
         launched = launcher_world()
         if accelerator.num_processes == 1 and (launched.world_size or 1) > 1:
             # Found with the docs' `Accelerator()` under `accelerate launch --multi_gpu` (or a
@@ -117,6 +120,10 @@ class ODBAccelerate:
             )
         self.accelerator = accelerator
         self.client = client
+        # With the model, the first packed batch is checked against it (packed_check.py): a
+        # model that attends across a row's samples is refused before it trains.
+        self.model = model
+        self._packed_checked = model is None
         # Accelerate knows its world even when `accelerate launch --cpu` started one process
         # for --num_processes 2: the daemon then refuses it instead of training rank 0 alone.
         client.set_world(accelerator.num_processes, accelerator.process_index, source="accelerate")
@@ -131,7 +138,11 @@ class ODBAccelerate:
         for batch in self._batches():
             if batch.update_per_rank and not self._align_checked:
                 self._refuse_sharded_parameters()
-            yield StepInputs(inputs=batch.to(device), batch=batch)
+            inputs = batch.to(device)
+            if not self._packed_checked and is_packed_batch(inputs):
+                check_packed_model(self.model, inputs.keys())
+                self._packed_checked = True
+            yield StepInputs(inputs=inputs, batch=batch)
 
     def _refuse_sharded_parameters(self) -> None:
         """odbd --align updates: ranks run different micro-step counts per update, which FSDP

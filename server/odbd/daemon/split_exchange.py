@@ -19,6 +19,7 @@ import numpy as np
 from odbd.daemon import split_round, split_updates, summary_codec
 from odbd.planner.config import Align, PlannerConfig
 from odbd.planner.cost_fit import CostFit
+from odbd.planner.identities import IdentitySource
 from odbd.planner.summary import GroupedUnit
 from odbd.planner.types import NodeRoundPlan, RoundDecision, UnitOffer
 from odbd.round import RoundBarrier
@@ -39,6 +40,7 @@ class SplitExchange:
     planning_s: float = 0.0  # the round being planned, so far
     exchange_s: float = 0.0  # its two exchanges, from the summary's send to the totals
     last_round: RoundRecord | None = None  # both exchanges of the last round, for /metrics
+    source: IdentitySource | None = None  # this node's views' identities (EpochEnd's count)
 
     async def decide(
         self,
@@ -85,7 +87,7 @@ class SplitExchange:
         if config.align is Align.UPDATES:
             return await self._complete_updates(round_index, grouped, decision, config)
         started = time.perf_counter()
-        draft, payload = split_round.node_totals(self.node, grouped, decision, config)
+        draft, payload = split_round.node_totals(self.node, grouped, decision, config, self.source)
         self.planning_s += time.perf_counter() - started
 
         def reduce(payloads: list[bytes]) -> bytes:  # on the hub only

@@ -156,7 +156,7 @@ def _keep_priority(groups: Groups, buffer: SortedBuffer, config: PlannerConfig) 
     # Packed groups have no capacity in samples: how full they are (fill) says it all.
     full = np.zeros(len(groups)) if buffer.packed else (groups.sizes() >= capacity).astype(float)
     real = buffer.csum_len[groups.ends] - buffer.csum_len[groups.starts]
-    fill = np.minimum(real / config.token_budget, 1.0)
+    fill = np.minimum(real / config.row_budget, 1.0)
     oldest = range_max(buffer.ages, groups)
     return 2.0 * oldest + full + fill
 
