@@ -118,7 +118,9 @@ class SplitExchange:
     ) -> tuple[NodeRoundPlan, split_round.RoundExtras]:
         """--align updates: exchange 2 for both alternatives, then exchange 3 (the deals)."""
         started = time.perf_counter()
-        drafts, payload = split_updates.node_totals(self.node, grouped, decision, config)
+        drafts, payload = split_updates.node_totals(
+            self.node, grouped, decision, config, self.source
+        )
         self.planning_s += time.perf_counter() - started
 
         def combine(payloads: list[bytes]) -> bytes:  # on the hub only

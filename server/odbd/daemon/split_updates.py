@@ -41,6 +41,7 @@ import numpy as np
 from odbd.daemon import split_round
 from odbd.errors import InvariantError
 from odbd.planner.config import Align, PlannerConfig
+from odbd.planner.identities import IdentitySource, StepIdentities
 from odbd.planner.node_plan import NodeDraft, plan_node
 from odbd.planner.summary import GroupedUnit
 from odbd.planner.types import NodeRoundPlan, RoundDecision
@@ -70,16 +71,22 @@ def exchanges_per_round(config: PlannerConfig) -> int:
 
 
 def node_totals(
-    node: int, grouped: Sequence[GroupedUnit], decision: RoundDecision, config: PlannerConfig
+    node: int,
+    grouped: Sequence[GroupedUnit],
+    decision: RoundDecision,
+    config: PlannerConfig,
+    source: IdentitySource | None = None,
 ) -> tuple[list[NodeDraft], bytes]:
-    """Phase 2 for both alternatives: the split (step) plan's draft and the whole one's."""
+    """Phase 2 for both alternatives: the split (step) plan's draft and the whole one's
+    (`source`: this node's views' identities, for EpochEnd's count)."""
     split = plan_node(node, grouped, decision, dataclasses.replace(config, align=Align.STEPS))
     # no group split: the whole plan is the same (alignment.fit_groups pads alike)
     split_any = any(u.num_splits for u in split.units)
     whole = plan_node(node, grouped, decision, config) if split_any else split
     drafts = [split, whole]
     payloads = [
-        split_round.encode_node_totals(d.totals, split_round.node_extras(d, config)) for d in drafts
+        split_round.encode_node_totals(d.totals, split_round.node_extras(d, config, source))
+        for d in drafts
     ]
     return drafts, _pack(_NODE_ALTERNATIVES, payloads)
 
@@ -160,8 +167,33 @@ def node_align(
             f"{len(plan.windows)}"
         )
     aligned = align_node(plan, first, deals[chosen], grid, config)
-    moved = dataclasses.replace(extras, step_max_work=grid.max_work, step_sum_work=grid.sum_work)
+    moved = dataclasses.replace(
+        extras,
+        step_max_work=grid.max_work,
+        step_sum_work=grid.sum_work,
+        identities=_identities_on_grid(extras.identities, plan.windows, grid.lengths),
+    )
     return aligned, moved
+
+
+def _identities_on_grid(
+    identities: StepIdentities | None, windows: Windows, lengths: np.ndarray
+) -> StepIdentities | None:
+    """The round's identities per step moved onto the grid: each update's at its first step
+    (a round is kept or cut whole updates at a time, and an update lies in one epoch, so the
+    epoch's count is the same wherever in its update a step's identities are counted)."""
+    if identities is None:
+        return None
+    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
+    new_step = np.zeros(identities.num_steps, dtype=np.int64)
+    for w in range(len(windows)):
+        new_step[int(windows.starts[w]) : int(windows.ends[w])] = starts[w]
+    singles = np.zeros(int(lengths.sum()), dtype=np.int64)
+    np.add.at(singles, new_step, identities.singles)
+    rows = identities.repeated.copy()
+    if len(rows):
+        rows[:, 0] = new_step[rows[:, 0]]
+    return StepIdentities(singles, np.unique(rows, axis=0) if len(rows) else rows)
 
 
 # -- codecs --------------------------------------------------------------------------------------
