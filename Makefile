@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 BENCH := $(PY) -m pytest -q -m bench -s
 
-.PHONY: venv demo test test-under-load test-fast bench bench-planner bench-round bench-shm bench-datapath \
+.PHONY: venv demo test test-under-load test-fast test-netns bench bench-planner bench-round bench-scale bench-shm bench-datapath \
 	bench-metrics bench-training bench-cost-model soak lint format proto proto-check clean
 
 $(STAMP): pyproject.toml
@@ -27,6 +27,9 @@ test-under-load: $(STAMP)  # `make test` with a CPU hog per core (HOGS=N), timed
 test-fast: $(STAMP)  # unit tests only (seconds)
 	$(PY) -m pytest -q tests/unit
 
+test-netns: $(STAMP)  # daemons in network namespaces behind a fault proxy (root; issue 25)
+	$(PY) -m pytest -q -m netns tests/integration/test_netns_faults.py
+
 bench: $(STAMP)  # every benchmark; results land in docs/bench/
 	$(BENCH) tests/bench
 
@@ -35,6 +38,9 @@ bench-planner: $(STAMP)
 
 bench-round: $(STAMP)
 	$(BENCH) tests/bench/test_bench_round.py
+
+bench-scale: $(STAMP)  # live daemons at 2, 8, 32 nodes (ODBD_BENCH_SCALE_NODES) vs Gloo; docs/bench/scale.md
+	$(BENCH) tests/bench/test_bench_scale.py
 
 bench-shm: $(STAMP)
 	$(BENCH) tests/bench/test_bench_shm.py

@@ -33,6 +33,7 @@ from odbclient.errors import (
 if TYPE_CHECKING:
     from odbclient.batch import Batch
     from odbclient.client import DEFAULT_SOCKET, ODBClient
+    from odbclient.packed_check import PackedAttentionError, check_packed_model
     from odbclient.producer import Producer, RejectReason
 
 _LAZY = {
@@ -41,6 +42,8 @@ _LAZY = {
     "Batch": "odbclient.batch",
     "Producer": "odbclient.producer",
     "RejectReason": "odbclient.samples",
+    "check_packed_model": "odbclient.packed_check",
+    "PackedAttentionError": "odbclient.packed_check",
 }
 
 __all__ = [
@@ -57,6 +60,7 @@ __all__ = [
     "JobMismatchError",
     "ODBClient",
     "ODBClientError",
+    "PackedAttentionError",
     "Producer",
     "ProtocolError",
     "RankInUseError",
@@ -65,6 +69,7 @@ __all__ = [
     "RejectReason",
     "StateDictError",
     "UntrustedDaemonError",
+    "check_packed_model",
 ]
 
 

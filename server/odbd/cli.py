@@ -26,7 +26,7 @@ from odbd.config import (
 from odbd.daemon.socket_claim import claim_daemon_sockets
 from odbd.dataset_size import dataset_size_of
 from odbd.errors import ConfigError
-from odbd.planner.config import Balance, Collate, Grouping, LossScaling
+from odbd.planner.config import Align, Attention, Balance, Collate, Grouping, LossScaling
 from odbd.planner.cost_fit import CostModelMode
 from odbd.world import World
 
@@ -164,6 +164,14 @@ def daemon_parser() -> flags.OneLineParser:
         "(ODBClient.report_compute) once warmed up, fixed until then; fixed: never",
     )
     plan.add_argument(
+        "--cost-warmup",
+        type=count(3),
+        default=64,
+        metavar="N",
+        help="--cost-model auto: timed rank-steps (over every node) before the first fit; "
+        "fewer lets a short job plan with its own costs sooner, on a noisier fit",
+    )
+    plan.add_argument(
         "--balance",
         type=flags.choice_of([b.value for b in Balance]),
         default="node",
@@ -230,6 +238,15 @@ def daemon_parser() -> flags.OneLineParser:
         "(0 = off; excludes --accumulate)",
     )
     plan.add_argument(
+        "--align",
+        type=flags.choice_of([a.value for a in Align]),
+        default="steps",
+        metavar=_choices(Align),
+        help="where ranks wait for each other: every micro-step (steps), or once per optimizer "
+        "update, each rank running its own micro-steps (updates; needs --accumulate or "
+        "--tokens-per-update, and DDP or ZeRO-1/2, not FSDP: docs/training.md)",
+    )
+    plan.add_argument(
         "--collate",
         type=flags.choice_of([c.value for c in Collate]),
         default="padded",
@@ -237,6 +254,16 @@ def daemon_parser() -> flags.OneLineParser:
         help="padded: rows padded per --pad, area longest x count <= L; packed: one padding-free "
         "row per rank-step with position_ids and cu_seq_lens (Hugging Face padding-free), "
         "sum of lengths <= L",
+    )
+    plan.add_argument(
+        "--attention",
+        type=flags.choice_of([a.value for a in Attention]),
+        default="auto",
+        metavar=_choices(Attention),
+        help="--collate packed: what a packed row's attention costs. dense: over the whole row "
+        "(eager/sdpa, CPU; rows are then cut at the cheapest length per token); varlen: per "
+        "sample (flash_attention_2, flex document masks); auto: learned from the step times "
+        "trainers report (--cost-model auto), varlen until then",
     )
     plan.add_argument(
         "--concat",
@@ -559,7 +586,10 @@ def config_from_args(
         check_finite=args.check_finite,
         accumulate=args.accumulate,
         tokens_per_update=args.tokens_per_update,
+        align=Align(args.align),
         collate=Collate(args.collate),
+        attention=Attention(args.attention),
+        cost_warmup=args.cost_warmup,
         concat=tuple(key for keys in args.concat for key in keys),
         max_patches=args.max_patches,
         patch_key=args.patch_key,

@@ -12,7 +12,16 @@ from typing import TYPE_CHECKING
 from odbclient import local_trust
 from odbd.errors import ConfigError
 from odbd.exposure import unprotected_reason
-from odbd.planner.config import Balance, Collate, Grouping, LossScaling, PlannerConfig
+from odbd.planner.config import (
+    Align,
+    Attention,
+    Balance,
+    Collate,
+    CostModel,
+    Grouping,
+    LossScaling,
+    PlannerConfig,
+)
 from odbd.planner.cost_fit import CostModelMode
 from odbd.world import World
 
@@ -87,6 +96,7 @@ class DaemonConfig:
     loss_scaling: LossScaling = LossScaling.EXACT
     grouping: Grouping = Grouping.MIN_TIME
     cost_model: CostModelMode = CostModelMode.AUTO  # planner/cost_fit.py, daemon/cost_learning.py
+    cost_warmup: int = 64  # timed rank-steps (over every node) before the first fit
     balance: Balance = Balance.NODE
     length_key: str = "input_ids"
     labels_key: str = "labels"
@@ -110,7 +120,9 @@ class DaemonConfig:
     steps_ahead: int = 64  # plan the next round once a local rank has at most this many queued
     accumulate: int = 1  # micro-steps per optimizer update (planner/windows.py)
     tokens_per_update: int = 0  # or: close updates at >= this many loss tokens (0 = off)
+    align: Align = Align.STEPS  # --align updates: ranks wait once per update (update_align.py)
     collate: Collate = Collate.PADDED  # batch form; packed: a group's budget is sum of lengths
+    attention: Attention = Attention.AUTO  # what a packed row's attention costs (cost model)
     concat: tuple[str, ...] = ()  # keys joined along their first dimension (pixel_values...)
     max_patches: int = 0  # a group's vision patches; 0 = no patch budget
     patch_key: str | None = None  # patch count = this key's first dimension
@@ -169,6 +181,17 @@ class DaemonConfig:
             )
         if self.epochs < 0:
             raise ConfigError(f"--epochs must be >= 0 (0 = endless), got {self.epochs}")
+        if self.cost_warmup < 3:
+            raise ConfigError(
+                f"--cost-warmup must be >= 3 timed steps (the fit has 3 coefficients), got "
+                f"{self.cost_warmup}"
+            )
+        if self.attention is not Attention.AUTO and self.collate is not Collate.PACKED:
+            raise ConfigError(
+                f"--attention {self.attention.value} prices packed rows, but batches are "
+                f"--collate {self.collate.value}; pass --collate packed, or drop --attention "
+                "(padded rows pay their padded area whatever the kernel)"
+            )
         if self.max_updates < 0:
             raise ConfigError(f"--max-updates must be >= 0 (0 = off), got {self.max_updates}")
         if self.max_updates and self.epochs:
@@ -235,8 +258,13 @@ class DaemonConfig:
             seed=self.seed,
             accumulate=self.accumulate,
             tokens_per_update=self.tokens_per_update,
+            align=self.align,
             collate=self.collate,
             max_patches=self.max_patches,
+            attention=self.attention,
+            cost=CostModel(
+                dense_rows=self.collate is Collate.PACKED and self.attention is Attention.DENSE
+            ),
         )
 
     @property
@@ -259,6 +287,7 @@ class DaemonConfig:
             "loss_scaling": self.loss_scaling.value,
             # Plans depend on the model; a release without the flag planned with the fixed one.
             **({"cost_model": self.cost_model.value} if self.cost_model.value != "fixed" else {}),
+            **({"cost_warmup": str(self.cost_warmup)} if self.cost_warmup != 64 else {}),
             "dataset_size": str(dataset_size),
             "length_key": self.length_key,
             # Only when set (as below): every daemon must fail a job at the same count.
@@ -275,9 +304,12 @@ class DaemonConfig:
             **(
                 {"tokens_per_update": str(self.tokens_per_update)} if self.tokens_per_update else {}
             ),
+            # Issue 26, likewise: update alignment permutes every round's slots.
+            **({"align": self.align.value} if self.align is not Align.STEPS else {}),
             # Issue 13, likewise only when set: the batch form and the patch budget change plans
             # (budgets, costs) and what every trainer must be able to take.
             **({"collate": self.collate.value} if self.collate is not Collate.PADDED else {}),
+            **({"attention": self.attention.value} if self.attention is not Attention.AUTO else {}),
             **({"concat": ",".join(self.concat)} if self.concat else {}),
             **(self._patch_fingerprint() if self.max_patches else {}),
         }

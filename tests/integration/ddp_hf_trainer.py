@@ -26,7 +26,7 @@ from tests.integration.rank_exit import end_rank
 MODEL_SEED = 0
 
 
-def tiny_llama() -> Any:
+def tiny_llama(use_cache: bool = True) -> Any:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
@@ -38,9 +38,27 @@ def tiny_llama() -> Any:
         num_key_value_heads=2,
         max_position_embeddings=512,
         attn_implementation="eager",
+        use_cache=use_cache,
     )
     torch.manual_seed(MODEL_SEED)
     return LlamaForCausalLM(config).to(torch.float64)
+
+
+def tiny_gpt2(use_cache: bool = True) -> Any:
+    """GPT-2 under sdpa (its default kernel), with GPT-2's default use_cache=True unless off."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(
+        vocab_size=64, n_embd=32, n_layer=2, n_head=2, n_positions=512, bos_token_id=0,
+        eos_token_id=0, attn_implementation="sdpa", use_cache=use_cache,
+    )  # fmt: skip
+    torch.manual_seed(MODEL_SEED)
+    return GPT2LMHeadModel(config).to(torch.float64)
+
+
+def build_model(args: argparse.Namespace) -> Any:
+    make = tiny_gpt2 if args.model == "gpt2" else tiny_llama
+    return make(use_cache=args.cache != "off")  # "default": the configs' default, True
 
 
 def flat_grad(model: torch.nn.Module) -> torch.Tensor:
@@ -129,13 +147,15 @@ def train_hf(args: argparse.Namespace, client: ODBClient, log: StepLog) -> dict[
         eval_strategy="steps" if args.eval_steps else "no",
         eval_steps=args.eval_steps or None,
         per_device_eval_batch_size=2,
+        # The Trainer sets the model's config.use_cache to this (False unless --cache on).
+        use_cache=args.cache == "on",
     )
     eval_dataset = None
     if args.eval_steps:
         rows = torch.arange(8 * 6).remainder(60).add(1).reshape(8, 6)  # 8 samples of 6 tokens
         eval_dataset = [{"input_ids": row, "labels": row} for row in rows]
     trainer_class = RecordedTrainer if args.grad_accum > 1 else ODBTrainer
-    trainer = trainer_class(model=tiny_llama(), args=training_args, odb_client=client,
+    trainer = trainer_class(model=build_model(args), args=training_args, odb_client=client,
                             eval_dataset=eval_dataset,
                             callbacks=[RecordSteps(), RecordEvals()])  # fmt: skip
     result = trainer.train()
@@ -168,10 +188,10 @@ def train_accelerate(args: argparse.Namespace, client: ODBClient, log: StepLog) 
     # --accelerator-default: the docs' bare Accelerator(), which on a machine without GPUs
     # does not join the launched processes (the adapter must say so).
     accelerator = Accelerator() if args.accelerator_default else Accelerator(cpu=True)
-    model = tiny_llama()
+    model = build_model(args)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     model, optimizer = accelerator.prepare(model, optimizer)
-    odb = ODBAccelerate(accelerator, client)
+    odb = ODBAccelerate(accelerator, client, model=model)  # checks a packed job's model
     steps = 0
     while not client.job_ended:
         for step in odb:
@@ -201,6 +221,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--grad-accum", type=int, default=1, help="HF gradient_accumulation_steps")
     p.add_argument("--eval-steps", type=int, default=0, help="HF evaluation every N steps")
+    p.add_argument("--model", choices=["llama", "gpt2"], default="llama")
+    p.add_argument(
+        "--cache", choices=["default", "on", "off"], default="default",
+        help="KV cache in training: default = the config's (True) and the Trainer's (False)",
+    )  # fmt: skip
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     rank = int(os.environ.get("RANK", "0"))  # unset: one process (accelerate launch --cpu)

@@ -48,6 +48,7 @@ class FaultCluster:
         epochs: int = 1,
         shm_size: str = "64M",
         metrics: bool = False,
+        make_cluster: Callable[[ClusterSpec], LocalCluster] = LocalCluster,
     ) -> None:
         spec = ClusterSpec(
             nodes=nodes,
@@ -57,7 +58,7 @@ class FaultCluster:
             metrics=metrics,
         )
         self.epochs = epochs
-        self.cluster = LocalCluster(spec)
+        self.cluster = make_cluster(spec)  # a NetnsCluster puts each daemon in its own netns
         self.trainers: list[subprocess.Popen[bytes]] = []
         self.producers: list[subprocess.Popen[bytes]] = []  # external ones (start_producer)
         self.reports = self.cluster.tmp / "reports"

@@ -34,14 +34,15 @@ DATA = {"size": 40, "seed": 1, "label_shift": 0}
 WORLD, MAX_STEPS = 2, 10_000
 
 
-def train(
+def launch(
     framework: str,
     out_dir: Path,
     *,
     data: dict = DATA,
     daemon_args: tuple[str, ...] = (),
     trainer_args: tuple[str, ...] = ("--max-steps", str(MAX_STEPS)),
-) -> Reports:
+) -> tuple[list[int | None], str]:
+    """Runs the ranks to their end: their exit codes and every log (ranks, then the daemon)."""
     cluster = odbd_cluster(
         nodes=1,
         ranks_per_node=WORLD,
@@ -59,9 +60,23 @@ def train(
         codes = ranks.wait(150.0)
     finally:
         cluster.stop()
-    assert codes == [0] * WORLD, f"{codes}\n{ranks.logs()}\n{cluster.log(0)}"
+    return codes, f"{ranks.logs()}\n{cluster.log(0)}"
+
+
+def train(
+    framework: str,
+    out_dir: Path,
+    *,
+    data: dict = DATA,
+    daemon_args: tuple[str, ...] = (),
+    trainer_args: tuple[str, ...] = ("--max-steps", str(MAX_STEPS)),
+) -> Reports:
+    codes, logs = launch(
+        framework, out_dir, data=data, daemon_args=daemon_args, trainer_args=trainer_args
+    )
+    assert codes == [0] * WORLD, f"{codes}\n{logs}"
     for log in out_dir.glob("trainer*.log"):
-        assert "not to be a single sample" not in log.read_text(), ranks.logs()
+        assert "not to be a single sample" not in log.read_text(), logs
     return Reports.read(out_dir, WORLD)
 
 
@@ -118,6 +133,41 @@ def test_hf_trainer_adapter_trains_every_batch_with_exact_loss_scaling(tmp_path:
 
 def test_accelerate_adapter_trains_every_batch_with_exact_loss_scaling(tmp_path: Path) -> None:
     check_adapter_run(train("accelerate", tmp_path), tmp_path)
+
+
+@pytest.mark.parametrize(("framework", "model"), [("hf", "gpt2"), ("accelerate", "llama")])
+def test_adapters_refuse_packed_batches_into_a_model_that_attends_across_samples(
+    tmp_path: Path, framework: str, model: str
+) -> None:
+    """Issue 27: a tiny random GPT-2 (sdpa) or Llama (eager) with use_cache=True (the configs'
+    default; the Trainer's only with TrainingArguments(use_cache=True)) attends across a packed
+    row's samples without any error; the adapter probes the model at the first packed batch
+    and every rank stops before training, naming the model, its kernel and the fix."""
+    codes, logs = launch(
+        framework, tmp_path, daemon_args=("--collate", "packed"),
+        trainer_args=("--model", model, "--cache", "on"),
+    )  # fmt: skip
+    assert all(code not in (0, None) for code in codes), f"{codes}\n{logs}"
+    kernel = "sdpa" if model == "gpt2" else "eager"
+    assert f"PackedAttentionError: model {model} with attention '{kernel}'" in logs, logs
+    assert "Nothing was trained. Fix: set model.config.use_cache = False (" in logs, logs
+    for rank in range(WORLD):
+        records = (tmp_path / f"rank{rank}.jsonl").read_text().splitlines()
+        assert not [r for r in records if '"step"' in r], "a step trained before the refusal"
+
+
+@pytest.mark.parametrize(("framework", "model"), [("hf", "llama"), ("accelerate", "gpt2")])
+def test_adapters_accept_packed_batches_into_a_model_that_keeps_samples_apart(
+    tmp_path: Path, framework: str, model: str
+) -> None:
+    """The same models with use_cache=False pass the probe and train every sample once."""
+    reports = train(
+        framework, tmp_path, daemon_args=("--collate", "packed"),
+        trainer_args=("--max-steps", str(MAX_STEPS), "--model", model, "--cache", "off"),
+    )  # fmt: skip
+    assert Counter(reports.ids(0)) == Counter(range(DATA["size"])), "identities lost or repeated"
+    logs = "\n".join(p.read_text() for p in tmp_path.glob("trainer*.log"))
+    assert "PackedAttentionError" not in logs
 
 
 def test_importing_odbclient_and_its_adapters_package_loads_no_framework() -> None:

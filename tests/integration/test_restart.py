@@ -154,6 +154,10 @@ def _kill_and_resume(
     finally:
         cluster.stop()
     assert codes == [0] * nodes, cluster.log(0)
+    ends = {r: [x["summary"] for x in read_jsonl(p) if "epoch_end" in x] for r, p in report.items()}
+    for rank, summaries in ends.items():  # the restored tally counts every node's identities
+        assert {e["epoch"] for e in summaries} >= {epochs - 1}, (rank, summaries)
+        assert {e["num_identities"] for e in summaries} == {size}, (rank, summaries)
     records = {r: [x for x in read_jsonl(p) if "step" in x] for r, p in report.items()}
     world = cluster.world
     tail = world * math.ceil(size / world) - size

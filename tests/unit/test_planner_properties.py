@@ -12,9 +12,14 @@ from hypothesis import strategies as st
 from odbd.planner.config import Balance, Collate, CostModel, Grouping, LossScaling, PlannerConfig
 from odbd.planner.epoch import simulate
 from odbd.planner.ledger import ViewState
+from odbd.planner.migration import LinkModel
 from odbd.planner.sampler import num_views, sampler_identities
 from odbd.simulate.report import repeated_groups
 from tests.unit.planner_factories import make_config
+
+# --migrate auto with a link so fast that every balancing move pays: the properties must hold
+# for samples moved between nodes (issue 26) as for samples that stay.
+FREE_LINK = LinkModel(bytes_per_s=1e30)
 
 PROPERTY_SETTINGS = settings(
     max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow]
@@ -63,9 +68,10 @@ def scenarios(draw):
     # --cost-model auto refits as the run goes: any sane model, changing between rounds, must
     # keep every guarantee (a = 1 once learned; b and c clamped >= 0; or the fixed default).
     costs = draw(st.lists(cost_models(), max_size=3))
+    migration = draw(st.sampled_from([None, FREE_LINK]))
     return Scenario(
         config, np.array(lengths, dtype=np.int64), np.array(tokens, dtype=np.int64), arrivals,
-        costs, np.array(patches, dtype=np.int64),
+        costs, np.array(patches, dtype=np.int64), migration,
     )  # fmt: skip
 
 
@@ -76,11 +82,12 @@ class Scenario(NamedTuple):
     arrivals: list[int] | None
     costs: list[CostModel]
     patches: np.ndarray  # (N,) vision patches per sample
+    migration: LinkModel | None = None  # --migrate auto (migration.py) or off
 
     def run(self, **kwargs):
         return simulate(
             self.lengths, self.config, tokens=self.tokens, arrivals_per_round=self.arrivals,
-            costs=self.costs, patches=self.patches, **kwargs,
+            costs=self.costs, patches=self.patches, migration=self.migration, **kwargs,
         )  # fmt: skip
 
 

@@ -140,3 +140,49 @@ def test_batch_form_misuse_is_one_error(argv, message, capsys: pytest.CaptureFix
     assert main([*argv, *SMALL]) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1
+
+
+def test_align_updates_is_timed_beside_aligned_steps(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["--dist", "longtail", *SMALL[:-2], "--num-samples", "3000", "--buffer", "16"]
+    assert main([*argv, "--accumulate", "4", "--align", "updates", "--json"]) == 0
+    align = json.loads(capsys.readouterr().out)["align"]
+    assert align["updates"] > 0 and align["updates_time"] <= align["steps_time"]
+    assert align["speedup"] == pytest.approx(align["steps_time"] / align["updates_time"])
+    assert main([*argv, "--accumulate", "4", "--align", "updates"]) == 0
+    assert "--align updates vs steps over" in capsys.readouterr().out
+    assert main([*argv, "--align", "updates"]) == 2  # no updates of several micro-steps
+    assert "--align updates" in capsys.readouterr().err
+
+
+def test_migrate_auto_reports_bytes_moved_and_the_node_local_oracle(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # A link of 1e6 Gb/s makes every balancing move pay; 4 nodes of 2 ranks.
+    argv = ["--dist", "longtail", *SMALL, "--migrate", "auto", "--link-gbps", "1e6"]
+    assert main([*argv, "--json", "--compare"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    moved = out["migration"]
+    assert moved["samples_moved"] > 0 and 0 < moved["bytes_moved"] < moved["bytes_ingested"]
+    assert set(moved["links"]) == {"100gbps", "25gbps"}
+    assert list(out["baselines"])[-2:] == ["oracle", "node-local oracle"]
+    assert main(argv) == 0
+    text = capsys.readouterr().out
+    assert "migrate auto: link 1e+06 Gb/s" in text and "samples moved between nodes" in text
+
+
+def test_migrate_off_reports_no_moves(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--dist", "longtail", *SMALL, "--json"]) == 0
+    assert "migration" not in json.loads(capsys.readouterr().out)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--migrate", "auto", "--balance", "rank"], "drop --balance rank or pass --migrate off"),
+        (["--migrate", "auto", "--link-gbps", "0"], "--link-gbps must be > 0"),
+    ],
+)
+def test_migrate_misuse_is_one_error(argv, message, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--dist", "llava", *argv, *SMALL]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1

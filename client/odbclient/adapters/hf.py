@@ -68,6 +68,7 @@ from odbclient.adapters.hf_checkpoint import (
 from odbclient.adapters.schedule import Schedule, lr_factor
 from odbclient.client import ODBClient
 from odbclient.errors import JobMismatchError, RankRefusedError
+from odbclient.packed_check import check_packed_model, is_packed_batch
 
 __all__ = ["LOSS_SCALE_KEY", "ODBBatches", "ODBTrainer"]
 
@@ -99,6 +100,7 @@ class ODBTrainer(Trainer):
         self.odb_max_epochs = epochs if self.odb_max_steps is None and epochs > 0 else None
         self._odb_taken_at_train: tuple[int, int] = (0, 0)  # (samples, tokens) at train()
         self.odb_resume_epoch = 0  # odbd's epoch at the checkpoint train() resumes from
+        self._odb_packed_checked = False  # packed_check ran on this model (first packed batch)
         if self.odb_max_steps is None:
             self.args.max_steps = _NO_CAP
         # Loss scales assume the daemon's --world: the Trainer's own world is checked.
@@ -264,6 +266,12 @@ class ODBTrainer(Trainer):
             # eval_strategy between training steps), whose loss is the Trainer's as it is.
             # Popping the key raised KeyError and killed the job at its first evaluation.
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        if not self._odb_packed_checked and is_packed_batch(inputs):
+            # Once, before the first packed batch trains: a model that attends across the
+            # samples of a row (a KV cache, an attention_mask, a kernel without packing
+            # support) is refused naming the fix (odbclient/packed_check.py).
+            check_packed_model(model, [k for k in inputs if k != LOSS_SCALE_KEY])
+            self._odb_packed_checked = True
         # num_items_in_batch is the Trainer's own cross-rank token count; odbd's loss_scale
         # already carries the exact one, so the model returns its plain per-rank mean.
         inputs = dict(inputs)

@@ -43,6 +43,7 @@ from odbclient.wire.odbd.v1 import (
     trainer_pb2_grpc,
 )
 from odbd.config import DaemonConfig
+from odbd.daemon import split_updates
 from odbd.daemon.job_clash import find_clash
 from odbd.daemon.job_end import (
     Outcome,
@@ -334,7 +335,8 @@ class Daemon:
             round_timeout_s=config.round_timeout_s,
             fanout=config.round_fanout,
             from_journal=self.journal_records is not None,
-            exchanges_per_round=2,  # split_exchange.py: summaries, then step totals
+            # split_exchange.py: summaries, then step totals (and the deals, --align updates)
+            exchanges_per_round=split_updates.exchanges_per_round(self.state.planner),
         )
 
     async def _serve_socket(self, trainer: TrainerService) -> None:

@@ -23,7 +23,14 @@ from collections.abc import Sequence
 import numpy as np
 
 from odbd.planner.config import CostModel
-from odbd.planner.cost_fit import CostFit, CostModelMode, FitConfig, FitState, fit_cost_model
+from odbd.planner.cost_fit import (
+    CostFit,
+    CostModelMode,
+    FitConfig,
+    FitState,
+    RowFeature,
+    fit_cost_model,
+)
 
 MAX_OBSERVATIONS = 64  # per node per round: the newest; older unsent ones are dropped
 MAX_EXPECTED = 1 << 14  # queued steps remembered per node, oldest forgotten first
@@ -36,10 +43,17 @@ class CostLearner:
     """One daemon's side of the learned cost model (its state is the same on every daemon
     except `_expected` and `_new`, which only feed this node's offers)."""
 
-    def __init__(self, mode: CostModelMode, fixed: CostModel, config: FitConfig) -> None:
+    def __init__(
+        self,
+        mode: CostModelMode,
+        fixed: CostModel,
+        config: FitConfig,
+        rows: RowFeature = RowFeature.SAMPLES,
+    ) -> None:
         self.mode = mode
         self.fixed = fixed
         self.config = config
+        self.rows = rows  # the fit's quadratic feature (cost_fit.row_feature)
         self.fit = CostFit(model=fixed, state=FitState.WARMUP)
         self._expected: OrderedDict[tuple[int, int, int], tuple[float, float]] = OrderedDict()
         self._new: list[tuple[float, float, float]] = []
@@ -87,7 +101,7 @@ class CostLearner:
         warm = self._window.shape[0] >= self.config.warmup
         first = self.fit.state is FitState.WARMUP and warm
         if first or (warm and self._since_fit >= REFIT_EVERY):
-            self.fit = fit_cost_model(self._window, self.fixed, self.config)
+            self.fit = fit_cost_model(self._window, self.fixed, self.config, self.rows)
             self._since_fit = 0
         elif self.fit.state is FitState.WARMUP:
             self.fit = CostFit(

@@ -25,7 +25,7 @@ import numpy as np
 from odbclient.shm import read_meta
 from odbclient.wire.odbd.v1 import trainer_pb2
 from odbd.config import DaemonConfig
-from odbd.daemon import split_round, summary_codec
+from odbd.daemon import split_round, split_updates, summary_codec
 from odbd.daemon.cost_learning import CostLearner
 from odbd.daemon.end_requests import (
     EndDecision,
@@ -34,7 +34,7 @@ from odbd.daemon.end_requests import (
     end_decision,
     missing_failure,
 )
-from odbd.daemon.journal import Journal, ResumeState
+from odbd.daemon.journal import Journal, JournalStep, ResumeState
 from odbd.daemon.node_state import Locations, NodeState
 from odbd.daemon.split_exchange import SplitExchange, barrier_round
 from odbd.daemon.trained import StepCounts, steps_trained
@@ -49,9 +49,17 @@ from odbd.ingest.rejections import (
     over_budget,
 )
 from odbd.metrics.stats import DaemonStats
-from odbd.planner.config import Collate, PlannerConfig
-from odbd.planner.cost_fit import CostFit, FitConfig, FitState
+from odbd.planner.config import ROW_CAP_SHIFTS, Align, Collate, PlannerConfig
+from odbd.planner.cost_fit import (
+    CostFit,
+    CostModelMode,
+    FitConfig,
+    FitState,
+    RowFeature,
+    row_feature,
+)
 from odbd.planner.estimate import round_estimates
+from odbd.planner.identities import EpochIdentities, IdentitySource, StepIdentities
 from odbd.planner.progress import (
     JobShape,
     ProgressColumns,
@@ -60,6 +68,7 @@ from odbd.planner.progress import (
     steps_progress,
 )
 from odbd.planner.types import NodeRoundPlan, SampleTable, UnitPlan
+from odbd.planner.update_align import rank_runs
 from odbd.round import RoundBarrier
 from odbd.serve.rank_queue import QueuedItem, RankQueue
 
@@ -136,21 +145,17 @@ def _describe_rank(queue: RankQueue) -> str:
 
 @dataclass(slots=True)
 class EpochTally:
-    """Facts of the epoch being emitted: steps, samples and rejections over every node (from
-    the hub's results); `seen` holds the identities this node's ranks were given."""
+    """Facts of the epoch being emitted: steps, samples, rejections and distinct identities
+    over every node (from the hub's results, so the same on every daemon)."""
 
     steps: int = 0
     samples: int = 0
-    seen: np.ndarray | None = None  # (N,) bool: identity emitted this epoch
+    identities: EpochIdentities = dataclasses.field(default_factory=EpochIdentities)
     rejected: Counter[str] | None = None
-    num_seen: int = 0  # seen.sum(), kept as identities are marked (a round is O(its samples))
 
-    def mark_seen(self, identities: np.ndarray) -> None:
-        assert self.seen is not None
-        fresh = identities[~self.seen[identities]]
-        if fresh.size:  # an identity may repeat (the sampler pads an epoch by repeating some)
-            self.num_seen += len(set(fresh.tolist()))  # a set in C: no sort, unlike np.unique
-            self.seen[fresh] = True
+    @property
+    def num_seen(self) -> int:
+        return self.identities.count
 
 
 class RoundLoop:
@@ -225,14 +230,26 @@ class RoundLoop:
         # round holding the job's last update is planned (the steps after it are not run).
         self.updates_done = 0
         self.capped = False
-        self.cost = CostLearner(config.cost_model, self.state.planner.cost, FitConfig())
-        self.split = SplitExchange(barrier, config.node_rank)
+        self.cost = CostLearner(
+            config.cost_model,
+            self.state.planner.cost,
+            FitConfig(
+                warmup=config.cost_warmup, window=max(config.cost_warmup, FitConfig().window)
+            ),
+            row_feature(self.state.planner),
+        )
+        self.split = SplitExchange(
+            barrier, config.node_rank, split_updates.exchanges_per_round(self.state.planner)
+        )
+        self.split.source = IdentitySource(
+            state.dataset_size, state.views_per_iteration, state.identities_of
+        )
         # (samples, loss tokens) every unit's buffer held this round (RoundExtras)
         self.offered = (0, 0)
         self._first_rank = config.local_ranks[0]  # a NodeRoundPlan's columns start here
 
     def _new_tally(self) -> EpochTally:
-        return EpochTally(0, 0, np.zeros(self.state.dataset_size, dtype=bool), Counter())
+        return EpochTally(0, 0, EpochIdentities(), Counter())
 
     async def run(self) -> None:
         if self.state.dataset_size == 0:
@@ -328,7 +345,7 @@ class RoundLoop:
                 reason = self._wait_reason(room)
                 self._log_waiting(reason)
                 if reason != reported:
-                    round_index = barrier_round(self.round_index, 0)
+                    round_index = barrier_round(self.round_index, 0, self.split.per_round)
                     await self.barrier.report_waiting(round_index, reason)
                     reported = reason
             finally:
@@ -495,9 +512,9 @@ class RoundLoop:
         if fit.state is FitState.FITTED and fit != self.stats.cost_fit:
             log.info(
                 "round %d: cost model fitted to %d rank-steps: %r s/padded token, %r s/l^2, "
-                "%r s/step, median error %.1f%% (fixed model %.1f%%)%s",
+                "%r s/step, median error %.1f%% (fixed model %.1f%%)%s%s",
                 self.round_index, fit.num_observations, *fit.seconds, 100 * fit.error,
-                100 * fit.fixed_error,
+                100 * fit.fixed_error, _attention_note(fit),
                 "" if self.cost.learned else "; not used (--cost-model fixed)",
             )  # fmt: skip
         self.stats.cost_fit = fit
@@ -507,7 +524,7 @@ class RoundLoop:
         """The planner config of this round: under --cost-model auto its cost model is the fit
         of every node's timed steps up to the previous round (the same on every daemon)."""
         if not self.cost.learned:
-            return self.state.planner
+            return warmup_planner(self.state.planner, self.cost, self.round_index)
         return dataclasses.replace(self.state.planner, cost=self.cost.model)
 
     # -- 4. apply ----------------------------------------------------------------------------
@@ -525,15 +542,14 @@ class RoundLoop:
         if self.config.max_updates:
             progress = self._capped_progress(progress, updates, steps_before)
         if self.journal is not None:
-            self._journal_round(plan, step_epochs, step_numbers, rejected)
+            self._journal_round(plan, step_epochs, step_numbers, rejected, extras)
         for unit in plan.units:  # this node's units only
-            self._tally_identities(unit, kept)
             self._queue_unit(plan, unit, step_epochs, step_numbers, progress, updates)
         self._record_steps(plan, kept, extras)
         self.stats.record_planned(
             step_epochs, step_numbers, progress.epoch_steps_estimate, progress.epoch_steps_exact
         )
-        self._advance_epochs(plan, step_epochs)
+        self._advance_epochs(plan, step_epochs, extras.step_identities())
         if self.capped:
             self._end_job(f"--max-updates {self.config.max_updates} reached")
 
@@ -563,11 +579,14 @@ class RoundLoop:
         s.step_mean_work += float(extras.step_sum_work[:kept].sum()) / world
         s.global_samples += int(plan.global_num_samples[:kept].sum())
         s.global_tokens += int(plan.global_num_tokens[:kept].sum())
+        # --align updates: a rank's skipped slots are queued and delivered (steps) but never
+        # run, so they are no fillers (idle_steps)
+        runs = rank_runs(plan)[:kept]
         for rank in self.queues:
             rs, column = s.rank(rank), rank - self._first_rank
             samples = stats.num_samples[:kept, column]
             rs.steps += kept
-            rs.idle_steps += int((samples == 0).sum())
+            rs.idle_steps += int(((samples == 0) & runs[:, column]).sum())
             rs.samples += int(samples.sum())
             rs.real_tokens += int(stats.real_tokens[:kept, column].sum())
             rs.padded_tokens += int(stats.padded_tokens[:kept, column].sum())
@@ -579,10 +598,12 @@ class RoundLoop:
         step_epochs: list[int],
         step_numbers: list[int],
         rejected: dict[str, int],
+        extras: split_round.RoundExtras,
     ) -> None:
         """Appends what this round hands to trainers, before any of it is queued: this node's
         ranks' samples (the journal's per-rank counts are 0 for the other nodes' ranks, whose
-        samples only their own journal holds)."""
+        samples only their own journal holds), and every node's identities per step (the
+        hub's), so a restart counts the epoch's identities as the others do."""
         assert self.journal is not None
         kept = len(step_epochs)
         g = self.state.planner.ranks_per_unit
@@ -604,6 +625,7 @@ class RoundLoop:
             counts,
             self.state.take_rejected_keys(),
             rejected,
+            [list(extras.step_identities().of_step(i)) for i in range(kept)],
         )
 
     def restore(self, resume: ResumeState, update: int = 0) -> None:
@@ -625,8 +647,7 @@ class RoundLoop:
             if s.epoch == resume.epoch:
                 self.tally.steps += 1
                 self.tally.samples += s.global_samples
-                for keys in s.keys_by_rank:
-                    self.tally.mark_seen(self.state.identities_of(keys))
+                self._restore_identities(s)
         self.steps_in_epoch[resume.epoch] = resume.step
         if not self.config.join:
             self.quota_consumed += sum(resume.rejected.values())
@@ -635,15 +656,28 @@ class RoundLoop:
         self.round_seed_base = resume.incarnation * 1_000_000_000
         self.updates_done = self._updates_before(resume.epoch, update)
 
+    def _restore_identities(self, step: JournalStep) -> None:
+        """A trained step's identities, as the round's result gave them to every daemon; a
+        journal from before they were recorded holds this node's ranks' views only."""
+        if step.identities is not None:
+            self.tally.identities.fold(*step.identities)
+            return
+        source = self.split.source
+        assert source is not None
+        local = source.of_steps([np.concatenate(step.keys_by_rank)])
+        self.tally.identities.fold(*local.of_step(0))
+
     def _updates_before(self, epoch: int, update: int) -> int:
         """--max-updates after a restart: the updates trained before the resume point. Exact
         without windows (a step is an update) and with --accumulate K (an epoch of n steps is
-        ceil(n / K) updates, its last one short); with --tokens-per-update the earlier epochs'
-        updates are counted as if of K = the mean steps per update of the resume epoch."""
+        ceil(n / K) updates, its last one short); with --tokens-per-update (or --align updates,
+        whose updates may span more than K steps) the earlier epochs' updates are counted as if
+        of K = the mean steps per update of the resume epoch."""
         if not self.state.planner.windows:
             return sum(self.steps_in_epoch.values())
         k = max(self.config.accumulate, 1)
-        if self.config.tokens_per_update and update:
+        sized_by_plan = self.config.tokens_per_update or self.config.align is Align.UPDATES
+        if sized_by_plan and update:
             k = max(round(self.steps_in_epoch[epoch] / update), 1)
         earlier = sum(-(-n // k) for e, n in self.steps_in_epoch.items() if e < epoch)
         return earlier + update
@@ -774,12 +808,6 @@ class RoundLoop:
         tokens = self.planned_tokens + self.offered[1]
         return tokens / samples if samples else 0.0
 
-    def _tally_identities(self, unit: UnitPlan, kept: int) -> None:
-        g = self.state.planner.ranks_per_unit
-        end = int(unit.slot_offsets[kept * g])
-        keys = unit.emitted.views[:end]
-        self.tally.mark_seen(self.state.identities_of(keys))
-
     def _queue_unit(
         self,
         plan: NodeRoundPlan,
@@ -809,8 +837,8 @@ class RoundLoop:
                 s = step * g + local_rank
                 items.append(self._step_item(
                     facts, emitted, step, rank, rank - first, s, slice(bounds[s], bounds[s + 1]),
-                    step_epochs[step], step_numbers[step], progress_messages[step], updates[step],
-                    patch_weight,
+                    step_epochs[step], step_numbers[step], progress_messages[step],
+                    self.updates.of_rank(updates[step], plan, step, rank - first), patch_weight,
                 ))  # fmt: skip
             self.free(self.queues[rank].push(items))
 
@@ -910,10 +938,17 @@ class RoundLoop:
         ]
         self.filler_schema = json.dumps(fields)
 
-    def _advance_epochs(self, plan: NodeRoundPlan, step_epochs: list[int]) -> None:
+    def _advance_epochs(
+        self, plan: NodeRoundPlan, step_epochs: list[int], emitted: StepIdentities
+    ) -> None:
+        """Counts the kept steps into their epochs' tallies and ends the epochs they finish.
+        `emitted`: every node's identities per step (the hub's sum), folded into each step's
+        own epoch (a --no-join round may end one epoch and start the next)."""
         if self.config.join:
             self.tally.steps += len(step_epochs)
             self.tally.samples += int(plan.global_num_samples[: len(step_epochs)].sum())
+            for i in range(len(step_epochs)):
+                self.tally.identities.fold(*emitted.of_step(i))
             if plan.final and len(step_epochs) == plan.num_steps:  # not cut by --max-updates
                 self._end_epoch(self.state.epoch)
                 self.state.epoch += 1
@@ -926,6 +961,7 @@ class RoundLoop:
                 self.state.epoch = epoch
             self.tally.steps += 1
             self.tally.samples += int(plan.global_num_samples[i])
+            self.tally.identities.fold(*emitted.of_step(i))
         n = self.state.dataset_size
         if self.capped and n and self.quota_consumed >= (self.state.epoch + 1) * n:
             self._end_epoch(self.state.epoch)  # the job's last update ends this epoch too
@@ -936,7 +972,7 @@ class RoundLoop:
 
     def _end_epoch(self, epoch: int) -> None:
         tally = self.tally
-        assert tally.seen is not None and tally.rejected is not None
+        assert tally.rejected is not None
         if tally.samples == 0:
             # Decided from global facts (every node's offers), so every daemon fails alike; the
             # trainers get the failed JobEnd instead of an empty epoch.
@@ -1215,3 +1251,28 @@ def _progress_messages(progress: ProgressColumns) -> list[trainer_pb2.Progress]:
             strict=True,
         )
     ]
+
+
+def _attention_note(fit: CostFit) -> str:
+    """How the fit priced packed rows' attention (--attention dense/auto), for the refit log."""
+    if not fit.model.dense_rows and "dense" not in fit.errors:
+        return ""
+    chosen = "dense" if fit.model.dense_rows else "varlen"
+    tried = ", ".join(f"{name} {100 * e:.1f}%" for name, e in sorted(fit.errors.items()))
+    best = fit.model.best_row()
+    row = ""
+    if best < 1.0:  # c = 0: every sample costs least alone
+        row = ", one sample per packed row (no per-step constant measured)"
+    elif best < float("inf"):
+        row = f", packed rows up to {best:.0f} tokens"
+    return f"; attention over packed rows: {chosen} ({tried}){row}"
+
+
+def warmup_planner(planner: PlannerConfig, cost: CostLearner, round_index: int) -> PlannerConfig:
+    """The round's planner before the cost fit is usable: as configured, except that packed
+    rows whose attention is to be learned (--attention auto/dense with --cost-model auto)
+    take turns at full, half and quarter budget (ROW_CAP_SHIFTS; the same on every daemon)."""
+    if cost.mode is not CostModelMode.AUTO or cost.rows is RowFeature.SAMPLES:
+        return planner
+    shift = ROW_CAP_SHIFTS[round_index % len(ROW_CAP_SHIFTS)]
+    return dataclasses.replace(planner, row_cap=max(planner.token_budget >> shift, 1))

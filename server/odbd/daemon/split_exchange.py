@@ -3,8 +3,9 @@ carry), and what they cost this daemon: the I/O half of split_round, kept out of
 
 Round k of the planner is barrier rounds 2k (summaries -> the hub's decision) and 2k + 1 (step
 totals -> the round's totals); every daemon runs both for every round, so the barrier's rounds
-stay in lock-step. Planning time is this daemon's own CPU on the round: its three local phases,
-plus the hub's two reductions on the hub.
+stay in lock-step. With --align updates a round is three: 3k, 3k + 1 (both alternatives'
+totals) and 3k + 2 (the deals -> the step grid, split_updates.py). Planning time is this
+daemon's own CPU on the round: its local phases, plus the hub's reductions on the hub.
 """
 
 from __future__ import annotations
@@ -15,27 +16,31 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from odbd.daemon import split_round, summary_codec
-from odbd.planner.config import PlannerConfig
+from odbd.daemon import split_round, split_updates, summary_codec
+from odbd.planner.config import Align, PlannerConfig
 from odbd.planner.cost_fit import CostFit
+from odbd.planner.identities import IdentitySource
 from odbd.planner.summary import GroupedUnit
 from odbd.planner.types import NodeRoundPlan, RoundDecision, UnitOffer
 from odbd.round import RoundBarrier
 from odbd.round.barrier import RoundRecord
 
 
-def barrier_round(round_index: int, phase: int) -> int:
-    """The barrier round of planner round `round_index`'s exchange `phase` (0 or 1)."""
-    return 2 * round_index + phase
+def barrier_round(round_index: int, phase: int, per_round: int = 2) -> int:
+    """The barrier round of planner round `round_index`'s exchange `phase` (0 .. per_round - 1;
+    per_round: split_updates.exchanges_per_round)."""
+    return per_round * round_index + phase
 
 
 @dataclass(slots=True)
 class SplitExchange:
     barrier: RoundBarrier
     node: int
+    per_round: int = 2  # barrier exchanges per round (3 with --align updates)
     planning_s: float = 0.0  # the round being planned, so far
     exchange_s: float = 0.0  # its two exchanges, from the summary's send to the totals
     last_round: RoundRecord | None = None  # both exchanges of the last round, for /metrics
+    source: IdentitySource | None = None  # this node's views' identities (EpochEnd's count)
 
     async def decide(
         self,
@@ -59,7 +64,9 @@ class SplitExchange:
                 self.planning_s += time.perf_counter() - begun
 
         sent = time.perf_counter()
-        result = await self.barrier.exchange_reduced(barrier_round(round_index, 0), payload, reduce)
+        result = await self.barrier.exchange_reduced(
+            barrier_round(round_index, 0, self.per_round), payload, reduce
+        )
         self.exchange_s = time.perf_counter() - sent
         last_node = self.barrier.last_round.last_node if self.barrier.last_round else 0
         self.last_round = RoundRecord(round_index, self.exchange_s, last_node)
@@ -75,9 +82,12 @@ class SplitExchange:
         decision: RoundDecision,
         config: PlannerConfig,
     ) -> tuple[NodeRoundPlan, split_round.RoundExtras]:
-        """Exchange 2: this node's step totals out, the round's totals back; its part planned."""
+        """Exchange 2: this node's step totals out, the round's totals back; its part planned.
+        With --align updates, also exchange 3 (split_updates.py)."""
+        if config.align is Align.UPDATES:
+            return await self._complete_updates(round_index, grouped, decision, config)
         started = time.perf_counter()
-        draft, payload = split_round.node_totals(self.node, grouped, decision, config)
+        draft, payload = split_round.node_totals(self.node, grouped, decision, config, self.source)
         self.planning_s += time.perf_counter() - started
 
         def reduce(payloads: list[bytes]) -> bytes:  # on the hub only
@@ -88,7 +98,9 @@ class SplitExchange:
                 self.planning_s += time.perf_counter() - begun
 
         sent = time.perf_counter()
-        result = await self.barrier.exchange_reduced(barrier_round(round_index, 1), payload, reduce)
+        result = await self.barrier.exchange_reduced(
+            barrier_round(round_index, 1, self.per_round), payload, reduce
+        )
         self.exchange_s += time.perf_counter() - sent
         if self.last_round is not None:
             self.last_round = RoundRecord(round_index, self.exchange_s, self.last_round.last_node)
@@ -96,3 +108,58 @@ class SplitExchange:
         done = split_round.node_complete(draft, decision, result, config)
         self.planning_s += time.perf_counter() - started
         return done
+
+    async def _complete_updates(
+        self,
+        round_index: int,
+        grouped: Sequence[GroupedUnit],
+        decision: RoundDecision,
+        config: PlannerConfig,
+    ) -> tuple[NodeRoundPlan, split_round.RoundExtras]:
+        """--align updates: exchange 2 for both alternatives, then exchange 3 (the deals)."""
+        started = time.perf_counter()
+        drafts, payload = split_updates.node_totals(
+            self.node, grouped, decision, config, self.source
+        )
+        self.planning_s += time.perf_counter() - started
+
+        def combine(payloads: list[bytes]) -> bytes:  # on the hub only
+            begun = time.perf_counter()
+            try:
+                return split_updates.hub_combine(payloads, decision.num_steps)
+            finally:
+                self.planning_s += time.perf_counter() - begun
+
+        result = await self._exchange(round_index, 1, payload, combine)
+        started = time.perf_counter()
+        parts = split_updates.node_complete(drafts, decision, result, config)
+        first = config.world.ranks_of(self.node).start
+        deals, payload = split_updates.node_deals(parts, first, config)
+        self.planning_s += time.perf_counter() - started
+        windows = [p.windows for p, _ in parts]
+
+        def grid(payloads: list[bytes]) -> bytes:  # on the hub only
+            begun = time.perf_counter()
+            try:
+                return split_updates.hub_grid(payloads, windows)
+            finally:
+                self.planning_s += time.perf_counter() - begun
+
+        result = await self._exchange(round_index, 2, payload, grid)
+        started = time.perf_counter()
+        done = split_updates.node_align(parts, deals, result, first, config)
+        self.planning_s += time.perf_counter() - started
+        return done
+
+    async def _exchange(
+        self, round_index: int, phase: int, payload: bytes, reduce: Callable[[list[bytes]], bytes]
+    ) -> bytes:
+        """One exchange after the first, its time added to the round's."""
+        sent = time.perf_counter()
+        result = await self.barrier.exchange_reduced(
+            barrier_round(round_index, phase, self.per_round), payload, reduce
+        )
+        self.exchange_s += time.perf_counter() - sent
+        if self.last_round is not None:
+            self.last_round = RoundRecord(round_index, self.exchange_s, self.last_round.last_node)
+        return result

@@ -22,13 +22,13 @@ token-equivalents (a = 1, DESIGN.md section 4), so only the ratios b/a and c/a c
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
 
 import numpy as np
 
 from odbd.errors import ConfigError
-from odbd.planner.config import CostModel
+from odbd.planner.config import Attention, Collate, CostModel, PlannerConfig
 from odbd.planner.types import FloatArray
 
 HUBER_K = 1.345  # 95 % efficiency under Gaussian noise; residuals beyond k sigma weigh less
@@ -43,6 +43,14 @@ class CostModelMode(StrEnum):
 
     AUTO = "auto"  # fitted from the trainers' step times after a warm-up, fixed until then
     FIXED = "fixed"  # the fixed coefficients throughout (plans independent of timing)
+
+
+class RowFeature(StrEnum):
+    """The quadratic feature of a rank-step in the fit: attention's cost."""
+
+    SAMPLES = "samples"  # sum of the samples' squared lengths (padded rows; varlen packed rows)
+    ROW = "row"  # the packed row's length squared (dense attention over the row)
+    CHOOSE = "choose"  # fit both, keep the better (--attention auto with --collate packed)
 
 
 class FitState(StrEnum):
@@ -86,12 +94,22 @@ class CostFit:
     error: float = math.nan
     fixed_error: float = math.nan
     num_observations: int = 0
+    # Median relative error of each quadratic feature the fit tried ("varlen", "dense").
+    errors: dict[str, float] = field(default_factory=dict)
 
 
-def fit_cost_model(observations: FloatArray, fixed: CostModel, config: FitConfig) -> CostFit:
+def fit_cost_model(
+    observations: FloatArray,
+    fixed: CostModel,
+    config: FitConfig,
+    rows: RowFeature = RowFeature.SAMPLES,
+) -> CostFit:
     """The Huber fit of `observations` (n, 3): [padded, sum_sq, seconds] per rank-step.
 
-    Falls back to `fixed` before the warm-up and when the columns are nearly dependent.
+    `rows` says which quadratic feature the fit uses (RowFeature); CHOOSE fits both and keeps
+    the one with the smaller median relative error, which is how --attention auto learns
+    whether packed rows run dense or varlen attention. Falls back to `fixed` before the
+    warm-up and when the columns are nearly dependent.
     """
     obs = np.asarray(observations, dtype=np.float64).reshape(-1, 3)
     # Idle fillers (P = 0) and clock glitches (y <= 0) say nothing about the model.
@@ -99,14 +117,55 @@ def fit_cost_model(observations: FloatArray, fixed: CostModel, config: FitConfig
     n = int(obs.shape[0])
     if n < config.warmup:
         return CostFit(model=fixed, state=FitState.WARMUP, num_observations=n)
-    x = np.column_stack([obs[:, PADDED], obs[:, SUM_SQ], np.ones(n)])
     y = obs[:, SECONDS]
-    fixed_error = _scaled_error(x @ np.array([fixed.a, fixed.b, fixed.c]), y)
-    if _independence(x) < config.min_independence:
+    fixed_square = obs[:, PADDED] ** 2 if fixed.dense_rows else obs[:, SUM_SQ]
+    fixed_x = np.column_stack([obs[:, PADDED], fixed_square, np.ones(n)])
+    fixed_error = _scaled_error(fixed_x @ np.array([fixed.a, fixed.b, fixed.c]), y)
+    candidates = []
+    for dense in _dense_options(rows):
+        # Dense attention: a packed row's padded tokens are its length (with vision patches
+        # as p token-equivalents each: an approximation where patches ride along).
+        square = obs[:, PADDED] ** 2 if dense else obs[:, SUM_SQ]
+        x = np.column_stack([obs[:, PADDED], square, np.ones(n)])
+        if _independence(x) < config.min_independence:
+            continue
+        theta = _huber(x, y, config)
+        candidates.append((_relative_error(_predict(x, theta), y), dense, theta))
+    if not candidates:
         return CostFit(
             model=fixed, state=FitState.ILL_CONDITIONED, fixed_error=fixed_error,
             num_observations=n,
         )  # fmt: skip
+    # Ties (e.g. one sample per row, where both features agree) keep varlen: listed first.
+    error, dense, (a, b, c) = min(candidates, key=lambda cand: cand[0])
+    return CostFit(
+        # The patch term is not observed apart from tokens: it keeps its fixed weight.
+        model=CostModel(a=1.0, b=b / a, c=c / a, p=fixed.p, dense_rows=dense),
+        state=FitState.FITTED,
+        seconds=(a, b, c),
+        error=error,
+        fixed_error=fixed_error,
+        num_observations=n,
+        errors={("dense" if d else "varlen"): e for e, d, _ in candidates},
+    )
+
+
+def row_feature(config: PlannerConfig) -> RowFeature:
+    """The fit's quadratic feature for a job: packed rows follow --attention (auto: learned)."""
+    if config.collate is not Collate.PACKED or config.attention is Attention.VARLEN:
+        return RowFeature.SAMPLES
+    return RowFeature.ROW if config.attention is Attention.DENSE else RowFeature.CHOOSE
+
+
+def _dense_options(rows: RowFeature) -> tuple[bool, ...]:
+    if rows is RowFeature.CHOOSE:
+        return (False, True)
+    return (rows is RowFeature.ROW,)
+
+
+def _huber(x: np.ndarray, y: np.ndarray, config: FitConfig) -> tuple[float, float, float]:
+    """IRLS with Huber weights, coefficients bounded below (see the module docstring)."""
+    n = x.shape[0]
     lower = (A_FLOOR * math.fsum(y) / max(math.fsum(x[:, 0]), 1.0), 0.0, 0.0)
     weights = np.ones(n)
     theta = _solve_bounded(x, y, weights, lower)
@@ -117,16 +176,7 @@ def fit_cost_model(observations: FloatArray, fixed: CostModel, config: FitConfig
             break  # an exact fit: nothing left to reweigh
         weights = np.minimum(1.0, HUBER_K * sigma / np.maximum(np.abs(residual), 1e-300))
         theta = _solve_bounded(x, y, weights, lower)
-    a, b, c = theta
-    return CostFit(
-        # The patch term is not observed apart from tokens: it keeps its fixed weight.
-        model=CostModel(a=1.0, b=b / a, c=c / a, p=fixed.p),
-        state=FitState.FITTED,
-        seconds=(a, b, c),
-        error=_relative_error(_predict(x, theta), y),
-        fixed_error=fixed_error,
-        num_observations=n,
-    )
+    return theta
 
 
 def _predict(x: np.ndarray, theta: tuple[float, float, float]) -> np.ndarray:

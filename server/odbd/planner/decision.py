@@ -60,6 +60,7 @@ def _cap_and_holds(
         config.grouping is Grouping.PAPER
         or any(s.dry for s in summaries)
         or (no_giant and not company.caps_every_round(config))
+        or (config.migrate and not no_giant)  # migration.py holds the giants instead
     ):
         return None, None
     sample = company.sampled_units(len(summaries))

@@ -21,6 +21,7 @@ import numpy as np
 from odbd.errors import ConfigError, InvariantError
 from odbd.planner.config import CostModel, PlannerConfig
 from odbd.planner.ledger import ViewLedger
+from odbd.planner.migration import LinkModel, plan_migration
 from odbd.planner.round import RoundTrace, plan_round
 from odbd.planner.sampler import num_views, sampler_identities, views_of_ranks
 from odbd.planner.types import IntArray, RoundPlan, SampleTable, StepStats, UnitOffer
@@ -59,6 +60,12 @@ class SimulationResult:
     num_rejected: int  # 0-length samples refused at ingest
     ranks_per_unit: int
     world_size: int
+    # --migrate auto (migration.py): per round, samples and bytes moved between nodes before
+    # it was planned, and bytes of the samples that arrived (ingested) for it; empty when off
+    moved_samples: IntArray = field(default_factory=lambda: np.zeros(0, np.int64))
+    moved_bytes: IntArray = field(default_factory=lambda: np.zeros(0, np.int64))
+    moved_peak_bytes: IntArray = field(default_factory=lambda: np.zeros(0, np.int64))  # 1 node
+    ingested_bytes: IntArray = field(default_factory=lambda: np.zeros(0, np.int64))
 
     def stats(self) -> StepStats:
         """All kept steps of all rounds, concatenated: arrays of shape (steps, W)."""
@@ -113,20 +120,25 @@ def simulate(
     costs: Sequence[CostModel] = (),
     patches: np.ndarray | None = None,
     trace: RoundTrace | None = None,
+    migration: LinkModel | None = None,
 ) -> SimulationResult:
     """Plans `epochs` trainer epochs of a dataset whose sample i has length lengths[i]
     (and patches[i] vision patches, default 0).
 
     `costs`: round r plans with costs[r % len(costs)], as under --cost-model auto, where the
     daemons refit the model as the run goes (default: config.cost throughout). `trace` records
-    every round's per-node planning time and payloads (round.RoundTrace).
+    every round's per-node planning time and payloads (round.RoundTrace). `migration`: plan
+    every round after migration.py's cross-node moves under this link model (--migrate auto).
     """
     lengths = np.asarray(lengths, dtype=np.int64)
     loss_tokens = lengths if tokens is None else np.asarray(tokens, dtype=np.int64)
+    if migration is not None and not config.migrate:
+        config = dataclasses.replace(config, migrate=True)
     _check_inputs(lengths, loss_tokens, epochs, arrivals_per_round, config, join)
     sim = _Simulation(lengths, loss_tokens, config, shuffle, arrivals_per_round)
     sim.costs = list(costs)
     sim.trace = trace
+    sim.migration = migration
     if patches is not None:
         sim.patches = np.asarray(patches, dtype=np.int64)
         if sim.patches.shape != lengths.shape or (sim.patches.size and sim.patches.min() < 0):
@@ -171,6 +183,12 @@ class _Simulation:
         self.lengths, self.tokens, self.config, self.shuffle = lengths, tokens, config, shuffle
         self.costs: list[CostModel] = []  # per round, cycled; empty: config.cost
         self.trace: RoundTrace | None = None
+        self.migration: LinkModel | None = None
+        self.moved_samples: list[int] = []
+        self.moved_bytes: list[int] = []
+        self.moved_peak_bytes: list[int] = []
+        self.ingested_bytes: list[int] = []
+        self._arrived_tokens = 0  # tokens ingested since the last round was planned
         self.patches = np.zeros_like(lengths)  # (N,) vision patches per dataset identity
         self.num_samples = int(lengths.shape[0])
         world = config.world.world_size
@@ -202,6 +220,10 @@ class _Simulation:
             num_rejected=self.num_rejected,
             ranks_per_unit=self.config.ranks_per_unit,
             world_size=self.config.world.world_size,
+            moved_samples=np.asarray(self.moved_samples, dtype=np.int64),
+            moved_bytes=np.asarray(self.moved_bytes, dtype=np.int64),
+            moved_peak_bytes=np.asarray(self.moved_peak_bytes, dtype=np.int64),
+            ingested_bytes=np.asarray(self.ingested_bytes, dtype=np.int64),
         )
 
     def _run_join_epoch(self, epoch: int) -> None:
@@ -243,9 +265,22 @@ class _Simulation:
             config = dataclasses.replace(
                 config, cost=self.costs[len(self.rounds) % len(self.costs)]
             )
+        held: tuple[SampleTable, ...] = ()
+        if self.migration is not None:
+            moves = plan_migration(offers, config, self.migration)
+            offers, held = list(moves.offers), moves.held
+            self.moved_samples.append(moves.num_moved)
+            self.moved_bytes.append(moves.bytes_moved)
+            self.moved_peak_bytes.append(moves.busiest_node_bytes(config.num_units))
+            self.ingested_bytes.append(
+                int(np.ceil(self._arrived_tokens * self.migration.bytes_per_token))
+            )
+            self._arrived_tokens = 0
         plan = plan_round(offers, config, len(self.rounds), self.trace)
         for unit, feed in zip(plan.units, self.feeds, strict=True):
             feed.buffer = unit.leftover
+            if held and len(held[unit.unit]):
+                feed.buffer = feed.buffer.concat(held[unit.unit])
         return plan
 
     def _keep(self, plan: RoundPlan, kept: int, epochs: IntArray) -> None:
@@ -293,6 +328,7 @@ class _Simulation:
         good = ~bad
         keys = views[good] + iteration * self.num_views
         good_ids = identities[good]
+        self._arrived_tokens += int(lengths[good].sum())
         return SampleTable.of(
             keys, lengths[good], self.tokens[good_ids], patches=self.patches[good_ids]
         )

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from odbd.planner import alignment, assignment, company, selection
-from odbd.planner.config import Grouping, LossScaling, PlannerConfig
+from odbd.planner.config import Align, Grouping, LossScaling, PlannerConfig
 from odbd.planner.grouping import sort_longest_first
 from odbd.planner.loss_scaling import step_weights
 from odbd.planner.summary import GroupedUnit, SortedBuffer, range_max
@@ -111,7 +111,10 @@ def _fit(
         fullest = _fullest(unit, num_slots, hold, config)
         if fullest is not None:
             return fullest
-    return alignment.fit_groups(unit.groups, num_slots, priority), unit.buffer
+    # --align updates: a unit short of groups leaves slots idle (its ranks skip them) rather
+    # than split groups into more micro-steps, each costing the per-step constant
+    split = config.align is Align.STEPS
+    return alignment.fit_groups(unit.groups, num_slots, priority, split), unit.buffer
 
 
 def _fullest(
@@ -153,7 +156,7 @@ def _keep_priority(groups: Groups, buffer: SortedBuffer, config: PlannerConfig) 
     # Packed groups have no capacity in samples: how full they are (fill) says it all.
     full = np.zeros(len(groups)) if buffer.packed else (groups.sizes() >= capacity).astype(float)
     real = buffer.csum_len[groups.ends] - buffer.csum_len[groups.starts]
-    fill = np.minimum(real / config.token_budget, 1.0)
+    fill = np.minimum(real / config.row_budget, 1.0)
     oldest = range_max(buffer.ages, groups)
     return 2.0 * oldest + full + fill
 

@@ -135,7 +135,7 @@ def _group(offer: UnitOffer, config: PlannerConfig, round_index: int) -> Groups:
     rng = _cut_rng(config, round_index, offer)
     if config.collate is Collate.PACKED or config.max_patches > 0:
         return group_with_budgets(
-            offer.samples, config.token_budget, config.max_patches, config.collate, rng
+            offer.samples, config.row_budget, config.max_patches, config.collate, rng
         )
     return group_buffer(offer.samples, config.token_budget, config.grouping, rng)
 

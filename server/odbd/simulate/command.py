@@ -20,12 +20,20 @@ import numpy as np
 from odbd import flags
 from odbd.errors import ConfigError
 from odbd.planner.config import (
+    Align,
     Balance,
     Collate,
     CostModel,
     Grouping,
     LossScaling,
     PlannerConfig,
+)
+from odbd.planner.migration import (
+    DEFAULT_BYTES_PER_TOKEN,
+    DEFAULT_LINK_BYTES_PER_S,
+    DEFAULT_SECONDS_PER_WORK,
+    LinkModel,
+    Migrate,
 )
 from odbd.simulate.distributions import NAMES, sample_lengths
 from odbd.simulate.lengths import read_lengths_and_patches
@@ -55,6 +63,7 @@ class Setup:
     as_json: bool
     plan_out: str | None
     planning_time: bool = False  # report per-daemon planning time and payload bytes
+    migration: LinkModel | None = None  # --migrate auto: planner/migration.py's link model
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -136,6 +145,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="updates closed at >= T loss tokens over all ranks (reports tokens per update)",
     )
     world.add_argument(
+        "--align",
+        choices=[a.value for a in Align],
+        default="steps",
+        help="updates: also time the plan with ranks aligned at optimizer updates (issue 26)",
+    )
+    world.add_argument(
         "--collate",
         choices=[c.value for c in Collate],
         default="padded",
@@ -147,6 +162,34 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=0,
         metavar="N",
         help="at most N vision patches per group (patch counts: --lengths' second column)",
+    )
+    move = parser.add_argument_group("cross-node moves (planner/migration.py)")
+    move.add_argument(
+        "--migrate",
+        choices=[m.value for m in Migrate],
+        default=Migrate.OFF.value,
+        help="auto: move samples between nodes when the link model says it pays",
+    )
+    move.add_argument(
+        "--link-gbps",
+        type=flags.number,
+        default=DEFAULT_LINK_BYTES_PER_S * 8 / 1e9,
+        metavar="G",
+        help="each node's network bandwidth per direction, Gb/s",
+    )
+    move.add_argument(
+        "--token-seconds",
+        type=flags.number,
+        default=DEFAULT_SECONDS_PER_WORK,
+        metavar="S",
+        help="seconds per token-equivalent of the cost model (prices the gain of a move)",
+    )
+    move.add_argument(
+        "--bytes-per-token",
+        type=flags.number,
+        default=DEFAULT_BYTES_PER_TOKEN,
+        metavar="B",
+        help="a sample's bytes per token (prices a move on the link)",
     )
     model = parser.add_argument_group("cost model (token-equivalents)")
     model.add_argument(
@@ -224,6 +267,7 @@ def build_setup(args: argparse.Namespace) -> Setup:
         fresh_groups=args.fresh_groups,
         accumulate=args.accumulate,
         tokens_per_update=args.tokens_per_update,
+        align=Align(args.align),
         collate=Collate(args.collate),
         max_patches=args.max_patches,
     )
@@ -232,6 +276,7 @@ def build_setup(args: argparse.Namespace) -> Setup:
             "--accumulate and --tokens-per-update need join mode (a --no-join epoch ends "
             "mid-round and would cut an update in two); drop --no-join"
         )
+    migration = _migration(args, config)
     lengths, patches, source = _load_lengths(args)
     _check_batch_form(args, config, patches)
     return Setup(
@@ -245,6 +290,22 @@ def build_setup(args: argparse.Namespace) -> Setup:
         as_json=args.json,
         plan_out=args.plan_out,
         planning_time=args.planning_time,
+        migration=migration,
+    )
+
+
+def _migration(args: argparse.Namespace, config: PlannerConfig) -> LinkModel | None:
+    if Migrate(args.migrate) is Migrate.OFF:
+        return None
+    if config.balance is not Balance.NODE:
+        raise ConfigError(
+            "--migrate auto moves samples between nodes' pooled buffers, which --balance rank "
+            "does not have; drop --balance rank or pass --migrate off"
+        )
+    return LinkModel(
+        bytes_per_s=args.link_gbps * 1e9 / 8,
+        seconds_per_work=args.token_seconds,
+        bytes_per_token=args.bytes_per_token,
     )
 
 
@@ -312,8 +373,12 @@ def _write_outputs(setup: Setup, outcome: Outcome) -> None:
             report["repeated_groups"] = freshness.as_json()
         if setup.config.windows:
             report["updates"] = summarize_updates(outcome.result).as_json()
+        if outcome.align is not None:
+            report["align"] = outcome.align.as_json()
         if outcome.planning is not None:
             report["planning"] = outcome.planning.as_json()
+        if outcome.migration is not None:
+            report["migration"] = outcome.migration.as_json()
         print(json.dumps(report))
         return
     print(_header(setup, outcome.num_rejected))
@@ -322,10 +387,18 @@ def _write_outputs(setup: Setup, outcome: Outcome) -> None:
         print(render_freshness(freshness))
     if setup.config.windows:
         print(render_updates(summarize_updates(outcome.result)))
+    if outcome.align is not None:
+        from odbd.simulate.update_align import render_align  # the planner is loaded by now
+
+        print(render_align(outcome.align))
     if outcome.planning is not None:
         from odbd.simulate.planning_time import render_planning  # the planner is loaded by now
 
         print(render_planning(outcome.planning))
+    if outcome.migration is not None:
+        from odbd.simulate.migration import render_migration
+
+        print(render_migration(outcome.migration))
 
 
 def _header(setup: Setup, num_rejected: int) -> str:
@@ -341,6 +414,12 @@ def _header(setup: Setup, num_rejected: int) -> str:
         f"{setup.epochs} epoch(s), seed {c.seed}, fresh groups {fresh}; "
         f"cost a={c.cost.a:g} b={c.cost.b:g} c={c.cost.c:g} (token-equivalents)",
     ]
+    if setup.migration is not None:
+        m = setup.migration
+        lines.append(
+            f"migrate auto: link {m.bytes_per_s * 8 / 1e9:g} Gb/s per node, "
+            f"{m.seconds_per_work:g} s per token-equivalent, {m.bytes_per_token:g} bytes/token"
+        )
     if num_rejected:
         lines.append(f"{num_rejected} zero-length sample(s) were rejected by the planner")
     return "\n".join(lines)

@@ -1,0 +1,390 @@
+"""Cross-node post-balancing (`--migrate auto`): before a round is planned, move samples from
+nodes that hold more than their share of a cost level to nodes that hold less.
+
+Why: a plan that keeps every sample on the node whose producers made it pays for each node's
+draw of the sampler. The busiest node sets every round's length (it holds 1-3 % more work than
+the mean node on heavy tails), and a node's few samples over the budget (one group each) form
+runs of 8 whose costs differ from the other nodes' runs, so each step lasts its costliest node's
+run. Both are noise of the draw; moving a few samples per cost level removes it (the global
+oracle of simulate/oracle.py is the reference; OrchMLLM's Batch Post-Balancing Dispatcher is
+the same idea across DP ranks).
+
+What moves: the round's samples, pooled over every node, sorted costliest first (cost model
+work of one sample, a x l + b x l^2 + p x patches). Samples over L/2 (groups of one: no other
+sample fits beside them) are cut into blocks of W, G per node, so each node's k-th run of G is
+its share of the k-th block and step k runs W neighbours of the round's order; the rest is cut
+into LEVELS bins of equal work, each node's target being its even share of a bin's count (the
+remainder stays with the nodes holding the most). A node over its target sends its cheapest
+samples of the level to the nodes under it. Levels are balanced costliest first, and
+`plan_migration` takes the number whose estimated round-time gain beats the time the bytes
+take on the link by the most (nothing moves when none does). Samples over the budget whose
+block of W spreads wider than HOLD_SPREAD wait for a later round (_holds), where more of them
+meet: the steps that run them are the ones a round plan loses most to (docs/bench/migration.md).
+Every daemon computes the same moves from the same inputs: this module is pure.
+
+The link model: `bytes_per_s` per node and direction (a node sends and receives at once); the
+round's move time is the busiest node's max(bytes out, bytes in) / bytes_per_s. It is charged
+in full against the gain even though the move overlaps the trainers' current steps, so a move
+is made only when it pays even without the overlap.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+
+import numpy as np
+
+from odbd.errors import ConfigError, InvariantError
+from odbd.planner.config import Balance, PlannerConfig
+from odbd.planner.types import IntArray, SampleTable, UnitOffer
+
+
+class Migrate(StrEnum):
+    AUTO = "auto"  # move samples between nodes when the link model says it pays
+    OFF = "off"  # every sample stays on the node whose producers made it
+
+
+# 8 Gb/s: what one gRPC stream of 1 MiB messages carried over loopback on this machine (median
+# 9.0 Gb/s, 2 cores at load ~14; memcpy 2.9 GiB/s there; docs/bench/migration.md). The bulk
+# channel is such a stream, so this is the most a daemon moves whatever its NIC; on a slower
+# link pass --link-gbps. A default above the real rate would move bytes that then delay the
+# round, one below it only forgoes some gain (rounds last seconds, moves milliseconds).
+DEFAULT_LINK_BYTES_PER_S = 8e9 / 8
+# Seconds per token-equivalent of the default cost model (c = 1800 reproduces the paper's 8B
+# step times): 6 x 8e9 FLOP per trained token at ~400 TFLOP/s (a ~1 PFLOP/s bf16 GPU at 40 %
+# MFU) is 1.2e-4 s. Live daemons use their fitted cost model's seconds instead.
+DEFAULT_SECONDS_PER_WORK = 1.2e-4
+# Bytes a token takes in a sample when the real payload size is unknown (simulate): int32 ids.
+DEFAULT_BYTES_PER_TOKEN = 4.0
+LEVELS = 64  # equal-work bins of the pooled round's samples that can share a group
+# Samples over the budget (groups of one) run W to a step; a step lasts its costliest. A block of
+# W neighbours in cost order whose cheapest is under (1 - HOLD_SPREAD) x its costliest waits for
+# the next round (its costliest member does), where more of them meet: at most HOLD_ROUNDS
+# rounds per sample, never in a round where every unit is dry (the epoch must flush).
+HOLD_SPREAD = 0.02
+HOLD_ROUNDS = 32
+WORK_CANDIDATES = (2, 4, 8, 16, 32)  # bins balanced (costliest first) besides every bin
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LinkModel:
+    """What moving a sample costs and what a token-equivalent of work is worth, in seconds."""
+
+    bytes_per_s: float = DEFAULT_LINK_BYTES_PER_S
+    seconds_per_work: float = DEFAULT_SECONDS_PER_WORK
+    bytes_per_token: float = DEFAULT_BYTES_PER_TOKEN
+
+    def __post_init__(self) -> None:
+        if not self.bytes_per_s > 0:
+            raise ConfigError(
+                f"--link-gbps must be > 0, got {self.bytes_per_s * 8 / 1e9:g}; pass the "
+                "node's network bandwidth in Gb/s (or --migrate off to keep data local)"
+            )
+        if not (self.seconds_per_work > 0 and self.bytes_per_token > 0):
+            raise ConfigError(f"seconds per work unit and bytes per token must be > 0, got {self}")
+
+
+@dataclass(frozen=True, slots=True)
+class MigrationPlan:
+    """One round's moves and the offers after them (identical on every daemon)."""
+
+    offers: tuple[UnitOffer, ...]  # what plan_round plans: moved samples on their new unit
+    views: IntArray  # (m,) view keys moved, costliest first
+    sources: IntArray  # (m,) unit each came from
+    targets: IntArray  # (m,) unit it goes to
+    nbytes: IntArray  # (m,) bytes of each
+    bins: int  # cost levels balanced (0: nothing moved)
+    gain_s: float  # estimated round-time gain of the moves, seconds
+    move_s: float  # the moves' time on the link (busiest node), seconds
+    bytes_offered: int = 0  # bytes of every sample offered this round
+    # per unit: samples over the budget kept out of this round's offer (back in its buffer for
+    # the next round, one recirculation older); empty tables when nothing waits
+    held: tuple[SampleTable, ...] = ()
+
+    @property
+    def num_moved(self) -> int:
+        return int(self.views.shape[0])
+
+    @property
+    def bytes_moved(self) -> int:
+        return int(self.nbytes.sum())
+
+    def busiest_node_bytes(self, num_units: int) -> int:
+        """The most bytes one node sends or receives: what sets the moves' time on the link."""
+        if self.num_moved == 0:
+            return 0
+        out = np.bincount(self.sources, weights=self.nbytes, minlength=num_units)
+        into = np.bincount(self.targets, weights=self.nbytes, minlength=num_units)
+        return int(np.maximum(out, into).max())
+
+
+def plan_migration(
+    offers: Sequence[UnitOffer],
+    config: PlannerConfig,
+    link: LinkModel,
+    sample_bytes: Sequence[IntArray] | None = None,
+) -> MigrationPlan:
+    """The round's moves: balance the costliest k cost levels across nodes, k chosen by the
+    estimated gain minus the link time (see the module docstring). `sample_bytes[u][i]` is the
+    payload size of offers[u].samples row i (default: length x link.bytes_per_token)."""
+    sizes = _sample_bytes(offers, link, sample_bytes)
+    offered = int(sum(int(s.sum()) for s in sizes))
+    nothing = _unchanged(offers, offered)
+    if config.balance is not Balance.NODE or config.num_units < 2:
+        return nothing
+    pool = _Pool.of(offers, sizes, config)
+    if pool.n == 0:
+        return nothing
+    before = _estimate(pool.unit, pool, config)
+    best_k, best_net, best = 0, 0.0, (pool.unit, 0.0, 0.0)
+    unit, done = pool.unit.copy(), 0
+    for k in _candidates(pool):
+        _balance_levels(pool, unit, range(done, k), config.num_units)
+        done = k
+        gain = (before - _estimate(unit, pool, config)) * link.seconds_per_work
+        move_s = _move_seconds(pool, unit, config.num_units, link)
+        if gain - move_s > best_net:
+            best_k, best_net, best = k, gain - move_s, (unit.copy(), gain, move_s)
+    if best_k == 0 and not pool.held.any():
+        return nothing
+    unit, gain, move_s = best
+    return _apply(offers, pool, unit, best_k, gain, move_s, offered)
+
+
+def _candidates(pool: _Pool) -> list[int]:
+    """Numbers of levels to balance, costliest first: the groups of one alone, then with the
+    costliest 2, 4, ... of the equal-work bins."""
+    s = pool.singleton_levels
+    out = [s] if s else []
+    out += [s + k for k in WORK_CANDIDATES if s + k <= len(pool.levels)]
+    if not out or out[-1] < len(pool.levels):
+        out.append(len(pool.levels))
+    return sorted(set(k for k in out if k > 0))
+
+
+def _sample_bytes(
+    offers: Sequence[UnitOffer], link: LinkModel, given: Sequence[IntArray] | None
+) -> list[IntArray]:
+    if given is None:
+        return [np.ceil(o.samples.lengths * link.bytes_per_token).astype(np.int64) for o in offers]
+    out = [np.asarray(b, dtype=np.int64) for b in given]
+    for o, b in zip(offers, out, strict=True):
+        if b.shape != o.samples.views.shape:
+            raise InvariantError(f"unit {o.unit}: {b.shape[0]} sizes for {len(o.samples)} samples")
+    return out
+
+
+def _unchanged(offers: Sequence[UnitOffer], offered: int) -> MigrationPlan:
+    z = np.zeros(0, dtype=np.int64)
+    return MigrationPlan(tuple(offers), z, z, z, z, 0, 0.0, 0.0, offered)
+
+
+@dataclass(frozen=True, slots=True)
+class _Pool:
+    """Every offered sample, costliest first (ties: the units interleaved)."""
+
+    unit: IntArray  # (n,) source unit
+    row: IntArray  # (n,) row in its unit's table
+    work: np.ndarray  # (n,) float64 one-sample work
+    lengths: IntArray
+    nbytes: IntArray
+    singleton: np.ndarray  # (n,) bool: no other sample fits beside it (a group of one)
+    held: np.ndarray  # (n,) bool: waits for the next round (HOLD_SPREAD)
+    levels: list[IntArray]  # pool positions of each level, costliest level first
+    chunks: list[int]  # per level: a unit's share is a multiple of this (G for groups of one)
+    singleton_levels: int  # the first this many levels hold the groups of one
+    budget: int
+    ranks: int
+
+    @property
+    def n(self) -> int:
+        return int(self.unit.shape[0])
+
+    @staticmethod
+    def of(offers: Sequence[UnitOffer], sizes: list[IntArray], config: PlannerConfig) -> _Pool:
+        tables = [o.samples for o in offers]
+        unit = np.concatenate([np.full(len(o.samples), o.unit, np.int64) for o in offers])
+        row = np.concatenate([np.arange(len(t), dtype=np.int64) for t in tables])
+        lengths = np.concatenate([t.lengths for t in tables])
+        ages = np.concatenate([t.ages for t in tables])
+        patches = np.concatenate([t.patches for t in tables])
+        nbytes = np.concatenate(sizes)
+        work = np.asarray(
+            config.cost.work(lengths.astype(np.float64), lengths.astype(np.float64) ** 2, patches),
+            dtype=np.float64,
+        )
+        # Ties interleave the units (row within its unit, then unit), so equal samples of a
+        # level are already spread evenly and do not move back and forth between bins.
+        order = np.lexsort((unit, row, -work))
+        unit, row, work, lengths, nbytes, ages = (
+            x[order] for x in (unit, row, work, lengths, nbytes, ages)
+        )
+        half = config.token_budget // 2
+        # Padded or packed alike, two samples longer than L/2 never share a group.
+        singleton = lengths > half
+        g = config.ranks_per_unit
+        block = g * config.num_units
+        flush = all(o.dry for o in offers)
+        held = _holds(work, lengths > config.token_budget, ages, block, flush)
+        # Groups of one in blocks of W (G per node): each node's k-th run of G is then the k-th
+        # block's share, and step k runs W neighbours of the round's sorted order.
+        single = np.flatnonzero(singleton & ~held)
+        levels = [single[i : i + block] for i in range(0, len(single), block)]
+        rest = np.flatnonzero(~singleton & ~held)
+        bins = _levels(work[rest], config.num_units)
+        cuts = np.flatnonzero(np.diff(bins)) + 1
+        work_levels = [x for x in np.split(rest, cuts) if x.size]
+        return _Pool(
+            unit, row, work, lengths, nbytes, singleton, held, levels + work_levels,
+            [g] * len(levels) + [1] * len(work_levels), len(levels), config.token_budget, g,
+        )  # fmt: skip
+
+
+def _holds(
+    work: np.ndarray, outsized: np.ndarray, ages: IntArray, block: int, flush: bool
+) -> np.ndarray:
+    """Which samples over the budget wait a round: walking them costliest first, a block of the
+    next `block` whose cheapest is within HOLD_SPREAD of its costliest runs (one step's worth);
+    otherwise the costliest waits, unless it has waited HOLD_ROUNDS already. The last partial
+    block runs (its steps mix with groups of ordinary cost anyway)."""
+    held = np.zeros(work.shape, dtype=bool)
+    if flush:
+        return held
+    big = np.flatnonzero(outsized)
+    p = 0
+    while p + block <= big.size:
+        first, last = work[big[p]], work[big[p + block - 1]]
+        if last >= (1 - HOLD_SPREAD) * first or ages[big[p]] >= HOLD_ROUNDS:
+            p += block if last >= (1 - HOLD_SPREAD) * first else 1
+        else:
+            held[big[p]] = True
+            p += 1
+    return held
+
+
+def _levels(work: np.ndarray, num_units: int) -> IntArray:
+    """Bin of every sample (sorted costliest first): LEVELS bins of equal work, a bin closed only
+    once it holds a sample per unit (a bin of fewer cannot be dealt evenly)."""
+    n = int(work.shape[0])
+    cum = np.cumsum(work)
+    total = float(cum[-1]) if n else 0.0
+    if total <= 0:
+        return np.zeros(n, np.int64)
+    by_work = np.minimum((cum - work) * LEVELS // total, LEVELS - 1).astype(np.int64)
+    candidates = np.flatnonzero(np.diff(by_work)) + 1  # first position of each work bin
+    starts = [0]
+    for c in candidates.tolist():
+        if c - starts[-1] >= num_units and n - c >= num_units:
+            starts.append(c)
+    level = np.zeros(n, np.int64)
+    level[np.asarray(starts[1:], dtype=np.int64)] = 1
+    return np.cumsum(level)
+
+
+def _balance_levels(pool: _Pool, unit: IntArray, levels: range, num_units: int) -> None:
+    """Moves samples of `levels` (in `unit`, in place) so every unit holds its share of each:
+    the level's count over the units in whole chunks, the units holding the most keeping the
+    remainder (fewest moves; ties: lower unit); a unit over its share sends its cheapest."""
+    for lv in levels:
+        idx = pool.levels[lv]
+        chunk = pool.chunks[lv]
+        counts = np.bincount(pool.unit[idx], minlength=num_units)
+        chunks, tail = divmod(int(idx.size), chunk)
+        base, extra = divmod(chunks, num_units)
+        by_most = np.lexsort((np.arange(num_units), -counts))
+        target = np.full(num_units, base * chunk, np.int64)
+        target[by_most[:extra]] += chunk
+        target[by_most[extra % num_units]] += tail
+        surplus = counts - target
+        if not surplus.any():
+            continue
+        outgoing: list[int] = []
+        for u in np.flatnonzero(surplus > 0):
+            mine = idx[pool.unit[idx] == u]
+            outgoing.extend(mine[len(mine) - int(surplus[u]) :].tolist())  # its cheapest
+        slots = np.repeat(np.arange(num_units), np.maximum(-surplus, 0))
+        if len(slots) != len(outgoing):
+            raise InvariantError(f"level {lv}: {len(outgoing)} samples for {len(slots)} places")
+        unit[np.asarray(outgoing, np.int64)] = slots
+
+
+def _estimate(unit: IntArray, pool: _Pool, config: PlannerConfig) -> float:
+    """The round's time in work units, roughly: every node deals its groups of one (samples over
+    L/2) in runs of G costliest first, step k lasting the costliest node's k-th run; the rest is
+    fluid, each node's remaining work spread over its G ranks; plus c per step, the steps being
+    the busiest node's groups / G."""
+    g = pool.ranks
+    nodes = config.num_units
+    runs: list[np.ndarray] = []
+    rest = np.zeros(nodes)
+    groups = np.zeros(nodes)
+    for u in range(nodes):
+        mine = (unit == u) & ~pool.held
+        single = mine & pool.singleton
+        costs = pool.work[single]  # already costliest first (the pool's order)
+        runs.append(costs[::g])
+        rest[u] = (pool.work[mine].sum() - costs.sum()) / g
+        groups[u] = costs.size + pool.lengths[mine & ~pool.singleton].sum() / pool.budget
+    depth = max((r.size for r in runs), default=0)
+    tail = np.zeros(depth)
+    for r in runs:
+        tail[: r.size] = np.maximum(tail[: r.size], r)
+    steps = float(np.ceil(groups.max() / g))
+    return float(config.cost.c * steps + tail.sum() + rest.max())
+
+
+def _move_seconds(pool: _Pool, unit: IntArray, nodes: int, link: LinkModel) -> float:
+    moved = unit != pool.unit
+    if not moved.any():
+        return 0.0
+    out = np.bincount(pool.unit[moved], weights=pool.nbytes[moved], minlength=nodes)
+    into = np.bincount(unit[moved], weights=pool.nbytes[moved], minlength=nodes)
+    return float(np.maximum(out, into).max() / link.bytes_per_s)
+
+
+def _apply(
+    offers: Sequence[UnitOffer],
+    pool: _Pool,
+    unit: IntArray,
+    bins: int,
+    gain: float,
+    move_s: float,
+    offered: int,
+) -> MigrationPlan:
+    moved = np.flatnonzero(unit != pool.unit)
+    waiting = np.flatnonzero(pool.held)
+    tables = [o.samples for o in offers]
+    staying: list[IntArray] = []
+    held: list[SampleTable] = []
+    for o, t in zip(offers, tables, strict=True):
+        keep = np.ones(len(t), dtype=bool)
+        keep[pool.row[moved[pool.unit[moved] == o.unit]]] = False
+        mine = pool.row[waiting[pool.unit[waiting] == o.unit]]
+        keep[mine] = False
+        held.append(t.take(np.sort(mine)).aged())
+        staying.append(keep)
+    new_offers = []
+    for o, t, keep in zip(offers, tables, staying, strict=True):
+        arriving = moved[unit[moved] == o.unit]
+        parts = [t.take(np.flatnonzero(keep))]
+        for src in np.unique(pool.unit[arriving]):
+            rows = pool.row[arriving[pool.unit[arriving] == src]]
+            parts.append(tables[int(src)].take(rows))
+        new_offers.append(UnitOffer(o.unit, SampleTable.concat_all(parts), o.dry))
+    views = np.concatenate([t.views for t in tables])
+    starts = np.cumsum([0] + [len(t) for t in tables[:-1]])
+    moved_views = views[starts[pool.unit[moved]] + pool.row[moved]]
+    return MigrationPlan(
+        tuple(new_offers),
+        moved_views,
+        pool.unit[moved],
+        unit[moved],
+        pool.nbytes[moved],
+        bins,
+        gain,
+        move_s,
+        offered,
+        tuple(held),
+    )
