@@ -25,6 +25,8 @@ from odbd.planner.types import NodeRoundPlan, RoundDecision, UnitOffer
 from odbd.round import RoundBarrier
 from odbd.round.barrier import RoundRecord
 
+Reducer = Callable[[list[bytes]], bytes]  # every node's payload -> the result (the hub's)
+
 
 def barrier_round(round_index: int, phase: int, per_round: int = 2) -> int:
     """The barrier round of planner round `round_index`'s exchange `phase` (0 .. per_round - 1;
@@ -56,13 +58,9 @@ class SplitExchange:
         grouped, payload = split_round.node_summary(side, offers, config, seed_round)
         self.planning_s = time.perf_counter() - started
 
-        def reduce(payloads: list[bytes]) -> bytes:  # on the hub only
-            begun = time.perf_counter()
-            try:
-                return split_round.hub_decide(payloads, config, seed_round, absorb, round_index)
-            finally:
-                self.planning_s += time.perf_counter() - begun
-
+        reduce = self._timed(
+            lambda p: split_round.hub_decide(p, config, seed_round, absorb, round_index)
+        )
         sent = time.perf_counter()
         result = await self.barrier.exchange_reduced(
             barrier_round(round_index, 0, self.per_round), payload, reduce
@@ -90,20 +88,8 @@ class SplitExchange:
         draft, payload = split_round.node_totals(self.node, grouped, decision, config, self.source)
         self.planning_s += time.perf_counter() - started
 
-        def reduce(payloads: list[bytes]) -> bytes:  # on the hub only
-            begun = time.perf_counter()
-            try:
-                return split_round.hub_combine(payloads, decision.num_steps)
-            finally:
-                self.planning_s += time.perf_counter() - begun
-
-        sent = time.perf_counter()
-        result = await self.barrier.exchange_reduced(
-            barrier_round(round_index, 1, self.per_round), payload, reduce
-        )
-        self.exchange_s += time.perf_counter() - sent
-        if self.last_round is not None:
-            self.last_round = RoundRecord(round_index, self.exchange_s, self.last_round.last_node)
+        reduce = self._timed(lambda p: split_round.hub_combine(p, decision.num_steps))
+        result = await self._exchange(round_index, 1, payload, reduce)
         started = time.perf_counter()
         done = split_round.node_complete(draft, decision, result, config)
         self.planning_s += time.perf_counter() - started
@@ -123,13 +109,7 @@ class SplitExchange:
         )
         self.planning_s += time.perf_counter() - started
 
-        def combine(payloads: list[bytes]) -> bytes:  # on the hub only
-            begun = time.perf_counter()
-            try:
-                return split_updates.hub_combine(payloads, decision.num_steps)
-            finally:
-                self.planning_s += time.perf_counter() - begun
-
+        combine = self._timed(lambda p: split_updates.hub_combine(p, decision.num_steps))
         result = await self._exchange(round_index, 1, payload, combine)
         started = time.perf_counter()
         parts = split_updates.node_complete(drafts, decision, result, config)
@@ -138,21 +118,27 @@ class SplitExchange:
         self.planning_s += time.perf_counter() - started
         windows = [p.windows for p, _ in parts]
 
-        def grid(payloads: list[bytes]) -> bytes:  # on the hub only
-            begun = time.perf_counter()
-            try:
-                return split_updates.hub_grid(payloads, windows)
-            finally:
-                self.planning_s += time.perf_counter() - begun
-
+        grid = self._timed(lambda p: split_updates.hub_grid(p, windows))
         result = await self._exchange(round_index, 2, payload, grid)
         started = time.perf_counter()
         done = split_updates.node_align(parts, deals, result, first, config)
         self.planning_s += time.perf_counter() - started
         return done
 
+    def _timed(self, reduce: Reducer) -> Reducer:
+        """`reduce` (run on the hub only) with its time added to the round's planning time."""
+
+        def timed(payloads: list[bytes]) -> bytes:
+            begun = time.perf_counter()
+            try:
+                return reduce(payloads)
+            finally:
+                self.planning_s += time.perf_counter() - begun
+
+        return timed
+
     async def _exchange(
-        self, round_index: int, phase: int, payload: bytes, reduce: Callable[[list[bytes]], bytes]
+        self, round_index: int, phase: int, payload: bytes, reduce: Reducer
     ) -> bytes:
         """One exchange after the first, its time added to the round's."""
         sent = time.perf_counter()
