@@ -54,7 +54,8 @@ def test_the_readme_job_is_a_valid_daemon_and_a_compiling_train_py(tmp_path: Pat
     odbd = command(commands, "odbd")
     args = daemon_parser().parse_args(odbd[1:])
     config = config_from_args(args, {"ODBD_SOCKET": str(tmp_path / "odbd.sock")})
-    assert (config.world, config.nproc_per_node) == (2, 2)
+    assert (config.world.world_size, config.world.ranks_per_node) == (2, 2)
+    assert config.dataset is not None and (REPO / config.dataset.partition(":")[0]).is_file()
     assert command(commands, "torchrun")[1:] == [
         "--standalone",
         "--nproc-per-node",
