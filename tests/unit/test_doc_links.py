@@ -1,5 +1,6 @@
-"""Every relative markdown link in README.md, server/README.md and docs/**/*.md points at a file or
-directory that exists, and every `#anchor` at a heading of its target (GitHub's anchor rules).
+"""Every relative markdown link in README.md, server/README.md, ops/README.md and docs/**/*.md
+points at a file or directory that exists, and every `#anchor` at a heading of its target
+(GitHub's anchor rules).
 
 Pages move (issue 28 moved README's design, operations and benchmark sections into docs/); a link
 left behind fails here, naming the page, the line and the target.
@@ -23,7 +24,7 @@ HTML_ANCHOR = re.compile(r"<a\s+(?:name|id)=\"([^\"]+)\"")
 
 
 def pages() -> list[Path]:
-    found = [REPO / "README.md", REPO / "server" / "README.md"]
+    found = [REPO / "README.md", REPO / "server" / "README.md", REPO / "ops" / "README.md"]
     found += sorted((REPO / "docs").rglob("*.md"))
     return [p for p in found if p.is_file()]
 
