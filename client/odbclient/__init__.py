@@ -2,6 +2,14 @@
 
     from odbclient import ODBClient, Producer
 
+Two sides of the daemon's shared memory, one package each: `odbclient.trainer` runs in each
+training process and reads batches out of it, `odbclient.producer` runs in producer processes
+and writes samples into it. The modules at this level are what both sides and the daemon
+(odbd) share: the segment and sample layout (shm, samples, alloc), the socket framing and
+where the daemon listens (framing, connect), the trust checks on its files (local_trust), the
+errors (errors) and the generated protocol (wire). `adapters` wraps the trainer side for
+Hugging Face Trainer and Accelerate.
+
 `ODBClient`, `Batch`, `Producer` and `DEFAULT_SOCKET` load on first use (PEP 562), so the
 daemon can import `odbclient.shm` without paying for torch and the gRPC stubs.
 """
@@ -31,19 +39,19 @@ from odbclient.errors import (
 )
 
 if TYPE_CHECKING:
-    from odbclient.batch import Batch
-    from odbclient.client import DEFAULT_SOCKET, ODBClient
-    from odbclient.packed_check import PackedAttentionError, check_packed_model
-    from odbclient.producer import Producer, RejectReason
+    from odbclient.producer.producer import Producer, RejectReason
+    from odbclient.trainer.batch import Batch
+    from odbclient.trainer.client import DEFAULT_SOCKET, ODBClient
+    from odbclient.trainer.packed_check import PackedAttentionError, check_packed_model
 
 _LAZY = {
-    "ODBClient": "odbclient.client",
+    "ODBClient": "odbclient.trainer.client",
     "DEFAULT_SOCKET": "odbclient.connect",
-    "Batch": "odbclient.batch",
-    "Producer": "odbclient.producer",
+    "Batch": "odbclient.trainer.batch",
+    "Producer": "odbclient.producer.producer",
     "RejectReason": "odbclient.samples",
-    "check_packed_model": "odbclient.packed_check",
-    "PackedAttentionError": "odbclient.packed_check",
+    "check_packed_model": "odbclient.trainer.packed_check",
+    "PackedAttentionError": "odbclient.trainer.packed_check",
 }
 
 __all__ = [

@@ -27,7 +27,7 @@ def dataset_size_of(config: DaemonConfig) -> int:
     """--dataset-size, or len() of the dataset the producers will import."""
     if config.dataset_size is not None:
         return config.dataset_size
-    from odbclient.dataset import load_dataset, parse_dataset_args
+    from odbclient.producer.dataset import load_dataset, parse_dataset_args
 
     assert config.dataset is not None
     args = parse_dataset_args([f"{k}={v}" for k, v in config.dataset_args])

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import numpy as np
 
-from odbclient.collate import BatchForm, collate
 from odbclient.shm import decode, encode_into, encoded_size
+from odbclient.trainer.collate import BatchForm, collate
 from tests.integration.ddp_data import LongTailTokens
 
 BATCH = 16

@@ -13,9 +13,9 @@ ms (time.sleep: like torch kernels, it releases the GIL to the client's reader t
 With `--metrics-url`, the daemon's /metrics is scraped twice to measure pipeline overlap on the
 daemon's side over the steps after warmup: once at the end of step K's compute, and once after
 the epoch ended (after a short pause, so the last Delivered has landed). ODBClient reports a
-step's Delivered within ~1 ms of handing it out (odbclient.reports), so by the first scrape the
-reports of steps 0..K have normally landed and that of step K+1 is not made yet; the difference
-covers steps K+1..last, the same steps the trainer-side numbers use.
+step's Delivered within ~1 ms of handing it out (odbclient.trainer.reports), so by the first
+scrape the reports of steps 0..K have normally landed and that of step K+1 is not made yet; the
+difference covers steps K+1..last, the same steps the trainer-side numbers use.
 The result is one JSON object written to --out.
 """
 

@@ -21,7 +21,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from odbclient.producer import ProducerCore  # noqa: E402
+from odbclient.producer.producer import ProducerCore  # noqa: E402
 from tests.bench.datapath_dataset import FixedSizeDataset  # noqa: E402
 
 

@@ -17,9 +17,9 @@ from collections.abc import Callable
 
 import numpy as np
 
-from odbclient.collate import BatchForm
-from odbclient.step_collate import SegmentTable
-from odbclient.stream import TrainerStream
+from odbclient.trainer.collate import BatchForm
+from odbclient.trainer.step_collate import SegmentTable
+from odbclient.trainer.stream import TrainerStream
 from odbclient.wire.odbd.v1 import trainer_pb2
 from tests.bench.datapath_trainer import check_rows
 from tests.shm_samples import write_samples

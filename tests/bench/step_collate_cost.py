@@ -1,6 +1,7 @@
-"""Trainer-side collate of one step: odbclient.step_collate (a few numpy calls per key) against
-the per-sample path (decode every sample, then odbclient.collate), on samples in one fake
-arena segment, evenly spaced (one strided copy per key) or not (one gather per key; issue 15).
+"""Trainer-side collate of one step: odbclient.trainer.step_collate (a few numpy calls per key)
+against the per-sample path (decode every sample, then odbclient.trainer.collate), on samples in
+one fake arena segment, evenly spaced (one strided copy per key) or not (one gather per key;
+issue 15).
 
     .venv/bin/python tests/bench/step_collate_cost.py
 
@@ -15,9 +16,9 @@ from functools import partial
 
 import numpy as np
 
-from odbclient.collate import BatchForm, collate
 from odbclient.shm import decode, read_meta
-from odbclient.step_collate import SegmentTable, _layout, collate_uniform
+from odbclient.trainer.collate import BatchForm, collate
+from odbclient.trainer.step_collate import SegmentTable, _layout, collate_uniform
 from tests.shm_samples import write_samples
 
 HEADER_BYTES = 4096

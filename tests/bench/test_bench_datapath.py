@@ -327,9 +327,9 @@ def test_bench_collation_cost_per_sample_by_batch_form() -> None:
     rows = measure(num_samples, RUNS)
     lines = _heading("trainer-side collation cost per sample by batch form (issue 13)")
     lines += [
-        f"`odbclient.collate.collate` on batches of {BATCH} samples decoded as zero-copy views "
-        f"of the shm layout (tests/bench/collate_cost.py), {num_samples} samples per form, one "
-        "process; the padded path of the same data is the baseline.",
+        f"`odbclient.trainer.collate.collate` on batches of {BATCH} samples decoded as zero-copy "
+        f"views of the shm layout (tests/bench/collate_cost.py), {num_samples} samples per form, "
+        "one process; the padded path of the same data is the baseline.",
         "",
         "| batch form | us per sample | vs padded baseline |",
         "| --- | --- | --- |",

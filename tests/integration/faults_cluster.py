@@ -102,7 +102,7 @@ class FaultCluster:
 
     def start_producer(self, node: int, *dataset_args: str) -> subprocess.Popen[bytes]:
         """An external producer (for daemons run with --dataset-size) of the synthetic dataset."""
-        cmd = [sys.executable, "-m", "odbclient.producer_main", "--socket"]
+        cmd = [sys.executable, "-m", "odbclient.producer.producer_main", "--socket"]
         cmd += [self.cluster.sockets[node], "--dataset", "odbd.demo.dataset:synthetic"]
         cmd += ["--job-id", self.cluster.spec.job_id]
         for arg in dataset_args:
@@ -115,7 +115,7 @@ class FaultCluster:
 
     def producer_pids(self, node: int) -> list[int]:
         """Live producer processes the daemon of `node` spawned."""
-        return children(self.daemons[node].pid, "odbclient.producer_main")
+        return children(self.daemons[node].pid, "odbclient.producer.producer_main")
 
     def status(self, node: int, timeout_s: float = 5.0) -> admin_pb2.StatusReply:
         with grpc.insecure_channel(f"unix:{self.cluster.sockets[node]}") as channel:

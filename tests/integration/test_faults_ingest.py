@@ -169,7 +169,7 @@ def test_producers_that_cannot_be_kept_alive_fail_the_job_naming_the_command():
         assert daemon_codes == [1], fc.describe()
         for message in _job_failed(fc):
             assert "cannot be kept alive" in message and "exit status 3" in message, message
-            assert "-m odbclient.producer_main --socket" in message, message
+            assert "-m odbclient.producer.producer_main --socket" in message, message
             assert f"--dataset-arg size={size}" in message, message
             assert "--dataset-arg 'crash_at=*' --dataset-arg how=exit" in message, message  # shlex
         status_error = "cannot be kept alive"
@@ -196,7 +196,13 @@ def test_an_external_producer_with_another_dataset_size_is_refused_naming_both_s
 
 def _external_crashing_producer(fc: FaultCluster, size: int, crash_at: int) -> int:
     """Runs one external producer of the crashing dataset to its end; its exit status."""
-    cmd = [sys.executable, "-m", "odbclient.producer_main", "--socket", fc.cluster.sockets[0]]
+    cmd = [
+        sys.executable,
+        "-m",
+        "odbclient.producer.producer_main",
+        "--socket",
+        fc.cluster.sockets[0],
+    ]
     cmd += ["--dataset", f"{CRASH_DATASET}:crashing", "--job-id", fc.cluster.spec.job_id]
     cmd += ["--dataset-arg", f"size={size}", "--dataset-arg", f"crash_at={crash_at}"]
     log = open(fc.cluster.tmp / "producer0.log", "ab")  # noqa: SIM115

@@ -17,8 +17,8 @@ import grpc
 import pytest
 
 from odbclient import ODBClient
-from odbclient.batch import Batch
 from odbclient.errors import JobFailedError
+from odbclient.trainer.batch import Batch
 from odbclient.wire.odbd.v1 import admin_pb2, admin_pb2_grpc
 from odbd.demo.cluster import ClusterSpec, LocalCluster
 from tests.integration.harness import scaled, synthetic_args

@@ -339,7 +339,7 @@ def test_prometheus_evaluates_the_dashboard_padding_overlap_and_quota(tmp_path: 
 
 def run_job(cluster: LocalCluster, started: list, tmp: Path, reports: list[Path], release: Path):
     for node, sock in enumerate(cluster.sockets):
-        command = [sys.executable, "-m", "odbclient.producer_main", "--socket", sock]
+        command = [sys.executable, "-m", "odbclient.producer.producer_main", "--socket", sock]
         command += ["--dataset", "odbd.demo.dataset:synthetic", "--job-id", cluster.spec.job_id]
         command += ["--dataset-arg", f"size={SIZE}", "--dataset-arg", f"dist={DIST}"]
         start(started, command, tmp / f"producer{node}.log")

@@ -1,5 +1,5 @@
-"""Where ranks restarted without a state_dict continue (odbclient.align): every rank where the
-furthest one does."""
+"""Where ranks restarted without a state_dict continue (odbclient.trainer.align): every rank
+where the furthest one does."""
 
 from __future__ import annotations
 
@@ -7,8 +7,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from odbclient import client as client_module
-from odbclient.align import (
+from odbclient.errors import ProtocolError
+from odbclient.trainer import client as client_module
+from odbclient.trainer.align import (
     EPOCH_END_STEP,
     JOB_END_EPOCH,
     NO_POSITION,
@@ -16,10 +17,9 @@ from odbclient.align import (
     agreed_resume,
     position_of,
 )
-from odbclient.batch import Batch
-from odbclient.client import ODBClient
-from odbclient.errors import ProtocolError
-from odbclient.stream import EpochEnd, JobEnd, Welcome
+from odbclient.trainer.batch import Batch
+from odbclient.trainer.client import ODBClient
+from odbclient.trainer.stream import EpochEnd, JobEnd, Welcome
 
 
 def batch(epoch: int, step: int) -> Batch:

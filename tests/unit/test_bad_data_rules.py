@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 import torch
 
-from odbclient.dataset import load_dataset
 from odbclient.errors import DatasetLoadError
-from odbclient.sample_plan import SamplePlanner
+from odbclient.producer.dataset import load_dataset
+from odbclient.producer.sample_plan import SamplePlanner
 from odbclient.samples import (
     RejectReason,
     SampleForm,

@@ -1,4 +1,4 @@
-"""The reader builds each Batch slot by slot (odbclient.batch.assemble_batch, issue 15): the
+"""The reader builds each Batch slot by slot (odbclient.trainer.batch.assemble_batch, issue 15): the
 result must be the Batch that keyword __init__ builds, from any StepBatch, and its tensors must
 own their memory."""
 
@@ -14,7 +14,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from odbclient.batch import (
+from odbclient.errors import ProtocolError
+from odbclient.trainer.batch import (
     BATCH_FACTS,
     PROGRESS_FIELDS,
     Batch,
@@ -22,10 +23,9 @@ from odbclient.batch import (
     assemble_batch,
     assemble_progress,
 )
-from odbclient.collate import BatchForm
-from odbclient.errors import ProtocolError
-from odbclient.step_collate import SegmentTable
-from odbclient.stream import TrainerStream, int_list
+from odbclient.trainer.collate import BatchForm
+from odbclient.trainer.step_collate import SegmentTable
+from odbclient.trainer.stream import TrainerStream, int_list
 from odbclient.wire.odbd.v1 import trainer_pb2
 from tests.shm_samples import write_samples
 

@@ -23,7 +23,6 @@ import pytest
 import torch
 
 from odbclient import ODBClient
-from odbclient.client import DEFAULT_SOCKET
 from odbclient.errors import (
     ClientClosedError,
     DaemonConnectionError,
@@ -39,6 +38,7 @@ from odbclient.errors import (
 )
 from odbclient.framing import FrameBuffer, frame, steps_socket_path
 from odbclient.shm import ShmLayoutError, encode_into, encoded_size
+from odbclient.trainer.client import DEFAULT_SOCKET
 from odbclient.wire.odbd.v1 import admin_pb2, admin_pb2_grpc, trainer_pb2
 from odbd.ingest.arena import Arena
 from tests.unit.fake_listener import FakeListener
@@ -436,7 +436,7 @@ def test_state_dict_tracks_the_next_undelivered_step(daemon: FakeDaemon) -> None
 def test_deliveries_reach_the_daemon_while_the_trainer_holds_its_batch(
     daemon: FakeDaemon,
 ) -> None:
-    """next() only queues the Delivered report (odbclient.reports); the reader thread must
+    """next() only queues the Delivered report (odbclient.trainer.reports); the reader thread must
     still send it without another next() or close(), or the daemon would stall a slow
     trainer's window."""
 
@@ -458,7 +458,8 @@ def test_deliveries_reach_the_daemon_while_the_trainer_holds_its_batch(
 def test_fast_steps_report_every_half_prefetch(
     daemon: FakeDaemon, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr("odbclient.reports.DEFAULT_POLL_S", 3600.0)  # the reader never sends
+    # the reader never sends
+    monkeypatch.setattr("odbclient.trainer.reports.DEFAULT_POLL_S", 3600.0)
 
     def script(hello: Any, context: Any) -> Iterator[Event]:
         yield daemon.welcome()

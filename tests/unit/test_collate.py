@@ -8,7 +8,9 @@ import numpy as np
 import pytest
 import torch
 
-from odbclient.collate import (
+from odbclient.errors import CollateError, ProtocolError
+from odbclient.shm import decode, encode_into, encoded_size
+from odbclient.trainer.collate import (
     BatchForm,
     KeySchema,
     collate,
@@ -16,8 +18,6 @@ from odbclient.collate import (
     pad_value,
     parse_filler_schema,
 )
-from odbclient.errors import CollateError, ProtocolError
-from odbclient.shm import decode, encode_into, encoded_size
 
 
 def make_samples(lengths: list[int], *, image: bool = False) -> list[dict[str, np.ndarray]]:

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
-from odbclient.lane import LANE_HEADER_BYTES
+from odbclient.producer.lane import LANE_HEADER_BYTES
 from odbclient.wire.odbd.v1 import ingest_pb2
 from odbd.config import DaemonConfig
 from odbd.daemon.node_state import Locations, NodeState

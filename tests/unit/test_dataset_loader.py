@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from odbclient import producer_main
-from odbclient.dataset import load_dataset, parse_dataset_args, parse_value
 from odbclient.errors import DatasetLoadError
+from odbclient.producer import producer_main
+from odbclient.producer.dataset import load_dataset, parse_dataset_args, parse_value
 
 DATASET_SOURCE = textwrap.dedent(
     """

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from odbclient.reports import DeliveryReports
+from odbclient.trainer.reports import DeliveryReports
 
 
 class RecordingSend:

@@ -1,4 +1,4 @@
-"""odbclient.inbox: items in order, visible without a ring, a waiting taker woken by a ring,
+"""odbclient.trainer.inbox: items in order, visible without a ring, a waiting taker woken by a ring,
 never a lost wake-up (issue 15: the reader rings about twice per recv, not once per step)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from odbclient.inbox import Inbox
+from odbclient.trainer.inbox import Inbox
 
 
 def wait_until_waiting(inbox: Inbox) -> None:

@@ -19,7 +19,7 @@ import pytest
 
 from odbclient.connect import PROTOCOL_VERSION
 from odbclient.framing import MAX_FRAME_BYTES, FrameBuffer, frame
-from odbclient.lane import LANE_HEADER_BYTES
+from odbclient.producer.lane import LANE_HEADER_BYTES
 from odbclient.wire.odbd.v1 import ingest_pb2
 from odbd.config import DaemonConfig
 from odbd.daemon.node_state import NodeState

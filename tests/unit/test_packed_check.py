@@ -16,7 +16,7 @@ import torch
 import transformers
 
 from odbclient import PackedAttentionError, check_packed_model
-from odbclient.packed_check import attention_kernel, probe_packed
+from odbclient.trainer.packed_check import attention_kernel, probe_packed
 
 
 def tiny_llama(attn: str, use_cache: bool) -> Any:
@@ -132,6 +132,6 @@ def test_a_model_the_probe_cannot_run_is_not_refused_but_warned_about(
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             return self.w(x)
 
-    with caplog.at_level(logging.WARNING, logger="odbclient.packed_check"):
+    with caplog.at_level(logging.WARNING, logger="odbclient.trainer.packed_check"):
         assert check_packed_model(NoLogits(), PACKED_KEYS) is None
     assert "could not check whether NoLogits honours packed sample boundaries" in caplog.text

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from odbclient.collate import BatchForm, collate
+from odbclient.trainer.collate import BatchForm, collate
 
 transformers = pytest.importorskip("transformers")
 

@@ -21,12 +21,19 @@ import numpy as np
 import pytest
 import torch
 
-from odbclient import Producer, RejectReason, producer_main
+from odbclient import Producer, RejectReason
 from odbclient.connect import PROTOCOL_VERSION
 from odbclient.errors import DaemonUnavailableError, ODBClientError, ProtocolError
 from odbclient.framing import FrameBuffer, frame, ingest_socket_path
-from odbclient.lane import IDLE, LANE_HEADER_BYTES, CommitBuffer, LaneAllocator, LeaseCredits
-from odbclient.producer import ProducerCore
+from odbclient.producer import producer_main
+from odbclient.producer.lane import (
+    IDLE,
+    LANE_HEADER_BYTES,
+    CommitBuffer,
+    LaneAllocator,
+    LeaseCredits,
+)
+from odbclient.producer.producer import ProducerCore
 from odbclient.samples import (
     SampleFacts,
     SampleRejected,
@@ -537,7 +544,7 @@ def test_producer_run_has_no_grpc_thread_while_producing(
         "def build(n):\n"
         "    return [{'input_ids': np.arange(i + 1)} for i in range(n)]\n"
     )
-    argv = [sys.executable, "-m", "odbclient.producer_main", "--socket", socket]
+    argv = [sys.executable, "-m", "odbclient.producer.producer_main", "--socket", socket]
     argv += ["--dataset", f"{module}:build", "--dataset-arg", "n=3", "--name", "worker-0"]
     done = subprocess.run(argv, timeout=60, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr

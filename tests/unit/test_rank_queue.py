@@ -259,8 +259,8 @@ def test_a_steps_event_joined_from_serialized_steps_is_the_event_protobuf_builds
 
 
 def test_a_resume_past_every_step_skips_to_the_job_end_but_keeps_it() -> None:
-    """Ranks restarted without a state_dict may agree on the job's end (odbclient.align): the
-    steps and epoch ends before it are skipped, the end itself is still sent."""
+    """Ranks restarted without a state_dict may agree on the job's end (odbclient.trainer.align):
+    the steps and epoch ends before it are skipped, the end itself is still sent."""
     queue = RankQueue(rank=0)
     queue.push([step(0, 0), step(0, 1), marker(0), step(1, 0), marker(1), job_end(1)])
     freed = queue.skip_before(2**32 - 1, 0)

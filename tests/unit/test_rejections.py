@@ -124,7 +124,7 @@ def test_a_worker_that_dies_at_start_while_others_make_samples_backs_off() -> No
 
     class CrashingAtStart(ProducerSupervisor):
         def command(self, name: str) -> list[str]:  # producer_main refuses the unknown flag
-            return [sys.executable, "-m", "odbclient.producer_main", "--no-such-flag"]
+            return [sys.executable, "-m", "odbclient.producer.producer_main", "--no-such-flag"]
 
     waits: list[float] = []
     made = iter(range(1_000_000))

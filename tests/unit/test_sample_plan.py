@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from odbclient.sample_plan import SamplePlanner
+from odbclient.producer.sample_plan import SamplePlanner
 from odbclient.samples import SampleForm, SampleRejected, inspect_sample
 from odbclient.shm import encode_into
 

@@ -39,7 +39,7 @@ os.register_at_fork(before=_on_fork)
 
 class _ExitsAtOnce(ProducerSupervisor):
     def command(self, name: str) -> list[str]:  # producer_main refuses the unknown flag: exit 2
-        return [sys.executable, "-m", "odbclient.producer_main", "--no-such-flag"]
+        return [sys.executable, "-m", "odbclient.producer.producer_main", "--no-such-flag"]
 
 
 @pytest.mark.timeout(60)

@@ -1,4 +1,4 @@
-"""Staging between a reader process and its trainer (odbclient.staging), both ends in one
+"""Staging between a reader process and its trainer (odbclient.trainer.staging), both ends in one
 process: a staged batch comes back equal and in fresh memory, slots grow, reports add up."""
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ from typing import Any
 import pytest
 import torch
 
-from odbclient.batch import Batch, Progress
-from odbclient.reader_process import StagingReader
-from odbclient.staged_stream import StagedStream
-from odbclient.staging import FACTS, ControlPage, Report
+from odbclient.trainer.batch import Batch, Progress
+from odbclient.trainer.reader_process import StagingReader
+from odbclient.trainer.staged_stream import StagedStream
+from odbclient.trainer.staging import FACTS, ControlPage, Report
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -13,10 +13,10 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from odbclient import step_collate
-from odbclient.collate import BatchForm, collate
 from odbclient.shm import align_up, decode, encode_into, encoded_size, read_meta
-from odbclient.step_collate import SegmentTable, _layout, collate_uniform
+from odbclient.trainer import step_collate
+from odbclient.trainer.collate import BatchForm, collate
+from odbclient.trainer.step_collate import SegmentTable, _layout, collate_uniform
 
 HEADER_BYTES = 4096
 FORMS = {

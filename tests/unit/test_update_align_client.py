@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from odbclient.adapters.batches import ODBBatches
-from odbclient.batch import Batch
 from odbclient.errors import ProtocolError
-from odbclient.update_align import (
+from odbclient.trainer.batch import Batch
+from odbclient.trainer.update_align import (
     per_layer_collectives,
     refuse_distributed_type,
     refuse_per_layer_collectives,

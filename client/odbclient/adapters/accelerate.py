@@ -77,11 +77,11 @@ from odbclient.adapters.hf_checkpoint import (
     load_client_state,
     write_client_state,
 )
-from odbclient.batch import Batch
-from odbclient.client import ODBClient, launcher_world
 from odbclient.errors import JobMismatchError, RankRefusedError, StateDictError
-from odbclient.packed_check import check_packed_model, is_packed_batch
-from odbclient.update_align import refuse_distributed_type, refuse_per_layer_collectives
+from odbclient.trainer.batch import Batch
+from odbclient.trainer.client import ODBClient, launcher_world
+from odbclient.trainer.packed_check import check_packed_model, is_packed_batch
+from odbclient.trainer.update_align import refuse_distributed_type, refuse_per_layer_collectives
 
 __all__ = ["ODBAccelerate", "StepInputs"]
 
@@ -146,7 +146,7 @@ class ODBAccelerate:
 
     def _refuse_sharded_parameters(self) -> None:
         """odbd --align updates: ranks run different micro-step counts per update, which FSDP
-        and DeepSpeed ZeRO-3 cannot (odbclient.update_align), refused at the first batch."""
+        and DeepSpeed ZeRO-3 cannot (odbclient.trainer.update_align), refused at the first batch."""
         plugin = getattr(self.accelerator.state, "deepspeed_plugin", None)
         stage = getattr(plugin, "zero_stage", None) if plugin is not None else None
         refuse_distributed_type(self.accelerator.distributed_type, stage)

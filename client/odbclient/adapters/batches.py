@@ -6,9 +6,9 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from odbclient.batch import Batch
-from odbclient.client import ODBClient
 from odbclient.errors import ProtocolError
+from odbclient.trainer.batch import Batch
+from odbclient.trainer.client import ODBClient
 
 LOSS_SCALE_KEY = "odb_loss_scale"
 

@@ -66,9 +66,9 @@ from odbclient.adapters.hf_checkpoint import (
     write_client_state,
 )
 from odbclient.adapters.schedule import Schedule, lr_factor
-from odbclient.client import ODBClient
 from odbclient.errors import JobMismatchError, RankRefusedError
-from odbclient.packed_check import check_packed_model, is_packed_batch
+from odbclient.trainer.client import ODBClient
+from odbclient.trainer.packed_check import check_packed_model, is_packed_batch
 
 __all__ = ["LOSS_SCALE_KEY", "ODBBatches", "ODBTrainer"]
 
@@ -269,7 +269,7 @@ class ODBTrainer(Trainer):
         if not self._odb_packed_checked and is_packed_batch(inputs):
             # Once, before the first packed batch trains: a model that attends across the
             # samples of a row (a KV cache, an attention_mask, a kernel without packing
-            # support) is refused naming the fix (odbclient/packed_check.py).
+            # support) is refused naming the fix (odbclient/trainer/packed_check.py).
             check_packed_model(model, [k for k in inputs if k != LOSS_SCALE_KEY])
             self._odb_packed_checked = True
         # num_items_in_batch is the Trainer's own cross-rank token count; odbd's loss_scale

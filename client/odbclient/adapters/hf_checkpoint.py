@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from odbclient.client import ODBClient
+    from odbclient.trainer.client import ODBClient
 
 FORMAT = "odbd-client-state"
 VERSION = 1

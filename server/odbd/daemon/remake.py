@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("odbd.rewind")
 
 # Re-made samples' view keys: -2, -3, ... (-1 is the lane header's "between samples" mark,
-# odbclient.lane.IDLE); the sampler's keys are >= 0, so a commit tells them apart by sign.
+# odbclient.producer.lane.IDLE); the sampler's keys are >= 0, so a commit tells them apart by sign.
 FIRST_REMAKE_KEY = -2
 REMAKE_ATTEMPTS = 3  # a sample whose re-make is rejected this often fails the job
 

@@ -110,7 +110,7 @@ def wait_reason(
     if producers == 0:
         return (
             "no producer is attached: start producers on this node (python -m "
-            "odbclient.producer_main --socket ...), or see above why --workers stopped"
+            "odbclient.producer.producer_main --socket ...), or see above why --workers stopped"
         )
     if lanes_full and held_by_ranks:  # the ranks named first hold the space: not a size issue
         return "every producer waits for lane space, which those undelivered steps hold"

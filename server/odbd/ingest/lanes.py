@@ -7,7 +7,7 @@ offsets go back to the producer), and a lane whose producer died is returned to 
 its last live sample was delivered. Bytes a killed producer half-wrote were never committed,
 so they are never read: they vanish with the lane.
 
-A lane's first LANE_HEADER_BYTES are its header (odbclient.lane): the view key its producer
+A lane's first LANE_HEADER_BYTES are its header (odbclient.producer.lane): the view key its producer
 is making, IDLE between samples. The daemon sets it IDLE when it opens the lane and reads it
 when the producer's stream ends, to learn which id (if any) was in flight when it died.
 """
@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from odbclient.lane import IDLE
+from odbclient.producer.lane import IDLE
 from odbclient.shm import Allocation
 from odbd.daemon.node_state import Location, Locations, common_lane
 from odbd.errors import InvariantError

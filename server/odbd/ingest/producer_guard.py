@@ -1,7 +1,7 @@
-"""`python -m odbd.ingest.producer_guard odbclient.producer_main ARGS`: a daemon-spawned
+"""`python -m odbd.ingest.producer_guard odbclient.producer.producer_main ARGS`: a daemon-spawned
 producer that dies with the daemon.
 
-Runs `odbclient.producer_main` with ARGS (named on the command line, so `ps` and the tests
+Runs `odbclient.producer.producer_main` with ARGS (named on the command line, so `ps` and the tests
 still see a producer_main process) after asking the kernel to SIGKILL this process when
 the daemon that spawned it exits (Linux PR_SET_PDEATHSIG; kept across exec, so this is the
 producer itself). Producers run in their own session, out of reach of a terminal's Ctrl-C, so
@@ -29,7 +29,7 @@ def die_with_parent(daemon_pid: int) -> bool:
     return os.getppid() == daemon_pid
 
 
-_PRODUCER_MODULE = "odbclient.producer_main"
+_PRODUCER_MODULE = "odbclient.producer.producer_main"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     if daemon_pid and not die_with_parent(daemon_pid):
         print(f"producer: the daemon (pid {daemon_pid}) is gone; exiting", file=sys.stderr)
         return 1
-    from odbclient.producer_main import main as producer_main
+    from odbclient.producer.producer_main import main as producer_main
 
     return producer_main(args[1:])
 

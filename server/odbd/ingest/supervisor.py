@@ -1,6 +1,6 @@
 """Spawns and supervises the daemon's producer processes (`--dataset MODULE:FACTORY --workers K`).
 
-Each worker is `python -m odbclient.producer_main`, a plain odbclient Producer: the daemon
+Each worker is `python -m odbclient.producer.producer_main`, a plain odbclient Producer: the daemon
 treats it exactly like an external producer. It is spawned (vfork + exec), never forked from
 this process, whose gRPC threads made forked producers crash at start-up (spawn.py).
 
@@ -102,7 +102,13 @@ class ProducerSupervisor:
 
     def command(self, name: str) -> list[str]:
         """The producer's command line, as an operator would run it by hand."""
-        args = [sys.executable, "-m", "odbclient.producer_main", "--socket", self.config.socket]
+        args = [
+            sys.executable,
+            "-m",
+            "odbclient.producer.producer_main",
+            "--socket",
+            self.config.socket,
+        ]
         args += ["--dataset", self.config.dataset, "--name", name, "--job-id", self.config.job_id]
         for key, value in self.config.dataset_args:
             args += ["--dataset-arg", f"{key}={value}"]
@@ -111,7 +117,7 @@ class ProducerSupervisor:
     def by_hand_command(self, name: str) -> list[str]:
         """The worker's command without the daemon's guard: for an operator to run."""
         args = self.command(name)
-        return [args[0], "-m", "odbclient.producer_main", *args[3:]]
+        return [args[0], "-m", "odbclient.producer.producer_main", *args[3:]]
 
     async def start(self) -> None:
         self._tasks = [asyncio.ensure_future(self._keep_running(w)) for w in self._workers]
@@ -230,6 +236,6 @@ class ProducerSupervisor:
 
 
 def _guarded(command: list[str]) -> list[str]:
-    """`python -m odbclient.producer_main ARGS` run through producer_guard (dies with us)."""
+    """`python -m odbclient.producer.producer_main ARGS` through producer_guard (dies with us)."""
     python, _, module, *args = command
     return [python, "-m", "odbd.ingest.producer_guard", module, *args]

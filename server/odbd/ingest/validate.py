@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from odbclient.lane import LANE_HEADER_BYTES
+from odbclient.producer.lane import LANE_HEADER_BYTES
 from odbclient.samples import RejectReason
 from odbclient.wire.odbd.v1 import ingest_pb2
 from odbd.errors import OdbdError

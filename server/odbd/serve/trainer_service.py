@@ -284,7 +284,7 @@ def _reattach_warning(rank: int, first: tuple[int, int] | None) -> str:
     others: it continues at its first step this daemon has no Delivered for, and Delivered
     reports are batched (up to half the prefetch window), so after every rank of a DDP job
     restarted (torchrun --max-restarts) their first undelivered steps can differ. ODBClient
-    aligns them itself when torch.distributed is initialised (odbclient/align.py); a rank
+    aligns them itself when torch.distributed is initialised (odbclient/trainer/align.py); a rank
     it moves reconnects with a resume point and is not warned about."""
     where = "the job's end" if first is None else f"epoch {first[0]} step {first[1]}"
     return (

@@ -16,9 +16,9 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from odbclient.batch import Batch
 from odbclient.errors import ProtocolError
-from odbclient.stream import EpochEnd, JobEnd
+from odbclient.trainer.batch import Batch
+from odbclient.trainer.stream import EpochEnd, JobEnd
 
 # A position sorts as (epoch, step): an epoch's end after its steps, the job's end after all.
 EPOCH_END_STEP = 2**63 - 1  # fits TrainerHello.resume_step (uint64) and an int64 tensor

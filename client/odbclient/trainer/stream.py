@@ -27,15 +27,6 @@ from typing import Literal
 import grpc
 import numpy as np
 
-from odbclient.batch import BATCH_FACTS, Batch, Progress, assemble_batch, assemble_progress
-from odbclient.collate import (
-    BatchForm,
-    Collated,
-    KeySchema,
-    collate,
-    filler_tensors,
-    parse_filler_schema,
-)
 from odbclient.connect import (
     PROTOCOL_VERSION,
     TRAINER_REFUSALS,
@@ -52,10 +43,19 @@ from odbclient.errors import (
     ProtocolError,
 )
 from odbclient.framing import FrameBuffer, frame
-from odbclient.inbox import Inbox
-from odbclient.reports import DEFAULT_POLL_S, DeliveryReports
 from odbclient.shm import ArenaView, decode, read_meta
-from odbclient.step_collate import SegmentTable, collate_uniform
+from odbclient.trainer.batch import BATCH_FACTS, Batch, Progress, assemble_batch, assemble_progress
+from odbclient.trainer.collate import (
+    BatchForm,
+    Collated,
+    KeySchema,
+    collate,
+    filler_tensors,
+    parse_filler_schema,
+)
+from odbclient.trainer.inbox import Inbox
+from odbclient.trainer.reports import DEFAULT_POLL_S, DeliveryReports
+from odbclient.trainer.step_collate import SegmentTable, collate_uniform
 from odbclient.wire.odbd.v1 import admin_pb2, admin_pb2_grpc, trainer_pb2
 
 _CLOSE_GRACE_S = 2.0  # how long close() lets the daemon read our last messages

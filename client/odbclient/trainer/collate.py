@@ -24,14 +24,14 @@ import numpy as np
 import torch
 
 from odbclient.errors import CollateError, ProtocolError
-from odbclient.packing import (
+from odbclient.shm import DTYPE_NAMES
+from odbclient.trainer.packing import (
     check_reserved_keys,
     concat_rows,
     offsets_key,
     pack_rows,
     sequence_fields,
 )
-from odbclient.shm import DTYPE_NAMES
 
 DEFAULT_PADS: Mapping[str, float] = {"labels": -100.0}  # every other key pads with 0
 

@@ -24,16 +24,6 @@ import weakref
 from collections.abc import Generator, Iterator, Mapping
 from typing import Any
 
-from odbclient.align import (
-    EPOCH_END_STEP,
-    JOB_END_EPOCH,
-    Position,
-    agreed_resume,
-    distributed_world,
-    gather_positions,
-    position_of,
-)
-from odbclient.batch import Batch
 from odbclient.connect import (
     DEFAULT_PREFETCH,
     DEFAULT_SOCKET,
@@ -49,8 +39,18 @@ from odbclient.errors import (
     JobFailedError,
     StateDictError,
 )
-from odbclient.staged_stream import StagedStream
-from odbclient.stream import EpochEnd, JobEnd, TrainerStream, TrainerWorld, daemon_says
+from odbclient.trainer.align import (
+    EPOCH_END_STEP,
+    JOB_END_EPOCH,
+    Position,
+    agreed_resume,
+    distributed_world,
+    gather_positions,
+    position_of,
+)
+from odbclient.trainer.batch import Batch
+from odbclient.trainer.staged_stream import StagedStream
+from odbclient.trainer.stream import EpochEnd, JobEnd, TrainerStream, TrainerWorld, daemon_says
 
 __all__ = ["DEFAULT_SOCKET", "ODBClient"]
 

@@ -52,7 +52,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from odbclient.batch import (
+from odbclient.trainer.batch import (
     BATCH_FACTS,
     PROGRESS_FIELDS,
     Batch,

@@ -47,14 +47,14 @@ from odbclient.errors import (
     ProtocolError,
 )
 from odbclient.framing import FrameBuffer, frame
-from odbclient.lane import (
+from odbclient.producer.lane import (
     LANE_HEADER_BYTES,
     CommitBuffer,
     InFlightMark,
     LaneAllocator,
     LeaseCredits,
 )
-from odbclient.sample_plan import SamplePlan, SamplePlanner
+from odbclient.producer.sample_plan import SamplePlan, SamplePlanner
 from odbclient.samples import (
     PLAIN_SAMPLES,
     RejectReason,

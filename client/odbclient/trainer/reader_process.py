@@ -3,7 +3,7 @@ stream to the daemon, collates each step into a staging slot and tells the train
 socket pair; it sends the Delivered reports the trainer writes into the control page
 (odbclient.staging has the layouts and the packets).
 
-    python -m odbclient.reader_process --peer-fd N --control-fd N --parent-pid P ...
+    python -m odbclient.trainer.reader_process --peer-fd N --control-fd N --parent-pid P ...
 
 One thread: a poll over the daemon's socket and the trainer's. Its life is tied to the
 trainer's: it exits when the trainer's end of the socket pair closes (close(), or the trainer
@@ -29,12 +29,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from odbclient.batch import Batch
 from odbclient.connect import Failure, StreamEnd, connect_steps
 from odbclient.errors import ProtocolError
 from odbclient.framing import FrameBuffer
-from odbclient.reports import DEFAULT_PARK_AFTER_S, DEFAULT_POLL_S
-from odbclient.staging import (
+from odbclient.trainer.batch import Batch
+from odbclient.trainer.reports import DEFAULT_PARK_AFTER_S, DEFAULT_POLL_S
+from odbclient.trainer.staging import (
     CLOSE,
     END_JOB,
     FACTS,
@@ -45,7 +45,7 @@ from odbclient.staging import (
     Report,
     align,
 )
-from odbclient.stream import TrainerStream, TrainerWorld, hello_message
+from odbclient.trainer.stream import TrainerStream, TrainerWorld, hello_message
 from odbclient.wire.odbd.v1 import trainer_pb2
 
 _RECV_BYTES = 1 << 20
@@ -294,7 +294,7 @@ def _picklable(error: Exception) -> Exception:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="odbclient.reader_process")
+    p = argparse.ArgumentParser(prog="odbclient.trainer.reader_process")
     for name in ("--socket", "--job-id", "--world-source"):
         p.add_argument(name, default="")
     for name in ("--rank", "--prefetch", "--peer-fd", "--control-fd", "--parent-pid"):

@@ -28,10 +28,15 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from odbclient.collate import BatchForm, Collated, KeySchema
 from odbclient.errors import CollateError
-from odbclient.packing import LABEL_SEPARATOR, check_reserved_keys, offsets_key, sequence_fields
 from odbclient.shm import SampleMeta, read_meta
+from odbclient.trainer.collate import BatchForm, Collated, KeySchema
+from odbclient.trainer.packing import (
+    LABEL_SEPARATOR,
+    check_reserved_keys,
+    offsets_key,
+    sequence_fields,
+)
 
 _HEADER_BYTES_AT = 8  # u32 header_bytes in the encoded sample header (shm.SampleMeta)
 _U32 = struct.Struct("<I")

@@ -1,6 +1,6 @@
-"""`python -m odbclient.producer_main`: one producer process, as the daemon's --workers spawn it.
+"""`python -m odbclient.producer.producer_main`: one producer process, as --workers spawn it.
 
-    python -m odbclient.producer_main --socket PATH --dataset MODULE:FACTORY \\
+    python -m odbclient.producer.producer_main --socket PATH --dataset MODULE:FACTORY \\
         [--dataset-arg KEY=VALUE]... [--name worker-3] [--job-id ID]
 
 Exit status: 0 when the daemon sent Shutdown (or closed the stream), 2 when the dataset
@@ -13,9 +13,9 @@ import argparse
 import logging
 import sys
 
-from odbclient.dataset import load_dataset, parse_dataset_args
 from odbclient.errors import DatasetLoadError, ODBClientError
-from odbclient.producer import (
+from odbclient.producer.dataset import load_dataset, parse_dataset_args
+from odbclient.producer.producer import (
     DEFAULT_COMMIT_BATCH,
     DEFAULT_COMMIT_INTERVAL_S,
     DEFAULT_LEASE_BATCH,
@@ -26,7 +26,7 @@ from odbclient.shm import ShmAttachError
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m odbclient.producer_main",
+        prog="python -m odbclient.producer.producer_main",
         description="Lease sample ids from the local odbd, preprocess them with the user's "
         "dataset, and write the samples into shared memory.",
     )

@@ -30,7 +30,6 @@ from pathlib import Path
 import numpy as np
 
 import odbclient
-from odbclient.batch import Batch
 from odbclient.connect import Failure
 from odbclient.errors import (
     ClientClosedError,
@@ -38,8 +37,9 @@ from odbclient.errors import (
     ProtocolError,
     ReaderProcessError,
 )
-from odbclient.staging import END_JOB, FLUSH, MEASURED, ControlPage, Report, staged_batch
-from odbclient.stream import TrainerWorld, Welcome, daemon_says
+from odbclient.trainer.batch import Batch
+from odbclient.trainer.staging import END_JOB, FLUSH, MEASURED, ControlPage, Report, staged_batch
+from odbclient.trainer.stream import TrainerWorld, Welcome, daemon_says
 
 _START_ALLOWANCE_S = 60.0  # the reader process imports numpy and torch before it connects
 _EXIT_GRACE_S = 5.0  # close(): the reader process sends our last reports and detaches
@@ -139,7 +139,7 @@ class StagedStream:
             if resume is not None:
                 args.append(f"--resume={resume[0]},{resume[1]}")
             process = subprocess.Popen(
-                [sys.executable, "-m", "odbclient.reader_process", *args],
+                [sys.executable, "-m", "odbclient.trainer.reader_process", *args],
                 pass_fds=(theirs.fileno(), control_fd),
                 stdin=subprocess.DEVNULL,
                 env=_env_importing_odbclient(),
