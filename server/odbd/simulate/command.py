@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -39,6 +38,7 @@ from odbd.planner.migration import (
 from odbd.simulate.distributions import NAMES, sample_lengths
 from odbd.simulate.lengths import read_lengths_and_patches
 from odbd.simulate.report import render_freshness, render_table, repeated_groups, report_json
+from odbd.simulate.setup import Setup
 from odbd.simulate.updates import render_updates, summarize_updates
 from odbd.world import World
 
@@ -48,23 +48,6 @@ if TYPE_CHECKING:
 PROG = "odbd simulate"
 EXIT_USAGE = 2
 DEFAULT_NUM_SAMPLES = 100_000
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class Setup:
-    """A validated simulation request."""
-
-    lengths: np.ndarray  # (N,) int64; sample id = index
-    patches: np.ndarray | None  # (N,) int64 vision patches (--lengths' second column)
-    source: str  # where the lengths came from, for the table header
-    config: PlannerConfig
-    epochs: int
-    join: bool
-    compare_batch_sizes: tuple[int, ...]  # empty = no --compare
-    as_json: bool
-    plan_out: str | None
-    planning_time: bool = False  # report per-daemon planning time and payload bytes
-    migration: LinkModel | None = None  # --migrate auto: planner/migration.py's link model
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
