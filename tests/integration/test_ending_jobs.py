@@ -195,13 +195,14 @@ def test_end_job_on_every_rank_ends_an_endless_job_with_exit_0(nodes: int, reade
 
 # soak until understood. Two CI runs (f61fe01 and before) saw rank 0's end_job() raise
 # something other than JobFailedError 0.02 s after the call (one node once, two nodes once);
-# not reproduced in ~60 local runs, alone or under load. A second failure was reproduced
-# (2 of ~15 two-node runs at load ~17): node 0 fails the job at its --end-timeout and shuts
-# down before node 1's own deadline, which starts a round later (when it hears rank 0's
-# point); node 1 then fails with "the hub node 0 ... ended the round stream (it shut down)",
-# so rank 1 and node 1's log never name the missing rank (a product gap: the reason does not
-# travel to the peers). The assertions print each rank's error with its traceback and each
-# daemon's failure lines, so the next failure names its cause. `make soak` runs it.
+# not reproduced in 10 local runs of both cases (load 12-17, 2 of them under 2 more CPU
+# hogs). A second failure was reproduced (2 of those 10 two-node runs): node 0 fails the
+# job at its --end-timeout and shuts down before node 1's own deadline, which starts a
+# round later (when it hears rank 0's point); node 1 then fails with "the hub node 0 ...
+# ended the round stream (it shut down)", so rank 1 and node 1's log never name the
+# missing rank (a product gap: the reason does not travel to the peers). The assertions
+# print each rank's error with its traceback and each daemon's failure lines, so the next
+# failure names its cause. `make soak` runs it.
 @pytest.mark.soak
 @pytest.mark.parametrize("nodes", [1, 2], ids=["one-node", "two-nodes"])
 def test_end_job_on_one_rank_only_fails_naming_the_other_after_the_deadline(nodes: int) -> None:
