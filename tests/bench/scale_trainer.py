@@ -5,17 +5,19 @@
 Each thread opens an ODBClient for its rank on its node's socket and takes every step as fast
 as it comes (no compute), so the daemons' rounds, not training, set the pace. It runs until
 its daemons end the job or go away (the bench stops them); errors then are expected and only
-counted. `ODBClient(align_ranks=False)`: there is no torch process group to align over.
+counted. `ODBClient(align_ranks=False)`: there is no torch process group to align over. The
+repository root must be on PYTHONPATH (the bench sets it): the threads are faults_trainer's.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
-import threading
 
 from odbclient import ODBClient
 from odbclient.errors import ODBClientError
+from tests.integration.faults_trainer import in_threads
 
 
 def run_rank(rank: int, socket: str, epochs: int) -> None:
@@ -43,14 +45,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rank-socket", action="append", required=True, metavar="RANK=SOCKET")
     p.add_argument("--epochs", type=int, default=0, help="0: every epoch until the job ends")
     args = p.parse_args(argv)
-    threads = []
+    calls = []
     for item in args.rank_socket:
         rank, _, socket = item.partition("=")
-        threads.append(threading.Thread(target=run_rank, args=(int(rank), socket, args.epochs)))
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+        calls.append(functools.partial(run_rank, int(rank), socket, args.epochs))
+    in_threads(calls)
     return 0
 
 

@@ -14,7 +14,6 @@ Knobs: ODBD_BENCH_ROUNDS, ODBD_BENCH_REPS, ODBD_BENCH_DAEMONS (e.g. "2,4").
 from __future__ import annotations
 
 import asyncio
-import datetime
 import os
 import statistics
 import time
@@ -24,6 +23,7 @@ from typing import Any, cast
 
 import pytest
 
+from tests.bench.reports import append_to_report, run_stamp
 from tests.integration.harness import scaled
 
 PAYLOAD_BYTES = 16 * 1024  # one node's offer per round
@@ -182,16 +182,14 @@ def _knobs() -> str:
 
 
 def write_report(rows: list[str]) -> None:
-    REPORT.parent.mkdir(parents=True, exist_ok=True)
-    if not REPORT.exists():
-        REPORT.write_text(
-            "# Round barrier latency\n\n"
-            "`RoundBarrier.exchange` of a 16 KiB payload per node (star of gRPC streams, hub = "
-            "node 0) vs a Gloo `all_gather` of a 16 KiB uint8 tensor among the same number of "
-            "processes, measured back to back in one run on 127.0.0.1. Ratio < 1: ours is "
-            "faster. Target (DESIGN.md section 5): p50 ratio <= 1 at 2, 4, 8 and 16 daemons.\n"
-        )
-    stamp = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    intro = (
+        "# Round barrier latency\n\n"
+        "`RoundBarrier.exchange` of a 16 KiB payload per node (star of gRPC streams, hub = "
+        "node 0) vs a Gloo `all_gather` of a 16 KiB uint8 tensor among the same number of "
+        "processes, measured back to back in one run on 127.0.0.1. Ratio < 1: ours is "
+        "faster. Target (DESIGN.md section 5): p50 ratio <= 1 at 2, 4, 8 and 16 daemons.\n"
+    )
+    stamp = run_stamp()
     header = [
         "",
         f"## {stamp}: {os.cpu_count()} cores, {REPS} alternating runs of each, {ROUNDS} rounds "
@@ -203,8 +201,7 @@ def write_report(rows: list[str]) -> None:
         "| daemons | ours p50 ms | ours p90 ms | gloo p50 ms | gloo p90 ms | p50 ours/gloo |",
         "| ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
-    with REPORT.open("a") as report:
-        report.write("\n".join(header + rows) + "\n")
+    append_to_report(REPORT, intro, header + rows)
 
 
 @pytest.mark.bench

@@ -25,7 +25,6 @@ Knobs: ODBD_BENCH_SCALE_NODES (e.g. "2,8,32,64"), ODBD_BENCH_SCALE_ROUNDS (MEASU
 
 from __future__ import annotations
 
-import datetime
 import math
 import os
 import re
@@ -38,6 +37,7 @@ from pathlib import Path
 import pytest
 
 from odbd.demo.cluster import ClusterSpec, LocalCluster
+from tests.bench.reports import append_to_report, run_stamp
 from tests.bench.test_bench_round import measure_gloo
 from tests.integration.harness import http_get, scaled, synthetic_args
 
@@ -372,21 +372,19 @@ def _kib(b: float) -> str:
 
 
 def write_report(rows: list[Row]) -> None:
-    REPORT.parent.mkdir(parents=True, exist_ok=True)
-    if not REPORT.exists():
-        REPORT.write_text(
-            "# Live daemons at scale\n\n"
-            "`make bench-scale` (tests/bench/test_bench_scale.py): N real daemons on one machine "
-            "(127.0.0.1), 1 rank per node, `--buffer 1024`, synthetic sharegpt4o samples from one "
-            "producer worker per node, trainer stand-ins taking every step at once. Barrier = "
-            "`odbd_round_duration_seconds` of every daemon (offer to plan, waiting for the "
-            "slowest node included), quantiles interpolated in its buckets. Bytes per round "
-            "from `odbd_round_payload_bytes_total` where the daemons have it, else from the "
-            "kernel's TCP counters of the peer connections (framing included). Gloo = "
-            "`all_gather` of a spoke's mean bytes per round among N processes on loopback, "
-            "run after the daemons stopped. See the module docstring for the method.\n"
-        )
-    stamp = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    intro = (
+        "# Live daemons at scale\n\n"
+        "`make bench-scale` (tests/bench/test_bench_scale.py): N real daemons on one machine "
+        "(127.0.0.1), 1 rank per node, `--buffer 1024`, synthetic sharegpt4o samples from one "
+        "producer worker per node, trainer stand-ins taking every step at once. Barrier = "
+        "`odbd_round_duration_seconds` of every daemon (offer to plan, waiting for the "
+        "slowest node included), quantiles interpolated in its buckets. Bytes per round "
+        "from `odbd_round_payload_bytes_total` where the daemons have it, else from the "
+        "kernel's TCP counters of the peer connections (framing included). Gloo = "
+        "`all_gather` of a spoke's mean bytes per round among N processes on loopback, "
+        "run after the daemons stopped. See the module docstring for the method.\n"
+    )
+    stamp = run_stamp()
     load = os.getloadavg()
     lines = [
         "",
@@ -434,8 +432,7 @@ def write_report(rows: list[Row]) -> None:
                 f"| {n} (projected) | {p.hub_sent / 2**20:.1f} | {p.hub_received / 2**20:.1f} | "
                 f"{_kib(p.spoke_received)} | {p.cpu_ms_hub:.0f} | {p.cpu_ms_spoke:.0f} |"
             )
-    with REPORT.open("a") as report:
-        report.write("\n".join(lines) + "\n")
+    append_to_report(REPORT, intro, lines)
 
 
 @pytest.mark.bench

@@ -16,12 +16,14 @@ Every record is flushed at once, so what a killed process wrote is what it had t
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import signal
 import sys
 import threading
 import time
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from odbclient import ODBClient
@@ -102,13 +104,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hold-s", type=float, default=0.0, help="stay attached after the job")
     p.add_argument("--hold-until", default="", help="... or until this file exists")
     args = p.parse_args(argv)
-    ranks = [int(r) for r in args.ranks.split(",")]
-    threads = [threading.Thread(target=run_rank, args=(r, args)) for r in ranks]
+    in_threads(functools.partial(run_rank, int(r), args) for r in args.ranks.split(","))
+    return 0
+
+
+def in_threads(ranks: Iterable[Callable[[], None]]) -> None:
+    """Runs each rank's loop in a thread of its own (one ODBClient each), until all ended."""
+    threads = [threading.Thread(target=rank) for rank in ranks]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    return 0
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ import pytest
 
 from odbclient.wire.odbd.v1 import peer_pb2
 from odbd.round import HandshakeError, RoundBarrier, auth
-from odbd.round.hub import MAX_HANDSHAKES
+from odbd.round.admission import MAX_HANDSHAKES
 from tests.integration.test_round_barrier import (
     SETTINGS,
     TOKEN,

@@ -29,7 +29,6 @@ from pathlib import Path
 
 import numpy as np
 
-import odbclient
 from odbclient.connect import Failure
 from odbclient.errors import (
     ClientClosedError,
@@ -336,6 +335,9 @@ def _env_importing_odbclient() -> dict[str, str]:
     """This environment, with the directory odbclient was imported from first on PYTHONPATH
     (a source checkout on sys.path only, as in tests, must reach the child too)."""
     env = dict(os.environ)
-    root = str(Path(odbclient.__file__).resolve().parent.parent)
+    # This file is odbclient/trainer/staged_stream.py: its great-grandparent holds the
+    # odbclient package (not `import odbclient`, whose package re-exports ODBClient, an import
+    # cycle).
+    root = str(Path(__file__).resolve().parents[2])
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
     return env

@@ -10,8 +10,9 @@ The limits are far above anything a real daemon sends, so they never refuse a re
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import numpy as np
 
@@ -22,6 +23,8 @@ from odbd.daemon.summary_codec import NodeSummary
 from odbd.errors import InvariantError, OdbdError
 from odbd.ingest.rejections import REJECT_FIXES
 from odbd.planner.company import PROFILE_DEPTH
+
+T = TypeVar("T")
 
 MAX_EPOCH = 2**31 - 1
 MAX_COUNT = 2**48  # rejection counts, resume points: far above any dataset
@@ -55,22 +58,34 @@ class OfferLimits:
 def decode_offer(payload: bytes, node: int, round_index: int, limits: OfferLimits) -> NodeOffer:
     """Node `node`'s offer of round `round_index`; raises an OdbdError naming the node if the
     bytes are not an offer or a field is out of range (never anything else)."""
+    offer = decoded(offer_codec.decode, payload, "offer", node, round_index)
+    refuse_out_of_range(offer_problem(offer, node, limits), "offer", node, round_index)
+    return offer
+
+
+def decoded(
+    decode: Callable[[bytes], T], payload: bytes, kind: str, node: int, round_index: int
+) -> T:
+    """`decode(payload)`, node `node`'s round payload of `kind` (offer, summary...); any parse
+    failure raises InvariantError naming the node: the peer sent something else."""
     try:
-        offer = offer_codec.decode(payload)
+        return decode(payload)
     except Exception as error:  # any parse failure: the peer sent something else
         raise InvariantError(
             f"node {node} sent a round {round_index} payload that is not an odbd "
-            f"offer ({type(error).__name__}: {str(error)[:200]}); every daemon of a job must "
+            f"{kind} ({type(error).__name__}: {str(error)[:200]}); every daemon of a job must "
             "run the same odbd release, and only this job's daemons may hold its token"
         ) from None
-    problem = offer_problem(offer, node, limits)
+
+
+def refuse_out_of_range(problem: str | None, kind: str, node: int, round_index: int) -> None:
+    """Raises BadPayloadError naming the node if a range check of its `kind` found `problem`."""
     if problem is not None:
         raise BadPayloadError(
-            f"node {node} sent a round {round_index} offer with a value out of range: "
+            f"node {node} sent a round {round_index} {kind} with a value out of range: "
             f"{problem}. Every daemon stops this job; every daemon of a job must run the "
             "same odbd release, and only this job's daemons may hold its token"
         )
-    return offer
 
 
 def offer_problem(offer: NodeOffer, node: int, limits: OfferLimits) -> str | None:

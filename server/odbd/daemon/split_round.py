@@ -178,22 +178,12 @@ def hub_decide(
 def _summary_of(
     payload: bytes, node: int, round_index: int, config: PlannerConfig
 ) -> summary_codec.NodeSummary:
-    try:
-        summary = summary_codec.decode_summary(payload)
-    except Exception as error:  # any parse failure: the peer sent something else
-        raise InvariantError(
-            f"node {node} sent a round {round_index} payload that is not an odbd summary "
-            f"({type(error).__name__}: {str(error)[:200]}); every daemon of a job must run the "
-            "same odbd release, and only this job's daemons may hold its token"
-        ) from None
+    summary = payload_checks.decoded(
+        summary_codec.decode_summary, payload, "summary", node, round_index
+    )
     units = units_of_node(config, node)
     problem = payload_checks.summary_problem(summary, node, units, config.world.world_size)
-    if problem is not None:
-        raise payload_checks.BadPayloadError(
-            f"node {node} sent a round {round_index} summary with a value out of range: "
-            f"{problem}. Every daemon stops this job; every daemon of a job must run the same "
-            "odbd release, and only this job's daemons may hold its token"
-        )
+    payload_checks.refuse_out_of_range(problem, "summary", node, round_index)
     return summary
 
 

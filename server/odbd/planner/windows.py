@@ -20,42 +20,13 @@ Without either flag every step is its own window: today's per-step loss scales, 
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass
 
 import numpy as np
 
-from odbd.planner.types import IntArray
+# Windows, the plan type, lives with the other plan types (types.py); re-exported here.
+from odbd.planner.types import IntArray, Windows
 
-
-@dataclass(frozen=True, slots=True)
-class Windows:
-    """A round's updates, in step order; they tile the round's steps exactly."""
-
-    starts: IntArray  # (num_windows,) first step of each update within the round
-    ends: IntArray  # (num_windows,) one past its last step
-    num_tokens: IntArray  # (num_windows,) loss-bearing tokens over every rank and micro-step
-    num_samples: IntArray  # (num_windows,)
-    closed: IntArray  # (num_windows,) bool: reached K steps or T tokens (False: a short update)
-
-    def __len__(self) -> int:
-        return int(self.starts.shape[0])
-
-    def of_step(self) -> IntArray:
-        """(num_steps,) the window index of every step."""
-        return np.repeat(np.arange(len(self), dtype=np.int64), self.ends - self.starts)
-
-    def step_is_end(self, num_steps: int) -> np.ndarray:
-        """(num_steps,) bool: the optimizer steps after this micro-step."""
-        out = np.zeros(num_steps, dtype=bool)
-        out[self.ends - 1] = True
-        return out
-
-    @staticmethod
-    def per_step(num_tokens: IntArray, num_samples: IntArray) -> Windows:
-        """One window per step (no --accumulate, no --tokens-per-update)."""
-        n = int(num_tokens.shape[0])
-        starts = np.arange(n, dtype=np.int64)
-        return Windows(starts, starts + 1, num_tokens, num_samples, np.ones(n, dtype=bool))
+__all__ = ["Windows", "closed_prefix", "cut_windows", "pack_order", "round_step_count"]
 
 
 def round_step_count(target: int, accumulate: int, flushing: bool) -> int:

@@ -8,6 +8,7 @@ every daemon, so the pure planner computes the same RoundPlan everywhere.
     handshake.py    the hub's admit/refuse decision on a Hello (pure)
     table.py        per-round contributions at the hub, or at a relay of its subtree (pure)
     tree.py         the relay tree: parent, children and subtree of a node (pure)
+    admission.py    the hub's handshake of a Join stream: challenge, refusals, join deadline
     hub.py          node 0 and relays: their children's Join streams, results, deadlines, aborts
     spoke.py        other nodes: one Join stream to the parent (the hub or a relay)
     server.py       the peer listener: Peer service and grpc.health.v1

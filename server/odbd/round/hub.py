@@ -4,7 +4,7 @@ In a relay tree (tree.py) the same class serves a relay's children: it admits on
 collects its subtree's rounds and hands each complete one to the relay's own exchange (which
 sends it up, barrier.py) instead of broadcasting; the parent's results and aborts come back
 down through relay_down() and fail_from_parent(), and the relay's own failures go up through
-`report_up`. "Spoke" below is any child stream.
+`report_up`. "Spoke" below is any child stream; admission.py admits them (the handshake).
 
 Each spoke stream is served by two coroutines: the RPC handler writes what the protocol queued
 in the spoke's outbox, and a reader task feeds contributions to the round table. Protocol
@@ -16,18 +16,20 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
-from typing import Literal, NoReturn
+from collections.abc import Callable
 
 import grpc
 
 from odbclient.wire.odbd.v1 import common_pb2, peer_pb2
 from odbd.errors import InvariantError, OdbdError
-from odbd.round import auth
+from odbd.round.admission import (
+    Admission,
+    OutboxEnd,
+    SpokeStream,
+    names_of,
+)
 from odbd.round.config import PROTOCOL_VERSION, RoundConfig, max_payload_bytes
 from odbd.round.errors import HandshakeError, PeerLostError, RoundTimeoutError
-from odbd.round.handshake import Refusal, check_hello, check_version, token_refusal
 from odbd.round.log_budget import LogBudget
 from odbd.round.spoke import grace_s
 from odbd.round.stall import TICK_S, StallWatch
@@ -37,31 +39,8 @@ from odbd.round.tree import SubtreeMismatch, describe_subtree, unpack_subtree
 
 log = logging.getLogger(__name__)
 
-# Streams between their start and admission or refusal, at most: a real spoke handshakes in one
-# round trip, so these are nearly always strangers (a refused spoke retries, spoke.py).
-MAX_HANDSHAKES = 64
-MAX_HELLO_BYTES = 64 * 1024  # a real one is ~1 KiB: a few dozen settings
-_ABORT_RETURNED = InvariantError("grpc's context.abort returned instead of raising")
 
-
-@dataclass(frozen=True, slots=True)
-class _End:
-    """Outbox sentinel: finish the stream with this status (OK ends it normally)."""
-
-    code: grpc.StatusCode
-    details: str = ""
-
-
-@dataclass(eq=False, slots=True)
-class _Spoke:
-    node: int
-    name: str  # "node 2 (10.0.0.3:7070)", used in every message about it
-    outbox: asyncio.Queue[bytes | _End] = field(default_factory=asyncio.Queue)
-    # active -> ending (hub queued the end) | left (closed its side) | lost (stream broke)
-    state: Literal["active", "ending", "left", "lost"] = "active"
-
-
-class Hub:
+class Hub(Admission):
     def __init__(
         self,
         config: RoundConfig,
@@ -82,7 +61,7 @@ class Hub:
             max_payload_bytes(config.num_nodes),
             members=self._layout.subtree(config.node_rank),
         )
-        self._spokes: dict[int, _Spoke] = {}  # node -> admitted spoke
+        self._spokes: dict[int, SpokeStream] = {}  # node -> admitted spoke
         self._advertised: dict[int, str] = {}  # node -> listener address from its Hello
         self._refusals: dict[int, str] = {}  # node -> why its last Hello was refused
         self._waiters: dict[int, asyncio.Future[CompletedRound]] = {}  # the hub's own rounds
@@ -126,137 +105,12 @@ class Hub:
         lost = [n for n in self._children if n not in self._spokes]
         if lost:
             reason = (
-                f"{_names(self._name(n) for n in lost)} left node {self._config.node_rank} "
+                f"{names_of(self._name(n) for n in lost)} left node {self._config.node_rank} "
                 "while the job formed; restart it and the job on all nodes"
             )
             self._abort(peer_pb2.ABORT_KIND_JOIN_TIMEOUT, 0, reason, lost, HandshakeError)
             self.raise_failure()
         self._form()
-
-    def _join_expired(self) -> None:
-        missing = [n for n in self._children if n not in self._spokes]
-        refused = "".join(
-            f"; {self._name(n)} was refused: {self._refusals[n]}"
-            for n in missing
-            if n in self._refusals
-        )
-        relays = "".join(
-            f"; {self._name(n)} joins once{describe_subtree(self._layout, n)[4:]} joined it"
-            for n in missing
-            if describe_subtree(self._layout, n)
-        )
-        me = "the hub" if not self._relay else f"node {self._config.node_rank}"
-        reason = (
-            f"the job did not form within the {self._config.join_timeout_s:g} s join deadline: "
-            f"{_names(self._name(n) for n in missing)} never joined {me}{refused}{relays}. "
-            + (restart_hint(missing) if self._config.from_journal else "Start every daemon "
-               "with the same --peers (node 0 first) or raise the join timeout")
-        )  # fmt: skip
-        self._abort(peer_pb2.ABORT_KIND_JOIN_TIMEOUT, 0, reason, missing, HandshakeError)
-
-    async def _guarded_handshake(self, context: grpc.aio.ServicerContext) -> _Spoke:
-        """The handshake under a deadline and a cap on handshakes in flight: a stranger's stream
-        that sends nothing, or a flood of them, holds no memory for long."""
-        if self._handshaking >= MAX_HANDSHAKES:
-            self._log_refusal(context, f"{MAX_HANDSHAKES} handshakes are already under way")
-            await context.abort(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"the hub has {MAX_HANDSHAKES} handshakes under way; retry shortly",
-            )
-        self._handshaking += 1
-        try:
-            async with asyncio.timeout(self._config.hello_timeout_s):
-                return await self._handshake(context)
-        except TimeoutError:
-            why = f"no Hello and Proof within the {self._config.hello_timeout_s:g} s deadline"
-            self._log_refusal(context, why)
-            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, why)
-            raise _ABORT_RETURNED from None
-        finally:
-            self._handshaking -= 1
-
-    async def _handshake(self, context: grpc.aio.ServicerContext) -> _Spoke:
-        first = await context.read()
-        # Undecodable bytes arrive as odbd.grpc_guard.Undecodable, not as a PeerMessage.
-        if not isinstance(first, peer_pb2.PeerMessage) or first.WhichOneof("kind") != "hello":
-            self._log_refusal(context, "its first message was not a Hello")
-            await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT, "the first message of a Join must be a Hello"
-            )
-        hello = first.hello
-        if first.ByteSize() > MAX_HELLO_BYTES:  # its strings end up in log lines and errors
-            why = f"its Hello has {first.ByteSize()} bytes, over the {MAX_HELLO_BYTES} allowed"
-            self._log_refusal(context, why)
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, why)
-        version = check_version(
-            hello, "the hub (node 0)" if not self._relay else f"node {self._config.node_rank}"
-        )
-        if version is not None:
-            await self._refuse(context, hello, version, authenticated=False)
-        authenticated = await self._challenge(context, hello)
-        if self._failure is not None:
-            told = str(self._failure) if authenticated else "the job of this hub already failed"
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, told)
-        refusal = check_hello(
-            hello,
-            self._config,
-            joined=self._spokes.keys(),
-            formed=self._formed.done(),
-            authenticated=authenticated,
-        )
-        if refusal is not None:
-            await self._refuse(context, hello, refusal, authenticated)
-        node = hello.node_rank
-        self._advertised[node] = hello.listen_address
-        self._refusals.pop(node, None)
-        spoke = self._spokes[node] = _Spoke(node, self._name(node))
-        if len(self._spokes) == len(self._children):
-            if not self._children_joined.done():
-                self._children_joined.set_result(None)
-            if not self._relay or self._formed.done():
-                self._form()
-        return spoke
-
-    async def _challenge(self, context: grpc.aio.ServicerContext, hello: peer_pb2.Hello) -> bool:
-        """Runs the token challenge (auth.py); refuses a wrong proof. Returns whether the peer
-        is authenticated: it proved the job token, or mTLS vouched for it."""
-        token, nonce = self._config.job_token, auth.new_nonce()
-        challenge = peer_pb2.Challenge(nonce=nonce, hub_proof=auth.hub_proof(token, hello, nonce))
-        await context.write(peer_pb2.HubMessage(challenge=challenge).SerializeToString())
-        answer = await context.read()
-        if not isinstance(answer, peer_pb2.PeerMessage) or answer.WhichOneof("kind") != "proof":
-            self._log_refusal(context, "it did not answer the Challenge with a Proof")
-            await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT, "the second message of a Join must be a Proof"
-            )
-        expected = auth.spoke_proof(token, hello, nonce)
-        if not auth.proof_matches(expected, answer.proof.spoke_proof):
-            await self._refuse(context, hello, token_refusal(hello), authenticated=False)
-        return bool(token) or self._config.tls is not None
-
-    async def _refuse(
-        self,
-        context: grpc.aio.ServicerContext,
-        hello: peer_pb2.Hello,
-        refusal: Refusal,
-        authenticated: bool,
-    ) -> NoReturn:
-        """Ends this stream only, unless an authenticated member of the job can never join."""
-        self._log_refusal(context, refusal.message)
-        if hello.node_rank in self._children:  # bounded: strangers pick any rank
-            self._refusals[hello.node_rank] = refusal.message
-        if refusal.fatal and authenticated:
-            reason = f"the job cannot form: {refusal.message}"
-            self._abort(peer_pb2.ABORT_KIND_REFUSED, 0, reason, [hello.node_rank], HandshakeError)
-        await context.abort(refusal.code, refusal.told(authenticated))
-        raise _ABORT_RETURNED
-
-    def _log_refusal(self, context: grpc.aio.ServicerContext, why: str) -> None:
-        logged, left_out = self._refusal_log.admit(self._loop.time())
-        if not logged:
-            return
-        more = f" ({left_out} more refusals were not logged)" if left_out else ""
-        log.warning("refused a peer from %s: %s%s", context.peer(), why, more)
 
     def _form(self) -> None:
         if self._formed.done():
@@ -278,7 +132,7 @@ class Hub:
         spoke = await self._guarded_handshake(context)
         reader = asyncio.create_task(self._read(spoke, context))
         try:
-            while not isinstance(item := await spoke.outbox.get(), _End):
+            while not isinstance(item := await spoke.outbox.get(), OutboxEnd):
                 await context.write(item)
             if item.code is not grpc.StatusCode.OK:
                 await context.abort(item.code, item.details)
@@ -290,7 +144,7 @@ class Hub:
                     spoke, "its stream to the hub broke (the daemon exited or the network failed)"
                 )
 
-    async def _read(self, spoke: _Spoke, context: grpc.aio.ServicerContext) -> None:
+    async def _read(self, spoke: SpokeStream, context: grpc.aio.ServicerContext) -> None:
         _lost_without_leave = (
             "its stream ended without a Leave (the daemon was killed, crashed, or its "
             "connection broke)"
@@ -336,30 +190,30 @@ class Hub:
         except grpc.aio.AioRpcError as exc:
             self._lost(spoke, f"its stream failed with {exc.code().name}: {exc.details()}")
 
-    def _of_subtree(self, spoke: _Spoke, node: int, what: str) -> int:
+    def _of_subtree(self, spoke: SpokeStream, node: int, what: str) -> int:
         if node not in self._layout.subtree(spoke.node):
             raise ProtocolViolation(
                 f"{spoke.name} sent a {what} about node {node}, which is not in its subtree"
             )
         return node
 
-    def _abort_from_child(self, spoke: _Spoke, abort: peer_pb2.Abort) -> None:
+    def _abort_from_child(self, spoke: SpokeStream, abort: peer_pb2.Abort) -> None:
         """A relay below failed its subtree: the job fails everywhere with its reason."""
         missing = [self._of_subtree(spoke, ref.node_rank, "Abort") for ref in abort.missing]
         error = _ABORT_ERRORS.get(abort.kind, PeerLostError)
         self._abort(abort.kind, abort.round, abort.reason[:_MAX_ABORT_CHARS], missing, error)
 
-    def _refuse_stream(self, spoke: _Spoke, why: str) -> None:
+    def _refuse_stream(self, spoke: SpokeStream, why: str) -> None:
         log.error("refusing %s: %s", spoke.name, why)
         if spoke.state == "active":
-            spoke.outbox.put_nowait(_End(grpc.StatusCode.INVALID_ARGUMENT, why))
+            spoke.outbox.put_nowait(OutboxEnd(grpc.StatusCode.INVALID_ARGUMENT, why))
             spoke.state = "ending"
         round_index = self._table.next_round(spoke.node)
         reason = f"{spoke.name} broke the round protocol and was refused: {why}"
         missing = self._layout.subtree(spoke.node)
         self._abort(peer_pb2.ABORT_KIND_PEER_LOST, round_index, reason, missing, PeerLostError)
 
-    def _lost(self, spoke: _Spoke, why: str) -> None:
+    def _lost(self, spoke: SpokeStream, why: str) -> None:
         if spoke.state != "active":
             return
         spoke.state = "lost"
@@ -379,12 +233,12 @@ class Hub:
         missing = self._layout.subtree(spoke.node)
         self._abort(peer_pb2.ABORT_KIND_PEER_LOST, round_index, reason, missing, PeerLostError)
 
-    def _left(self, spoke: _Spoke) -> None:
+    def _left(self, spoke: SpokeStream) -> None:
         """The spoke said Leave (shutdown): fine, unless a round still needs it."""
         if spoke.state != "active":
             return
         spoke.state = "left"
-        spoke.outbox.put_nowait(_End(grpc.StatusCode.OK))
+        spoke.outbox.put_nowait(OutboxEnd(grpc.StatusCode.OK))
         if not self._formed.done():
             del self._spokes[spoke.node]
             return
@@ -633,7 +487,7 @@ class Hub:
         missing = self._table.missing(round_index)
         if not missing or self._config.node_rank in missing:
             return  # complete, or the relay's own reason (its round loop's) stands
-        names = _names(self._name(n) for n in missing)
+        names = names_of(self._name(n) for n in missing)
         self.note_waiting(
             self._config.node_rank, round_index, f"{names} below it did not contribute yet"
         )
@@ -652,7 +506,7 @@ class Hub:
         for spoke in self._spokes.values():
             if spoke.state == "active":
                 spoke.outbox.put_nowait(abort_data)
-                spoke.outbox.put_nowait(_End(grpc.StatusCode.ABORTED, reason))
+                spoke.outbox.put_nowait(OutboxEnd(grpc.StatusCode.ABORTED, reason))
                 spoke.state = "ending"
 
     def _blame_own_stall(self, round_index: int, reason: str, missing: list[int]) -> str:
@@ -665,7 +519,7 @@ class Hub:
         stall = self._watch.longest_since(now - timeout - grace_s(timeout) - 1.0, now)
         if stall is None or stall.duration_s < 0.5 * timeout:
             return reason
-        peers = _names(self._name(n) for n in missing if n != 0)
+        peers = names_of(self._name(n) for n in missing if n != 0)
         return (
             f"round {self._config.round_name(round_index)} failed because this daemon "
             f"({self._me()}) itself did not "
@@ -698,7 +552,7 @@ class Hub:
         self._ticker.cancel()
         for spoke in self._spokes.values():
             if spoke.state == "active":
-                spoke.outbox.put_nowait(_End(grpc.StatusCode.OK))
+                spoke.outbox.put_nowait(OutboxEnd(grpc.StatusCode.OK))
                 spoke.state = "ending"
         if self._failure is None:
             reason = (
@@ -734,21 +588,3 @@ _ABORT_ERRORS: dict[int, type[OdbdError]] = {
     peer_pb2.ABORT_KIND_JOIN_TIMEOUT: HandshakeError,
     peer_pb2.ABORT_KIND_REFUSED: HandshakeError,
 }
-
-
-def restart_hint(missing: list[int]) -> str:
-    """The fix when a hub restarted from --state-dir waits in vain: a spoke that kept running
-    never joins again (it planned its steps already, e.g. a whole --max-updates job, and serves
-    them without the hub), and the job resumes only when every daemon restarts together."""
-    nodes = ("node " if len(missing) == 1 else "nodes ") + ", ".join(str(n) for n in missing)
-    return (
-        f"This daemon restarted from its --state-dir journal, and a daemon of the job that "
-        f"kept running does not join a new incarnation: stop the daemon of {nodes} too "
-        "and start it again with its --state-dir (every daemon of the job restarts together), "
-        "then resume the trainers from their checkpoints"
-    )
-
-
-def _names(names: Iterable[str]) -> str:
-    items = list(names)
-    return ", ".join(items) if items else "no node"

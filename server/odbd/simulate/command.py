@@ -12,12 +12,12 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 from odbd import flags
+from odbd.daemon_flags import add_planner_flag
 from odbd.errors import ConfigError
 from odbd.planner.config import (
     Align,
@@ -38,6 +38,7 @@ from odbd.planner.migration import (
 from odbd.simulate.distributions import NAMES, sample_lengths
 from odbd.simulate.lengths import read_lengths_and_patches
 from odbd.simulate.report import render_freshness, render_table, repeated_groups, report_json
+from odbd.simulate.setup import Setup
 from odbd.simulate.updates import render_updates, summarize_updates
 from odbd.world import World
 
@@ -47,23 +48,6 @@ if TYPE_CHECKING:
 PROG = "odbd simulate"
 EXIT_USAGE = 2
 DEFAULT_NUM_SAMPLES = 100_000
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class Setup:
-    """A validated simulation request."""
-
-    lengths: np.ndarray  # (N,) int64; sample id = index
-    patches: np.ndarray | None  # (N,) int64 vision patches (--lengths' second column)
-    source: str  # where the lengths came from, for the table header
-    config: PlannerConfig
-    epochs: int
-    join: bool
-    compare_batch_sizes: tuple[int, ...]  # empty = no --compare
-    as_json: bool
-    plan_out: str | None
-    planning_time: bool = False  # report per-daemon planning time and payload bytes
-    migration: LinkModel | None = None  # --migrate auto: planner/migration.py's link model
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -84,83 +68,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     world = parser.add_argument_group("world and planner")
     world.add_argument("--world", type=int, default=16, metavar="W", help="DDP world")
     world.add_argument("--nproc-per-node", type=int, default=8, metavar="G", help="ranks per node")
-    world.add_argument(
-        "--token-budget",
-        type=int,
-        default=12288,
-        metavar="L",
-        help="max padded tokens per rank-step",
-    )
-    world.add_argument("--buffer", type=int, default=1024, metavar="B", help="samples per rank")
-    world.add_argument(
-        "--grouping",
-        choices=[g.value for g in Grouping],
-        default="min-time",
-        help="min-time or the paper's threshold grouping",
-    )
-    world.add_argument(
-        "--balance",
-        choices=[b.value for b in Balance],
-        default="node",
-        help="pool a node's buffers (node) or the paper's per-rank buffers (rank)",
-    )
-    world.add_argument(
-        "--loss-scaling",
-        choices=[s.value for s in LossScaling],
-        default="exact",
-        help="how per-rank losses are scaled",
-    )
-    world.add_argument(
-        "--join",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="join: every identity each epoch; no-join: sample quota",
-    )
+    add_planner_flag(world, "--token-budget")
+    add_planner_flag(world, "--buffer")
+    add_planner_flag(world, "--grouping")
+    add_planner_flag(world, "--balance")
+    add_planner_flag(world, "--loss-scaling")
+    add_planner_flag(world, "--join")
     world.add_argument("--epochs", type=int, default=1, metavar="E", help="trainer epochs")
-    world.add_argument(
-        "--seed",
-        type=flags.integer(0, flags.MAX_SEED),
-        default=0,
-        metavar="S",
-        help="seeds the lengths and the sampler",
-    )
+    add_planner_flag(world, "--seed")
     world.add_argument(
         "--fresh-groups",
         action=argparse.BooleanOptionalAction,
         default=True,
         help="vary min-time groups with seed and round, or sort exactly",
     )
-    world.add_argument(
-        "--accumulate",
-        type=flags.integer(1, 1 << 20),
-        default=1,
-        metavar="K",
-        help="K micro-steps per optimizer update (reports updates)",
-    )
-    world.add_argument(
-        "--tokens-per-update",
-        type=flags.integer(0, 1 << 62),
-        default=0,
-        metavar="T",
-        help="updates closed at >= T loss tokens over all ranks (reports tokens per update)",
-    )
-    world.add_argument(
+    add_planner_flag(world, "--accumulate")
+    add_planner_flag(world, "--tokens-per-update")
+    add_planner_flag(
+        world,
         "--align",
-        choices=[a.value for a in Align],
-        default="steps",
         help="updates: also time the plan with ranks aligned at optimizer updates (issue 26)",
     )
-    world.add_argument(
-        "--collate",
-        choices=[c.value for c in Collate],
-        default="padded",
-        help="padded rows (area <= L) or one packed row per rank-step (sum of lengths <= L)",
-    )
-    world.add_argument(
+    add_planner_flag(world, "--collate")
+    add_planner_flag(
+        world,
         "--max-patches",
-        type=flags.integer(0, 1 << 62),
-        default=0,
-        metavar="N",
         help="at most N vision patches per group (patch counts: --lengths' second column)",
     )
     move = parser.add_argument_group("cross-node moves (planner/migration.py)")

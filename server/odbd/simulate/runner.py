@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
 
 from odbd.errors import ConfigError
 from odbd.planner.config import Align, Balance, Grouping, PlannerConfig
@@ -19,10 +18,8 @@ from odbd.simulate.migration import MigrationReport, summarize_migration
 from odbd.simulate.oracle import node_oracle_stats, oracle_stats
 from odbd.simulate.planning_time import PlanningReport, planning_report
 from odbd.simulate.report import Summary, summarize
+from odbd.simulate.setup import Setup
 from odbd.simulate.update_align import AlignComparison, compare_align
-
-if TYPE_CHECKING:
-    from odbd.simulate.command import Setup
 
 
 @dataclass(frozen=True, slots=True)
