@@ -22,7 +22,7 @@ plan_migration does, so `simulate` can measure what the live decision costs agai
 one (docs/bench/migration.md).
 
 The approximation: stand-ins of a bucket share one work (its mean length's), so a level's edge
-and a block's spread are known to FINE_STEP (1 %, below HOLD_SPREAD's 2 %). The hub still
+and a block's spread are known to FINE_STEP (0.5 %, below HOLD_SPREAD's 2 %). The hub still
 expands to one stand-in per buffered sample (its CPU is O(samples of the world) per round, as
 the pooled decision's was on every daemon); the wire is O(buckets) per node and O(moves) back.
 """
@@ -40,10 +40,12 @@ from odbd.planner.config import PlannerConfig
 from odbd.planner.migration import LinkModel, MigrationPlan, plan_migration
 from odbd.planner.types import IntArray, SampleTable, UnitOffer
 
-# Buckets of one-sample work FINE_STEP apart on a log scale: 1 % keeps a bucket narrower than
-# the hold spread (2 %), and a buffer of lengths 1..3 L under the default model spans ~1,500
-# possible buckets of which a node's buffer fills a few hundred (each 44 bytes on the wire).
-FINE_STEP = 0.01
+# Buckets of one-sample work FINE_STEP apart on a log scale, well under the hold spread (2 %).
+# Measured against the pooled decision (docs/bench/migration.md): at 1 % longtail W=128 fell
+# to 0.9896x the oracle (pooled 0.9913), at 0.5 % 0.9912. A buffer of lengths 1..3 L under
+# the default model spans ~3,000 possible buckets, of which a node's buffer fills a few
+# hundred (34 bytes each on the wire, daemon/migration_codec.py).
+FINE_STEP = 0.005
 _LOG_STEP = math.log1p(FINE_STEP)
 
 
@@ -156,8 +158,8 @@ def hub_moves(
 ) -> MoveDecision:
     """The round's moves from every unit's digest (unit order): plan_migration over stand-ins,
     reduced to counts per (source, bucket, target) and holds per (unit, bucket)."""
-    offers, sizes, bucket_of_view, unit_of_view = _stand_ins(digests)
-    plan = plan_migration(offers, config, link, sizes)
+    offers, sizes, works, ties, bucket_of_view, unit_of_view = _stand_ins(digests)
+    plan = plan_migration(offers, config, link, sizes, works=works, ties=ties)
     moves = []
     for d in digests:
         sent = plan.sources == d.unit
@@ -290,12 +292,16 @@ def _sizes(t: SampleTable, sizes: IntArray | None, link: LinkModel) -> IntArray:
 
 def _stand_ins(
     digests: Sequence[UnitDigest],
-) -> tuple[list[UnitOffer], list[IntArray], IntArray, IntArray]:
+) -> tuple[list[UnitOffer], list[IntArray], list[np.ndarray], list[IntArray], IntArray, IntArray]:
     """Every digest's buckets as `count` equal samples (mean length and patches, the bytes split
-    as evenly as integers allow, every one of the bucket's oldest age). Stand-in view keys are
-    positions in one world-wide numbering; returns the offers, their bytes, and per view key
-    its bucket and unit."""
-    offers, sizes, buckets, units = [], [], [], []
+    as evenly as integers allow, every one of the bucket's oldest age). Stand-ins of a bucket
+    share its work (its geometric middle, the same on every unit) and interleave across units
+    by their index in it, as equal real samples interleave by row: ordered by the units' own
+    means, one unit's whole bucket would come first, and a level cut inside it would be all
+    one unit's (measured: 3.4x the bytes moved on trimodal at W=16). Stand-in view keys are
+    positions in one world-wide numbering; returns the offers, their bytes, works and ties,
+    and per view key its bucket and unit."""
+    offers, sizes, works, ties, buckets, units = [], [], [], [], [], []
     start = 0
     for d in digests:
         n = d.counts
@@ -310,10 +316,12 @@ def _stand_ins(
         start += total
         offers.append(UnitOffer(d.unit, table, d.dry))
         sizes.append(_spread(d.nbytes, n))
+        works.append(np.repeat(np.exp((d.buckets + 0.5) * _LOG_STEP), n))
+        ties.append(np.arange(total) - np.repeat(np.cumsum(n) - n, n))
         buckets.append(np.repeat(d.buckets, n))
         units.append(np.full(total, d.unit, np.int64))
     cat = lambda xs: np.concatenate(xs) if xs else np.zeros(0, np.int64)  # noqa: E731
-    return offers, sizes, cat(buckets), cat(units)
+    return offers, sizes, works, ties, cat(buckets), cat(units)
 
 
 def _spread(sums: IntArray, counts: IntArray) -> IntArray:
