@@ -8,10 +8,13 @@ import asyncio
 import uuid
 import zlib
 
+import numpy as np
 import pytest
 
 from odbclient.shm import Allocation
+from odbd.daemon.node_state import Locations
 from odbd.ingest.arena import Arena
+from odbd.ingest.lanes import Lanes
 from odbd.round.bulk import BulkError, BulkReceiver, SampleRecord, Transfer, record_of, send_samples
 
 TOKEN = b"job token of this test"
@@ -33,23 +36,22 @@ class Node:
 
     def __init__(self, arena: Arena, token: bytes = TOKEN) -> None:
         self.arena = arena
-        self.landed: list[tuple[Transfer, list[Allocation]]] = []
+        self.landed: list[tuple[Transfer, Allocation, list[int]]] = []
         self.receiver: BulkReceiver[Allocation] = BulkReceiver(
             token=token,
             job_id="job-a",
             node=1,
             allocate=self.allocate,
             release=self.release,
-            landed=lambda t, h: self.landed.append((t, h)),
+            landed=lambda t, h, at: self.landed.append((t, h, at)),
         )
 
     def allocate(self, nbytes: int) -> tuple[Allocation, memoryview] | None:
         a = self.arena.allocate(nbytes)
         return None if a is None else (a, self.arena.view(a))
 
-    def release(self, handles: list[Allocation]) -> None:
-        for a in handles:
-            self.arena.free(a)
+    def release(self, handle: Allocation) -> None:
+        self.arena.free(handle)
 
 
 def run(scenario) -> None:  # type: ignore[no-untyped-def]
@@ -75,13 +77,26 @@ def test_samples_land_in_the_receivers_arena_byte_for_byte(arena: Arena) -> None
             )  # fmt: skip
         finally:
             await node.receiver.close()
-        ((transfer, handles),) = node.landed
+        ((transfer, region, offsets),) = node.landed
         assert (transfer.source, transfer.target, transfer.round_index) == (0, 1, 7)
         assert [r.view for r in transfer.records] == [100, 101, 102, 103, 104]
-        for a, p in zip(handles, payloads, strict=True):
-            assert bytes(arena.view(a)) == p
+        whole = arena.view(region)
+        for at, p in zip(offsets, payloads, strict=True):
+            assert at % 64 == 0  # aligned as a producer lane lays samples out
+            assert bytes(whole[at : at + len(p)]) == p
         assert node.receiver.received_bytes == sum(map(len, payloads))
-        assert arena.num_allocations == 5
+        assert arena.num_allocations == 1  # one region per transfer
+        # The region becomes a daemon-owned lane: trainers read the samples where they landed,
+        # and the last delivery returns the region to the arena, handing nothing to a producer.
+        lanes = Lanes(arena, 4096)
+        lane = lanes.adopt(region, np.asarray(offsets))
+        where = Locations.in_lane(
+            lane.lane_id, np.asarray(offsets), np.asarray(list(map(len, payloads)))
+        )
+        segments, starts = lanes.resolve_many(where)
+        assert starts.tolist() == [region.offset + at for at in offsets]
+        assert lanes.free([where.take(np.arange(2))]) == {} and arena.num_allocations == 1
+        assert lanes.free([where.take(np.arange(2, 5))]) == {} and arena.num_allocations == 0
 
     run(scenario)
 
@@ -140,22 +155,25 @@ def test_a_bad_transfer_is_refused_with_the_reason_and_leaves_the_arena_empty(
     run(scenario)
 
 
-def test_a_full_arena_refuses_the_move_and_names_the_fix() -> None:
-    with Arena.create(f"bulk{uuid.uuid4().hex[:8]}", 1, 4096) as small:
-        payloads = [b"x" * 3000, b"y" * 3000]
+@pytest.mark.parametrize("taken", [0, 4096])  # too large for the arena / no room left now
+def test_a_full_arena_refuses_the_move_and_names_the_fix(taken: int) -> None:
+    with Arena.create(f"bulk{uuid.uuid4().hex[:8]}", 1, 8192) as small:
+        if taken:
+            small.allocate(taken)
+        payloads = [b"x" * 3000, b"y" * (6000 if not taken else 1200)]
 
         async def scenario() -> None:
             node = Node(small)
             port = await node.receiver.start()
             try:
-                with pytest.raises(BulkError, match="no room .* --shm-size"):
+                with pytest.raises(BulkError, match="refused .* --shm-size"):
                     await send_samples(
                         "127.0.0.1", port, token=TOKEN, job_id="job-a", source=0, target=1,
                         round_index=0, records=records_of(payloads), payloads=payloads,
                     )  # fmt: skip
             finally:
                 await node.receiver.close()
-            assert small.num_allocations == 0
+            assert small.num_allocations == (1 if taken else 0)
 
         run(scenario)
 

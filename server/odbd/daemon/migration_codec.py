@@ -5,11 +5,13 @@ Digest payload, version 1 (little-endian), one per node:
     u32 magic 0x4f444253 (summary_codec's family), u16 version, u16 kind 6, u32 node,
     u32 num_units; then per unit: u32 unit, u8 dry, u32 num_buckets, then that many
     int32 bucket, uint32 count, int64 summed length, int64 summed patches, int64 summed bytes,
-    uint16 oldest age (34 bytes a bucket: a few hundred buckets per node, never per sample)
+    uint16 oldest age (34 bytes a bucket: a few hundred buckets per node, never per sample);
+    then u16 length and the UTF-8 "host:port" of the node's bulk port (round/bulk.py)
 Moves payload, version 1 (kind 7), the hub's result:
     u32 round, u16 bins, u16 reserved, f64 gain s, f64 move s, u32 num_units; then a table of
     num_units (u32 unit, u32 byte offset of its section); then per unit: u32 sends, u32 holds,
     sends x (int32 bucket, uint32 target unit, uint32 count), holds x (int32 bucket, u32 count)
+    then the nodes' bulk addresses (UTF-8 JSON list, node order), then u32 its length
 A node decodes only its own units' sections (the table says where they are): what it reads is
 O(its moves). The barrier broadcasts the hub's one result (round/barrier.py exchange_reduced),
 so every node still receives every section: O(units x moved buckets), counts, never samples.
@@ -17,6 +19,7 @@ so every node still receives every section: O(units x moved buckets), counts, ne
 
 from __future__ import annotations
 
+import json
 import struct
 from collections.abc import Sequence
 
@@ -43,17 +46,24 @@ _SEND = np.dtype([("b", "<i4"), ("to", "<u4"), ("n", "<u4")])
 _HOLD = np.dtype([("b", "<i4"), ("n", "<u4")])
 
 
-def encode_digest(node: int, digests: Sequence[UnitDigest]) -> bytes:
+def encode_digest(node: int, digests: Sequence[UnitDigest], address: str = "") -> bytes:
     parts = [_PREFIX.pack(_MAGIC, _VERSION, _DIGEST), _DIGEST_HEAD.pack(node, len(digests))]
     for d in digests:
         rows = np.zeros(d.buckets.shape[0], dtype=_BUCKET)
         rows["b"], rows["n"], rows["len"] = d.buckets, d.counts, d.lengths
         rows["pat"], rows["by"], rows["age"] = d.patches, d.nbytes, np.minimum(d.ages, 0xFFFF)
         parts += [_UNIT_HEAD.pack(d.unit, d.dry, rows.shape[0]), rows.tobytes()]
+    where = address.encode()
+    parts += [struct.pack("<H", len(where)), where]
     return b"".join(parts)
 
 
 def decode_digest(payload: bytes) -> tuple[int, list[UnitDigest]]:
+    node, digests, _ = decode_digest_addressed(payload)
+    return node, digests
+
+
+def decode_digest_addressed(payload: bytes) -> tuple[int, list[UnitDigest], str]:
     _check_prefix(payload, _DIGEST)
     node, num_units = _DIGEST_HEAD.unpack_from(payload, _PREFIX.size)
     pos = _PREFIX.size + _DIGEST_HEAD.size
@@ -75,9 +85,12 @@ def decode_digest(payload: bytes) -> tuple[int, list[UnitDigest]]:
                 rows["age"].astype(np.int64),
             )  # fmt: skip
         )
+    (size,) = struct.unpack_from("<H", payload, pos)
+    address = payload[pos + 2 : pos + 2 + size].decode()
+    pos += 2 + size
     if pos != len(payload):
         raise InvariantError(f"digest of node {node} has {len(payload) - pos} trailing bytes")
-    return node, out
+    return node, out, address
 
 
 def digest_problem(node: int, digests: Sequence[UnitDigest], config: PlannerConfig) -> str | None:
@@ -104,9 +117,10 @@ def hub_migrate(
     """The hub's reduction: every node's digest in node order -> the round's moves payload.
     A digest that cannot be read or is out of range fails the job naming its node."""
     digests: list[UnitDigest] = []
+    addresses: list[str] = []
     for n, p in enumerate(payloads):
         try:
-            node, mine = decode_digest(p)
+            node, mine, address = decode_digest_addressed(p)
         except (InvariantError, struct.error, ValueError) as error:
             raise InvariantError(
                 f"node {n} sent a round {round_index} migration digest the hub cannot read "
@@ -119,10 +133,11 @@ def hub_migrate(
                 "every daemon stops this job (same odbd release and job token everywhere)"
             )
         digests += mine
-    return encode_moves(hub_moves(digests, config, link), round_index)
+        addresses.append(address)
+    return encode_moves(hub_moves(digests, config, link), round_index, addresses)
 
 
-def encode_moves(decision: MoveDecision, round_index: int) -> bytes:
+def encode_moves(decision: MoveDecision, round_index: int, addresses: Sequence[str] = ()) -> bytes:
     sections = []
     for m in decision.moves:
         sends = np.zeros(m.send_buckets.shape[0], dtype=_SEND)
@@ -138,7 +153,24 @@ def encode_moves(decision: MoveDecision, round_index: int) -> bytes:
     for m, s in zip(decision.moves, sections, strict=True):
         table.append(_ENTRY.pack(m.unit, offsets))
         offsets += len(s)
-    return head + b"".join(table) + b"".join(sections)
+    blob = json.dumps(list(addresses)).encode()
+    trailer = blob + struct.pack("<I", len(blob))
+    return head + b"".join(table) + b"".join(sections) + trailer
+
+
+def decode_addresses(payload: bytes) -> list[str]:
+    """The nodes' bulk addresses, node order, from the hub's moves payload."""
+    _check_prefix(payload, _MOVES)
+    (size,) = struct.unpack_from("<I", payload, len(payload) - 4)
+    raw = json.loads(payload[len(payload) - 4 - size : len(payload) - 4])
+    return [str(a) for a in raw]
+
+
+def decode_summary_of_moves(payload: bytes) -> tuple[int, float, float]:
+    """(bins, gain s, move s) of the hub's decision, for logs and /metrics."""
+    _check_prefix(payload, _MOVES)
+    _, bins, _, gain, move, _ = _MOVES_HEAD.unpack_from(payload, _PREFIX.size)
+    return int(bins), float(gain), float(move)
 
 
 def decode_moves(payload: bytes, units: Sequence[int]) -> tuple[int, list[UnitMoves]]:

@@ -18,9 +18,11 @@ must add up to the head's payload bytes, catch a sender's own bug and name the s
 empty token (a loopback job without --job-token-file) the proofs authenticate nobody, as on
 the peer port: the receiver then accepts only a loopback peer.
 
-The receiver writes each payload into an allocation of its arena as it arrives (`allocate`)
-and hands the landed samples over (`landed`) only once every check passed; on any refusal it
-frees what it allocated (`release`) and the sender gets the reason, which it raises: a move
+The receiver takes one region of its arena per transfer (`allocate`, sized from the head: every
+sample at a 64-byte aligned offset, as a producer lane lays them out, so a daemon-owned lane can
+hold them), writes each payload into it as it arrives, and hands the landed samples over
+(`landed`, with each sample's offset in the region) only once every check passed; on any
+refusal it frees the region (`release`) and the sender gets the reason, which it raises: a move
 that did not land fails the round, as a lost node does.
 """
 
@@ -39,6 +41,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
+from odbclient.shm import align_up
 from odbd.errors import OdbdError
 
 log = logging.getLogger("odbd.bulk")
@@ -58,7 +61,7 @@ MAX_JOB_ID = 256
 _READ_CHUNK = 1 << 20
 TIMEOUT_S = 60.0  # one transfer's whole exchange; a round's moves take milliseconds
 
-_H = TypeVar("_H")  # the receiver's handle of one arena allocation
+_H = TypeVar("_H")  # the receiver's handle of one arena region
 
 
 class BulkError(OdbdError):
@@ -187,13 +190,22 @@ class _Refused(Exception):
     pass
 
 
+def region_offsets(records: Sequence[SampleRecord]) -> tuple[list[int], int]:
+    """Each sample's offset in a transfer's region (64-byte aligned) and the region's size."""
+    offsets, pos = [], 0
+    for r in records:
+        offsets.append(pos)
+        pos += align_up(r.nbytes)
+    return offsets, pos
+
+
 class BulkReceiver(Generic[_H]):
     """The receiving end: an asyncio TCP server on the bulk port.
 
-    `allocate(nbytes)` -> (handle, writable memoryview) in the arena, or None when it is full
-    (the transfer is refused: the sender's round fails, as at a lost node); `release(handles)`
-    frees them; `landed(transfer, handles)` takes a checked transfer's samples (the handles in
-    record order)."""
+    `allocate(nbytes)` -> (handle, writable memoryview) of one arena region, or None when the
+    arena is full (the transfer is refused: the sender's round fails, as at a lost node);
+    `release(handle)` frees it; `landed(transfer, handle, offsets)` takes a checked transfer's
+    samples (offsets[i]: record i's bytes in the region, region_offsets)."""
 
     def __init__(
         self,
@@ -202,8 +214,8 @@ class BulkReceiver(Generic[_H]):
         job_id: str,
         node: int,
         allocate: Callable[[int], tuple[_H, memoryview] | None],
-        release: Callable[[list[_H]], None],
-        landed: Callable[[Transfer, list[_H]], Awaitable[None] | None],
+        release: Callable[[_H], None],
+        landed: Callable[[Transfer, _H, list[int]], Awaitable[None] | None],
     ) -> None:
         self.token = token
         self.job_id = job_id
@@ -278,18 +290,21 @@ class BulkReceiver(Generic[_H]):
                 f"its lengths do not add up: {sum(r.nbytes for r in records)} bytes in records "
                 f"against {total} in the head, views with no bytes {bad[:8]}"
             )
-        handles: list[_H] = []
+        offsets, size = region_offsets(records)
+        try:
+            got = self._allocate(size) if records else None
+        except OdbdError as error:  # e.g. larger than any segment of the arena
+            raise _Refused(f"node {self.node}: {error}") from None
+        if records and got is None:
+            raise _Refused(
+                f"node {self.node}'s arena has no room for {len(records)} moved samples "
+                f"({size} bytes); raise --shm-size (moves need room beside the buffer)"
+            )
         try:
             mac = hmac.new(self.token, _PAYLOAD_LABEL + nonce, hashlib.sha256)
-            for r in records:
-                got = self._allocate(r.nbytes)
-                if got is None:
-                    raise _Refused(
-                        f"node {self.node}'s arena has no room for a moved sample of {r.nbytes} "
-                        "bytes; raise --shm-size (moves need room beside the buffer)"
-                    )
-                handle, view = got
-                handles.append(handle)
+            for r, at in zip(records, offsets, strict=True):
+                assert got is not None
+                view = got[1][at : at + r.nbytes]
                 await _read_into(reader, view)
                 mac.update(view)
                 if zlib.crc32(view) != r.crc32:
@@ -299,11 +314,13 @@ class BulkReceiver(Generic[_H]):
                     )
             if not hmac.compare_digest(mac.digest(), await reader.readexactly(PROOF_BYTES)):
                 raise _Refused("its payload proof does not match: the bytes were altered")
-            done = self._landed(Transfer(source, target, round_index, records), handles)
-            if done is not None:
-                await done
+            if got is not None:
+                done = self._landed(Transfer(source, target, round_index, records), got[0], offsets)
+                if done is not None:
+                    await done
         except BaseException:
-            self._release(handles)
+            if got is not None:
+                self._release(got[0])
             raise
         self.received_bytes += total
         writer.write(_STATUS.pack(0, 0))
