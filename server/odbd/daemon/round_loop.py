@@ -35,6 +35,7 @@ from odbd.daemon.end_requests import (
     missing_failure,
 )
 from odbd.daemon.journal import Journal, ResumeState
+from odbd.daemon.migration_live import LiveMigration
 from odbd.daemon.node_state import Locations, NodeState
 from odbd.daemon.split_exchange import SplitExchange, barrier_round
 from odbd.daemon.trained import StepCounts, steps_trained
@@ -241,6 +242,8 @@ class RoundLoop:
             row_feature(self.state.planner),
         )
         self.split = SplitExchange(barrier, config.node_rank)
+        # --migrate auto (migration_live.py), set by the daemon once its bulk port listens
+        self.migration: LiveMigration | None = None
         # (samples, loss tokens) every unit's buffer held this round (RoundExtras)
         self.offered = (0, 0)
         self._first_rank = config.local_ranks[0]  # a NodeRoundPlan's columns start here
@@ -273,9 +276,13 @@ class RoundLoop:
             self._exchanging, self._exchange_started_s = True, time.monotonic()
             planner = self._planner()
             seed_round = self.round_seed_base + self.round_index
+            offers = self.state.offers()
+            if self.migration is not None:
+                offers = await self.migration.round(
+                    seed_round, barrier_round(self.round_index, 0, 3), offers, planner
+                )
             grouped, decided = await self.split.decide(
-                self.round_index, seed_round, side, tuple(self.state.offers()), planner,
-                self.cost.absorb,
+                self.round_index, seed_round, side, tuple(offers), planner, self.cost.absorb,
             )  # fmt: skip
             facts = decided.facts
             if facts.invariant is not None:
@@ -342,7 +349,7 @@ class RoundLoop:
                 reason = self._wait_reason(room)
                 self._log_waiting(reason)
                 if reason != reported:
-                    round_index = barrier_round(self.round_index, 0)
+                    round_index = barrier_round(self.round_index, 0, self.split.phases)
                     await self.barrier.report_waiting(round_index, reason)
                     reported = reason
             finally:

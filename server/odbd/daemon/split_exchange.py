@@ -24,9 +24,10 @@ from odbd.round import RoundBarrier
 from odbd.round.barrier import RoundRecord
 
 
-def barrier_round(round_index: int, phase: int) -> int:
-    """The barrier round of planner round `round_index`'s exchange `phase` (0 or 1)."""
-    return 2 * round_index + phase
+def barrier_round(round_index: int, phase: int, phases: int = 2) -> int:
+    """The barrier round of planner round `round_index`'s exchange `phase` (0 .. phases - 1):
+    2 per round, 3 with --migrate auto (the moves' exchange first, migration_live.py)."""
+    return phases * round_index + phase
 
 
 @dataclass(slots=True)
@@ -36,6 +37,8 @@ class SplitExchange:
     planning_s: float = 0.0  # the round being planned, so far
     exchange_s: float = 0.0  # its two exchanges, from the summary's send to the totals
     last_round: RoundRecord | None = None  # both exchanges of the last round, for /metrics
+    first: int = 0  # the summary's phase: 1 when the moves' exchange comes first
+    phases: int = 2  # barrier rounds per planner round
 
     async def decide(
         self,
@@ -59,7 +62,9 @@ class SplitExchange:
                 self.planning_s += time.perf_counter() - begun
 
         sent = time.perf_counter()
-        result = await self.barrier.exchange_reduced(barrier_round(round_index, 0), payload, reduce)
+        result = await self.barrier.exchange_reduced(
+            barrier_round(round_index, self.first, self.phases), payload, reduce
+        )
         self.exchange_s = time.perf_counter() - sent
         last_node = self.barrier.last_round.last_node if self.barrier.last_round else 0
         self.last_round = RoundRecord(round_index, self.exchange_s, last_node)
@@ -88,7 +93,9 @@ class SplitExchange:
                 self.planning_s += time.perf_counter() - begun
 
         sent = time.perf_counter()
-        result = await self.barrier.exchange_reduced(barrier_round(round_index, 1), payload, reduce)
+        result = await self.barrier.exchange_reduced(
+            barrier_round(round_index, self.first + 1, self.phases), payload, reduce
+        )
         self.exchange_s += time.perf_counter() - sent
         if self.last_round is not None:
             self.last_round = RoundRecord(round_index, self.exchange_s, self.last_round.last_node)
