@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import re
 import threading
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -15,7 +16,7 @@ import pytest
 from odbd.demo.cluster import ClusterSpec, LocalCluster
 from tests.integration.ddp_launch import DATASET, Reports, data_flags, launch_ranks
 from tests.integration.ddp_model import ModelConfig
-from tests.integration.harness import http_get
+from tests.integration.harness import http_get, scaled
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -103,3 +104,36 @@ def test_moved_samples_train_once_with_exact_scales_and_are_counted(tmp_path: Pa
     # Node 1's ranks trained samples of node 0's views (i % 4 < 2): they moved.
     node1_ids = {i for rank in (2, 3) for r in reports.steps(rank) for i in r["ids"]}
     assert any(i % WORLD < 2 for i in node1_ids)
+
+
+def test_a_node_killed_while_samples_move_fails_the_job_naming_it() -> None:
+    # Moves run every round here (counted on node 0's /metrics before the kill), so the kill
+    # lands between, or during, transfers: either way the survivor fails naming node 1.
+    from tests.integration.faults_cluster import FaultCluster, synthetic
+    from tests.integration.test_faults_peer import ROUND_TIMEOUT_S, _cleanup_dead_node
+
+    args = [*synthetic(600, workers=1, delay_s=0.01), "--buffer", "8", "--token-budget", "1024"]
+    args += ["--round-timeout", str(ROUND_TIMEOUT_S), "--steps-ahead", "4", "--migrate", "auto"]
+    with FaultCluster(nodes=2, ranks_per_node=2, daemon_args=args, metrics=True) as fc:
+        fc.start_trainers("--step-sleep-s", "0.02")
+        url = f"http://127.0.0.1:{fc.cluster.metrics_ports[0]}/metrics"
+
+        def moving() -> bool:
+            text = http_get(url)
+            return counter(text, "odbd_migrated_samples", "out") + counter(
+                text, "odbd_migrated_samples", "in"
+            ) > 0 and all(fc.steps_seen(r) >= 3 for r in range(fc.world))
+
+        fc.wait_until(moving, "node 0 moved samples and every rank trained 3 steps")
+        fc.daemons[1].kill()
+        deadline = time.monotonic() + ROUND_TIMEOUT_S + scaled(20)
+        while fc.daemons[0].poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert fc.daemons[0].returncode == 1, fc.describe()
+        assert re.search(r"node 1\b", fc.log(0)), fc.log(0)
+        fc.wait_done(30)
+        for rank in (0, 1):
+            [error] = fc.errors(rank)
+            assert error["error"] == "JobFailedError" and "node 1" in error["message"], error
+        print(f"\nrank 0 was told: {fc.errors(0)[0]['message'][:300]}")
+        _cleanup_dead_node(fc, 1)
