@@ -4,11 +4,16 @@ the epoch is emitted exactly once, moved back or not."""
 
 from __future__ import annotations
 
+from collections import Counter
+
 import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from odbd.config import DaemonConfig
 from odbd.daemon.node_state import Locations, NodeState
 from odbd.planner.ledger import ViewState
+from odbd.planner.types import SampleTable
 from odbd.world import World
 
 BUFFER = 4
@@ -85,3 +90,76 @@ def test_a_sample_moved_back_to_a_node_that_moved_it_out_is_buffered_there_again
     assert states(home, one.views) == [ViewState.BUFFERED]
     assert states(other, one.views) == [ViewState.MOVED]
     assert home.locations_of(one.views).lanes.tolist() == [8]
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(2, 3), st.data())
+def test_every_view_is_emitted_exactly_once_over_the_nodes_whatever_moves(
+    nodes: int, data: st.DataObject
+) -> None:
+    # DESIGN 3.2's partition, extended to moves: over every node's ledger, each view of the
+    # epoch ends EMITTED on exactly one node, however samples move (and move back) each round.
+    size = 12 * nodes
+    peers = tuple(f"127.0.0.1:{p}" for p in range(1, nodes + 1))
+    states = [
+        NodeState(
+            DaemonConfig(
+                world=World(nodes, 1),
+                node_rank=n,
+                peers=peers,
+                buffer=BUFFER,
+                token_budget=64,
+                dataset_size=size,
+            ),
+            size,
+        )  # fmt: skip
+        for n in range(nodes)
+    ]
+    lane = 100
+    for _ in range(40):
+        for n, s in enumerate(states):
+            fill(s, lane=n)
+        offers = [s.offers()[0] for s in states]
+        if not any(len(o.samples) for o in offers):
+            break
+        tables = [o.samples for o in offers]
+        arriving: list[list[SampleTable]] = [[] for _ in states]
+        for n, t in enumerate(tables):
+            if not len(t) or nodes < 2:
+                continue
+            rows = data.draw(st.lists(st.integers(0, len(t) - 1), unique=True), label="moved")
+            targets = data.draw(
+                st.lists(st.integers(1, nodes - 1), min_size=len(rows), max_size=len(rows))
+            )
+            keep = np.setdiff1d(np.arange(len(t)), rows)
+            for row, step in zip(rows, targets, strict=True):
+                one = t.take(np.array([row]))
+                states[n].move_out(one.views)
+                target = (n + step) % nodes
+                lane += 1
+                states[target].move_in(one, Locations.in_lane(lane, np.zeros(1), np.full(1, 8)))
+                arriving[target].append(one)
+            tables[n] = t.take(keep)
+        for n, s in enumerate(states):
+            mine = SampleTable.concat_all([tables[n], *arriving[n]])
+            emit = data.draw(st.lists(st.booleans(), min_size=len(mine), max_size=len(mine)))
+            chosen = np.flatnonzero(np.asarray(emit, dtype=bool))
+            s.mark_emitted(mine.views[chosen])
+            s.return_samples(
+                s.local_unit_ids()[0], mine.take(np.setdiff1d(np.arange(len(mine)), chosen))
+            )
+    # Flush what is left: every node emits everything it buffers, leasing the rest.
+    for _ in range(4 * size):
+        offered = 0
+        for n, s in enumerate(states):
+            fill(s, lane=n)
+            for o in s.offers():
+                s.mark_emitted(o.samples.views)
+                offered += len(o.samples)
+        if not offered:
+            break
+    emitted = Counter(
+        v for s in states for v in s.iteration(0).ledger.views_in(ViewState.EMITTED).tolist()
+    )
+    assert all(c == 1 for c in emitted.values()), emitted
+    assert sorted(emitted) == list(range(size))
