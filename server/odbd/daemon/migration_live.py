@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -38,7 +39,7 @@ from odbd.planner.migration import LinkModel
 from odbd.planner.migration_digest import UnitMoves, node_digest, pick_moves
 from odbd.planner.types import SampleTable, UnitOffer
 from odbd.round import RoundBarrier
-from odbd.round.bulk import BulkError, BulkReceiver, SampleRecord, Transfer, send_samples
+from odbd.round.bulk import BulkReceiver, SampleRecord, Transfer, send_samples
 
 log = logging.getLogger("odbd.migrate")
 
@@ -146,7 +147,7 @@ class LiveMigration:
                 sends.append(asyncio.ensure_future(
                     self._ship(round_index, node, addresses[node], table, where)
                 ))  # fmt: skip
-        expected = self._expected(moves, mine, config)
+        expected = self._expected(moves, mine)
         try:
             if sends:
                 await asyncio.gather(*sends)
@@ -156,13 +157,13 @@ class LiveMigration:
         if shipped:
             self.free(shipped)  # the targets hold them now
         arrived = await self._arrivals(round_index, expected)
-        return self._with_arrivals(kept, arrived, config)
+        return self._with_arrivals(kept, arrived)
 
     def _node_of(self, unit: int, config: PlannerConfig) -> int:
         return unit * config.ranks_per_unit // config.world.ranks_per_node
 
     @staticmethod
-    def _expected(moves: list[UnitMoves], mine: set[int], config: PlannerConfig) -> int:
+    def _expected(moves: list[UnitMoves], mine: set[int]) -> int:
         return sum(
             int(m.send_counts[np.isin(m.send_targets, list(mine))].sum())
             for m in moves
@@ -180,7 +181,7 @@ class LiveMigration:
         ]
         records = [
             SampleRecord(
-                int(v), int(i), int(n), int(k), int(p), int(a), len(b), _crc(b)
+                int(v), int(i), int(n), int(k), int(p), int(a), len(b), zlib.crc32(b)
             )
             for v, i, n, k, p, a, b in zip(
                 table.views, identities, table.lengths, table.tokens, table.patches, table.ages,
@@ -222,7 +223,6 @@ class LiveMigration:
         self,
         kept: list[UnitOffer],
         arrived: list[tuple[Transfer, Allocation, list[int]]],
-        config: PlannerConfig,
     ) -> list[UnitOffer]:
         extra: dict[int, list[SampleTable]] = {}
         for transfer, region, offsets in sorted(arrived, key=lambda a: a[0].source):
@@ -246,12 +246,3 @@ class LiveMigration:
             UnitOffer(o.unit, SampleTable.concat_all([o.samples, *extra.get(o.unit, [])]), o.dry)
             for o in kept
         ]
-
-
-def _crc(data: bytes) -> int:
-    import zlib
-
-    return zlib.crc32(data)
-
-
-__all__ = ["BulkError", "LiveMigration"]
