@@ -57,12 +57,19 @@ class Batch:
     # DDP, is the per-token mean over every loss-bearing token of the update on every rank.
     update_end: bool = True
     update_index: int = 0  # within the epoch, identical on every rank
-    update_num_steps: int = 1  # micro-steps of this update, the same on every rank
+    update_num_steps: int = 1  # micro-steps of this update, the same on every rank (see below)
     update_step: int = 0  # this micro-step's position in the update, from 0
     update_tokens: int = 0  # loss-bearing tokens of the update over every rank
     update_samples: int = 0  # samples of the update over every rank
     update_short: bool = False  # the epoch's last update, closed before K steps / T tokens
     windowed: bool = False  # the daemon runs optimizer updates of several micro-steps or tokens
+    # odbd --align updates (issue 26): ranks all-reduce once per update, each after its own
+    # micro-steps, so update_num_steps, update_step and update_end are this rank's and differ
+    # between ranks. Run every micro-step but the one with update_end under no_sync() (DDP,
+    # ZeRO-1/2); FSDP and other per-layer collectives need the same micro-steps on every rank.
+    update_per_rank: bool = False
+    update_skip: bool = False  # a slot after the rank's last micro-step: ODBClient drops it
+    update_skipped_after: int = 0  # on update_end: this rank's skipped slots after it
 
     def __getitem__(self, key: str) -> torch.Tensor | int:
         return self.tensors[key]

@@ -205,11 +205,17 @@ class ODBClient:
             )
 
     def _epoch_batches(self, stream: TrainerStream | StagedStream) -> Generator[Batch, None, None]:
+        called_s: float | None = None
         while self._job_end is None:  # end_job() inside the loop ends it at the next next()
-            called_s = time.perf_counter()
+            if called_s is None:  # kept over skipped slots: they are part of this next()
+                called_s = time.perf_counter()
             event = self._next_event(stream)
             if isinstance(event, Batch):
+                if event.update_skip:
+                    self._skip(stream, event)
+                    continue
                 self._deliver(stream, event, called_s)
+                called_s = None
                 yield event
                 continue
             stream.reports.flush()  # the epoch or the stream ended: report every batch
@@ -287,6 +293,8 @@ class ODBClient:
         if unsent >= self._report_every:
             stream.reports.flush()
         self._epoch, self._next_step = batch.epoch, batch.step + 1
+        if batch.update_end:  # --align updates: past this rank's skipped slots of the update
+            self._next_step += batch.update_skipped_after
         self._last_batch = (batch.epoch, batch.step)
         self._last_progress = batch.progress.job_fraction
         if batch.windowed:
@@ -298,6 +306,14 @@ class ODBClient:
         # The report is part of next() too: it is reported with the next step's wait, so the
         # daemon's overlap metric never counts our own overhead as the trainer's compute.
         self._unreported_wait_s = self._last_return_s - now_s
+
+    def _skip(self, stream: TrainerStream | StagedStream, batch: Batch) -> None:
+        """A slot after this rank's last micro-step of an update (odbd --align updates): not
+        trained and never yielded, but reported like every step, so the daemon's accounting
+        (delivered steps, the epoch's end) counts it; the resume point already passed it."""
+        unsent = stream.reports.add(batch.epoch, batch.step, wait_s=0.0, compute_s=0.0)
+        if unsent >= self._report_every:
+            stream.reports.flush()
 
     def _end_epoch(self, event: EpochEnd) -> None:
         self._summary = {

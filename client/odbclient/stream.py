@@ -136,7 +136,8 @@ class JobEnd:
 _STEP_FACTS = ("epoch", "step", "num_samples", "num_tokens", "global_num_samples",
                "global_num_tokens", "sample_ids", "is_idle", "loss_scale")  # fmt: skip
 _UPDATE_FACTS = ("update_end", "update_index", "update_num_steps", "update_step",
-                 "update_tokens", "update_samples", "update_short", "windowed")  # fmt: skip
+                 "update_tokens", "update_samples", "update_short", "windowed",
+                 "update_per_rank", "update_skip", "update_skipped_after")  # fmt: skip
 if BATCH_FACTS != (*_STEP_FACTS, *_UPDATE_FACTS):
     raise ImportError(f"odbclient.stream builds Batch facts as {_STEP_FACTS + _UPDATE_FACTS}, "
                       f"but Batch has {BATCH_FACTS}; update stream.py with batch.py")  # fmt: skip
@@ -147,10 +148,10 @@ def _update(step: trainer_pb2.StepBatch) -> tuple[object, ...]:
     is an update."""
     if not step.HasField("update"):
         return (True, step.step, 1, 0, step.global_num_tokens, step.global_num_samples, False,
-                False)  # fmt: skip
+                False, False, False, 0)  # fmt: skip
     u = step.update
     return (u.end, u.index, u.num_steps, u.step_in_update, u.num_tokens, u.num_samples, u.short,
-            True)  # fmt: skip
+            True, u.per_rank, u.skip, u.skipped_after)  # fmt: skip
 
 
 def _progress(p: trainer_pb2.Progress) -> Progress:

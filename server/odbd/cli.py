@@ -16,11 +16,17 @@ from enum import StrEnum
 from pathlib import Path
 
 from odbd import flag_files, flags
-from odbd.config import DEFAULT_PADS, DaemonConfig, default_socket, node_rank_from_environment
+from odbd.config import (
+    DEFAULT_PADS,
+    DEFAULT_ROUND_FANOUT,
+    DaemonConfig,
+    default_socket,
+    node_rank_from_environment,
+)
 from odbd.daemon.socket_claim import claim_daemon_sockets
 from odbd.dataset_size import dataset_size_of
 from odbd.errors import ConfigError
-from odbd.planner.config import Attention, Balance, Collate, Grouping, LossScaling
+from odbd.planner.config import Align, Attention, Balance, Collate, Grouping, LossScaling
 from odbd.planner.cost_fit import CostModelMode
 from odbd.world import World
 
@@ -249,6 +255,15 @@ def daemon_parser() -> flags.OneLineParser:
         "(0 = off; excludes --accumulate)",
     )
     plan.add_argument(
+        "--align",
+        type=flags.choice_of([a.value for a in Align]),
+        default="steps",
+        metavar=_choices(Align),
+        help="where ranks wait for each other: every micro-step (steps), or once per optimizer "
+        "update, each rank running its own micro-steps (updates; needs --accumulate or "
+        "--tokens-per-update, and DDP or ZeRO-1/2, not FSDP: docs/training.md)",
+    )
+    plan.add_argument(
         "--collate",
         type=flags.choice_of([c.value for c in Collate]),
         default="padded",
@@ -357,6 +372,15 @@ def daemon_parser() -> flags.OneLineParser:
         default=300.0,
         metavar="S",
         help="a round's contributions arrive within S",
+    )
+    safety.add_argument(
+        "--round-fanout",
+        type=int,
+        default=DEFAULT_ROUND_FANOUT,
+        metavar="K",
+        help="children per daemon in the relay tree of the round exchanges: node 0 writes to "
+        f"at most K daemons, each relaying for at most K more (default {DEFAULT_ROUND_FANOUT}; the "
+        "same on every daemon)",
     )
     safety.add_argument(
         "--join-timeout",
@@ -573,6 +597,7 @@ def config_from_args(
         shm_size=args.shm_size,
         lease_timeout_s=args.lease_timeout,
         round_timeout_s=args.round_timeout,
+        round_fanout=args.round_fanout,
         join_timeout_s=args.join_timeout,
         steps_ahead=args.steps_ahead,
         rewind_steps=args.rewind_steps,
@@ -580,6 +605,7 @@ def config_from_args(
         check_finite=args.check_finite,
         accumulate=args.accumulate,
         tokens_per_update=args.tokens_per_update,
+        align=Align(args.align),
         collate=Collate(args.collate),
         attention=Attention(args.attention),
         cost_warmup=args.cost_warmup,

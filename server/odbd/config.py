@@ -13,6 +13,7 @@ from odbclient import local_trust
 from odbd.errors import ConfigError
 from odbd.exposure import unprotected_reason
 from odbd.planner.config import (
+    Align,
     Attention,
     Balance,
     Collate,
@@ -28,6 +29,9 @@ if TYPE_CHECKING:  # odbd.round imports grpc; `odbd --help` and flag errors shou
     from odbd.round.config import PeerTls
 
 DEFAULT_PADS = {"labels": -100.0}
+# Children per daemon in the round relay tree (odbd.round.tree.DEFAULT_FANOUT, kept here so
+# `odbd --help` does not import grpc): measured in docs/bench/round.md.
+DEFAULT_ROUND_FANOUT = 4
 
 
 def default_socket() -> str:
@@ -107,6 +111,7 @@ class DaemonConfig:
     shm_size: int = 1 << 30
     lease_timeout_s: float = 60.0
     round_timeout_s: float = 300.0
+    round_fanout: int = DEFAULT_ROUND_FANOUT  # children per daemon in the round relay tree
     join_timeout_s: float = 120.0
     # An epoch may lose at most this fraction of its samples to rejections (over every node)
     # before the job fails; rejections.DEFAULT_MAX_REJECT_FRACTION.
@@ -117,6 +122,7 @@ class DaemonConfig:
     steps_ahead: int = 64  # plan the next round once a local rank has at most this many queued
     accumulate: int = 1  # micro-steps per optimizer update (planner/windows.py)
     tokens_per_update: int = 0  # or: close updates at >= this many loss tokens (0 = off)
+    align: Align = Align.STEPS  # --align updates: ranks wait once per update (update_align.py)
     collate: Collate = Collate.PADDED  # batch form; packed: a group's budget is sum of lengths
     attention: Attention = Attention.AUTO  # what a packed row's attention costs (cost model)
     concat: tuple[str, ...] = ()  # keys joined along their first dimension (pixel_values...)
@@ -274,6 +280,7 @@ class DaemonConfig:
             seed=self.seed,
             accumulate=self.accumulate,
             tokens_per_update=self.tokens_per_update,
+            align=self.align,
             collate=self.collate,
             max_patches=self.max_patches,
             attention=self.attention,
@@ -322,6 +329,8 @@ class DaemonConfig:
             **(
                 {"tokens_per_update": str(self.tokens_per_update)} if self.tokens_per_update else {}
             ),
+            # Issue 26, likewise: update alignment permutes every round's slots.
+            **({"align": self.align.value} if self.align is not Align.STEPS else {}),
             # Issue 13, likewise only when set: the batch form and the patch budget change plans
             # (budgets, costs) and what every trainer must be able to take.
             **({"collate": self.collate.value} if self.collate is not Collate.PADDED else {}),

@@ -66,6 +66,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--workers", type=int, default=0, help="fixed loader worker processes")
     p.add_argument("--grads", action="store_true", help="save DDP gradients, no optimizer step")
     p.add_argument("--stop-at", default="", metavar="EPOCH:STEP", help="checkpoint and exit")
+    p.add_argument(
+        "--stop-after-update",
+        default="",
+        metavar="EPOCH:UPDATE",
+        help="checkpoint and exit after the update's end (odbd --align updates: ranks run "
+        "different steps, so a step number does not stop every rank)",
+    )
     p.add_argument("--resume", action="store_true", help="continue from DIR/ckpt-rank{r}.pt")
     p.add_argument("--eval-size", type=int, default=0, help="held-out samples (rank 0)")
     p.add_argument("--threads", type=int, default=1)
@@ -238,7 +245,12 @@ def train(run: Run) -> dict[str, Any]:
         with run.model.join(enable=run.args.loader == "paper"):
             for step in epoch_steps:
                 run.train_step(step)
-                if f"{step.epoch}:{step.step}" == run.args.stop_at:
+                stop_update = (
+                    step.update is not None
+                    and step.update_end
+                    and (f"{step.epoch}:{step.update['index']}" == run.args.stop_after_update)
+                )
+                if f"{step.epoch}:{step.step}" == run.args.stop_at or stop_update:
                     run.save_checkpoint()
                     return {"stopped": True, "steps": run.steps_done}
     dist.barrier()

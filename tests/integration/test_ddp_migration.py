@@ -119,7 +119,10 @@ def test_a_node_killed_while_samples_move_fails_the_job_naming_it() -> None:
         url = f"http://127.0.0.1:{fc.cluster.metrics_ports[0]}/metrics"
 
         def moving() -> bool:
-            text = http_get(url)
+            try:
+                text = http_get(url)
+            except OSError:  # /metrics listens once the daemons formed the job
+                return False
             return counter(text, "odbd_migrated_samples", "out") + counter(
                 text, "odbd_migrated_samples", "in"
             ) > 0 and all(fc.steps_seen(r) >= 3 for r in range(fc.world))

@@ -32,12 +32,19 @@ def cluster_job_id() -> str:
 
 
 def run_phase(
-    tmp_path: Path, job_id: str, trainer_args: list[str], daemon_args: tuple[str, ...] = ()
+    tmp_path: Path,
+    job_id: str,
+    trainer_args: list[str],
+    daemon_args: tuple[str, ...] = (),
+    *,
+    nodes: int = 2,
+    data: dict = DATA,
 ) -> tuple[Reports, str]:
+    world = nodes * 2
     cluster = odbd_cluster(
-        nodes=2,
+        nodes=nodes,
         ranks_per_node=2,
-        data=DATA,
+        data=data,
         job_id=job_id,
         daemon_args=["--token-budget", "256", "--buffer", "8", "--epochs", str(EPOCHS)]
         + ["--drain-timeout", "2"]  # the trainers left after checkpointing: nothing to drain
@@ -47,15 +54,16 @@ def run_phase(
         cluster.start()
         # No wait for the sockets: ranks import torch meanwhile; ODBClient waits for the daemon.
         ranks = launch_ranks(
-            world=WORLD, nproc_per_node=2, out_dir=tmp_path / "train", sockets=cluster.sockets,
-            trainer_args=["--epochs", str(EPOCHS), *trainer_args, *data_flags(DATA)],
+            world=world, nproc_per_node=2, out_dir=tmp_path / "train", sockets=cluster.sockets,
+            trainer_args=["--epochs", str(EPOCHS), *trainer_args, *data_flags(data)],
         )  # fmt: skip
         codes = ranks.wait(90.0)
-        logs = f"ranks {codes}\n{ranks.logs()}\n{cluster.log(0)}\n{cluster.log(1)}"
+        daemon_logs = "\n".join(cluster.log(n) for n in range(nodes))
+        logs = f"ranks {codes}\n{ranks.logs()}\n{daemon_logs}"
     finally:
         cluster.stop()  # every process of the job is down between the phases
-    assert codes == [0] * WORLD, logs
-    return Reports.read(tmp_path / "train", WORLD), logs
+    assert codes == [0] * world, logs
+    return Reports.read(tmp_path / "train", world), logs
 
 
 def test_restart_in_the_middle_continues_the_epoch_without_duplicates_or_gaps(tmp_path: Path):

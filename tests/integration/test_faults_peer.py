@@ -96,6 +96,27 @@ def test_killed_hub_fails_every_daemon_naming_it_and_trainers_get_job_failed():
               f"raised after {trainer_s:.2f} s")  # fmt: skip
 
 
+def test_killed_relay_fails_every_daemon_naming_it_and_the_node_it_cut_off():
+    """Fan-out 1 makes the 3 nodes a chain 0 - 1 - 2: node 1 relays node 2's contributions
+    and the hub's results. Killed, it is named by the hub (with node 2, cut off with it) and by
+    node 2, whose stream to it broke, within the round deadline."""
+    with FaultCluster(nodes=3, ranks_per_node=1, daemon_args=_args("--round-fanout", "1")) as fc:
+        daemon_s, trainer_s = _kill_and_watch(fc, victim=1)
+        name = f"node 1 (127.0.0.1:{fc.cluster.peer_ports[1]})"
+        for node in (0, 2):
+            assert fc.daemons[node].returncode == 1, fc.describe()
+            assert name in fc.log(node), fc.log(node)
+        assert "and the node it relays for (2), which the loss cut off" in fc.log(0), fc.log(0)
+        assert f"lost the stream to {name}, its relay to the hub" in fc.log(2), fc.log(2)
+        for rank in (0, 2):
+            [error] = fc.errors(rank)
+            assert error["error"] == "JobFailedError" and name in error["message"], error
+        _cleanup_dead_node(fc, 1)
+        print(f"\nFAULT relay-kill (node 1 of a chain): daemons failed after {daemon_s:.2f} s, "
+              f"trainers raised after {trainer_s:.2f} s")  # fmt: skip
+        assert daemon_s < ROUND_TIMEOUT_S
+
+
 def test_slow_peer_is_the_straggler_and_the_round_completes():
     stop_s = 3.0
     with FaultCluster(nodes=3, ranks_per_node=1, daemon_args=_args(), metrics=True) as fc:

@@ -45,6 +45,13 @@ def test_killed_job_resumes_from_state_dir_without_loss_or_duplicates(nodes, tmp
     _kill_and_resume(nodes, tmp_path, tear=False)
 
 
+@pytest.mark.soak  # 40 s on 2 busy cores: `make soak`
+def test_a_killed_relay_tree_resumes_from_state_dir(tmp_path):
+    """Three daemons in a chain 0 - 1 - 2 (--round-fanout 1: node 1 relays node 2's rounds),
+    all killed and restarted from --state-dir: the tree forms again and resumes exactly."""
+    _kill_and_resume(3, tmp_path, tear=False, extra=("--round-fanout", "1"))
+
+
 def test_a_journal_torn_mid_append_is_cut_and_the_job_resumes(tmp_path):
     """Issue 11: the crash tore the last frame; the restart cuts it, warns, and resumes exactly."""
     cluster = _kill_and_resume(2, tmp_path, tear=True)
@@ -96,7 +103,9 @@ def test_a_journal_on_a_full_device_stops_the_daemon_with_the_fix(tmp_path):
     assert cluster.leftover_segments() == []
 
 
-def _kill_and_resume(nodes: int, tmp_path: Path, *, tear: bool) -> LocalCluster:
+def _kill_and_resume(
+    nodes: int, tmp_path: Path, *, tear: bool, extra: tuple[str, ...] = ()
+) -> LocalCluster:
     size, epochs, stop_after = 150, 2, 5
     spec = ClusterSpec(
         nodes=nodes,
@@ -104,6 +113,7 @@ def _kill_and_resume(nodes: int, tmp_path: Path, *, tear: bool) -> LocalCluster:
         daemon_args=[
             *synthetic_args(size), "--buffer", "4", "--token-budget", "2048",
             "--epochs", str(epochs), "--shm-size", "64M", "--state-dir", str(tmp_path / "state"),
+            *extra,
         ],
     )  # fmt: skip
     cluster = LocalCluster(spec)
@@ -144,6 +154,10 @@ def _kill_and_resume(nodes: int, tmp_path: Path, *, tear: bool) -> LocalCluster:
     finally:
         cluster.stop()
     assert codes == [0] * nodes, cluster.log(0)
+    ends = {r: [x["summary"] for x in read_jsonl(p) if "epoch_end" in x] for r, p in report.items()}
+    for rank, summaries in ends.items():  # the restored tally counts every node's identities
+        assert {e["epoch"] for e in summaries} >= {epochs - 1}, (rank, summaries)
+        assert {e["num_identities"] for e in summaries} == {size}, (rank, summaries)
     records = {r: [x for x in read_jsonl(p) if "step" in x] for r, p in report.items()}
     world = cluster.world
     tail = world * math.ceil(size / world) - size

@@ -64,6 +64,9 @@ def assert_same_batch(got: Batch, want: Batch) -> None:
         u64,
         st.booleans(),
         st.booleans(),
+        st.booleans(),
+        st.booleans(),
+        u32,
     ),  # fmt: skip
     progress=st.tuples(u64, st.booleans(), fraction, fraction, u64, fraction, u64),
 )
@@ -166,6 +169,9 @@ def keyword_batch(step: trainer_pb2.StepBatch, tensors: dict[str, torch.Tensor |
             "update_samples": u.num_samples,
             "update_short": u.short,
             "windowed": True,
+            "update_per_rank": u.per_rank,
+            "update_skip": u.skip,
+            "update_skipped_after": u.skipped_after,
         }
     return Batch(
         tensors=tensors,
@@ -205,11 +211,13 @@ def test_a_step_without_update_facts_is_its_own_update(
 @settings(suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     update=st.tuples(u64, st.booleans(), u32, u32, u64, u64, st.booleans()),
+    per_rank=st.tuples(st.booleans(), st.booleans(), u32),
     is_last=st.booleans(),
 )
 def test_a_windowed_step_carries_its_update(
     stream: tuple[TrainerStream, np.ndarray, trainer_pb2.StepBatch],
     update: tuple[int, bool, int, int, int, int, bool],
+    per_rank: tuple[bool, bool, int],
     is_last: bool,
 ) -> None:
     trainer, _, template = stream
@@ -217,6 +225,7 @@ def test_a_windowed_step_carries_its_update(
     step.CopyFrom(template)
     u = step.update
     u.index, u.end, u.num_steps, u.step_in_update, u.num_tokens, u.num_samples, u.short = update
+    u.per_rank, u.skip, u.skipped_after = per_rank  # --align updates (issue 26)
     step.progress.epoch_steps_exact = is_last
     batch = trainer._batch(step)
     assert_same_batch(batch, keyword_batch(step, batch.tensors))

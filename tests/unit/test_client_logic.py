@@ -366,6 +366,46 @@ def test_a_resume_sends_the_update_to_continue_from(daemon: FakeDaemon) -> None:
     assert hello.resume and (hello.resume_step, hello.resume_update) == (6, 3)
 
 
+@pytest.mark.timeout(60)
+def test_align_updates_skipped_slots_are_dropped_and_resume_past_them(
+    daemon: FakeDaemon,
+) -> None:
+    """odbd --align updates (issue 26): this rank runs 2 micro-steps of a 4-step update and
+    skips its slots 2 and 3; they are reported, never yielded, and the resume point after its
+    update_end is step 4, where every rank resumes."""
+
+    def per_rank(event: Event, step_in_update: int, skip: bool = False) -> Event:
+        event.step.update.CopyFrom(
+            trainer_pb2.Update(
+                index=0, end=step_in_update == 1 and not skip, num_steps=2,
+                step_in_update=step_in_update, num_tokens=40, num_samples=6, per_rank=True,
+                skip=skip, skipped_after=2 if step_in_update == 1 and not skip else 0,
+            )
+        )  # fmt: skip
+        return event
+
+    def script(hello: Any, context: Any) -> Iterator[Event]:
+        yield daemon.welcome()
+        yield per_rank(daemon.step(0, 0, [2]), 0)
+        yield per_rank(daemon.step(0, 1, [3]), 1)
+        yield per_rank(idle(0, 2), 2, skip=True)
+        yield per_rank(idle(0, 3), 2, skip=True)
+        yield with_update(daemon.step(0, 4, [2]), 1, 0, 1)
+        yield epoch_end(0, num_steps=5)
+        wait_until_cancelled(context)
+
+    daemon.script = script
+    with client_for(daemon, prefetch=4) as client:
+        batches = iter(client)
+        first, last = next(batches), next(batches)
+        assert first.update_per_rank and not first.update_end
+        assert (last.step, last.update_end, last.update_skipped_after) == (1, True, 2)
+        assert client.state_dict() == {"version": 1, "epoch": 0, "step": 4, "update": 1}
+        assert [(b.step, b.update_index) for b in batches] == [(4, 1)]
+        assert client.summary["num_batches"] == 3  # the skipped slots are not the rank's
+    assert sum(steps for _, _, steps in delivered(daemon, 5)) == 5  # every slot reported
+
+
 def three_steps_then_wait(daemon: FakeDaemon) -> Any:
     """A daemon script: the welcome, steps 0..2 of epoch 0 (2 samples each), then nothing."""
 

@@ -142,6 +142,18 @@ def test_batch_form_misuse_is_one_error(argv, message, capsys: pytest.CaptureFix
     assert message in err and err.count("\n") == 1
 
 
+def test_align_updates_is_timed_beside_aligned_steps(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["--dist", "longtail", *SMALL[:-2], "--num-samples", "3000", "--buffer", "16"]
+    assert main([*argv, "--accumulate", "4", "--align", "updates", "--json"]) == 0
+    align = json.loads(capsys.readouterr().out)["align"]
+    assert align["updates"] > 0 and align["updates_time"] <= align["steps_time"]
+    assert align["speedup"] == pytest.approx(align["steps_time"] / align["updates_time"])
+    assert main([*argv, "--accumulate", "4", "--align", "updates"]) == 0
+    assert "--align updates vs steps over" in capsys.readouterr().out
+    assert main([*argv, "--align", "updates"]) == 2  # no updates of several micro-steps
+    assert "--align updates" in capsys.readouterr().err
+
+
 def test_migrate_auto_reports_bytes_moved_and_the_node_local_oracle(
     capsys: pytest.CaptureFixture[str],
 ) -> None:

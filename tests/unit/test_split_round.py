@@ -4,14 +4,18 @@ part of plan_round's plan. What a node receives does not grow with the node coun
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 from hypothesis import given
+from hypothesis import strategies as st
 
-from odbd.daemon import payload_checks, split_round, summary_codec
+from odbd.daemon import payload_checks, split_round, split_updates, summary_codec
 from odbd.errors import InvariantError
 from odbd.planner import company
 from odbd.planner.completion import RoundTotals
+from odbd.planner.config import Align
 from odbd.planner.round import assemble, plan_round, units_of_node
 from odbd.planner.types import SampleTable, UnitOffer
 from tests.unit.planner_factories import make_config
@@ -38,19 +42,45 @@ def live_round(offers, config, round_index, side=lambda node: {}, extras_out=Non
     seen = [split_round.decode_decision(decided, config) for _ in nodes]
     if seen[0].decision is None:
         return decided, b"", seen, []
-    drafts, totals = [], []
-    for node in nodes:
-        draft, payload = split_round.node_totals(node, grouped[node], seen[node].decision, config)
-        drafts.append(draft)
-        totals.append(payload)
-    summed = split_round.hub_combine(totals, seen[0].decision.num_steps)
-    done = [split_round.node_complete(drafts[n], seen[n].decision, summed, config) for n in nodes]
+    if config.align is Align.UPDATES:
+        summed, done = _aligned_at_updates(grouped, seen, config)
+    else:
+        drafts, totals = [], []
+        for node in nodes:
+            decision = seen[node].decision
+            draft, payload = split_round.node_totals(node, grouped[node], decision, config)
+            drafts.append(draft)
+            totals.append(payload)
+        summed = split_round.hub_combine(totals, seen[0].decision.num_steps)
+        done = [
+            split_round.node_complete(drafts[n], seen[n].decision, summed, config) for n in nodes
+        ]
     parts = [plan for plan, _ in done]
     for _, extras in done:
         assert_same_extras(extras, done[0][1])
     if extras_out is not None:
         extras_out.append(done[0][1])
     return decided, summed, seen, parts
+
+
+def _aligned_at_updates(grouped, seen, config):
+    """--align updates: exchanges 2 (both alternatives) and 3 (the deals), split_updates.py.
+    Returns the grid's bytes and each node's (plan, extras)."""
+    nodes = range(config.world.num_nodes)
+    drafts, totals = [], []
+    for node in nodes:
+        draft, payload = split_updates.node_totals(node, grouped[node], seen[node].decision, config)
+        drafts.append(draft)
+        totals.append(payload)
+    summed = split_updates.hub_combine(totals, seen[0].decision.num_steps)
+    parts = [
+        split_updates.node_complete(drafts[n], seen[n].decision, summed, config) for n in nodes
+    ]
+    firsts = [config.world.ranks_of(n).start for n in nodes]
+    dealt = [split_updates.node_deals(parts[n], firsts[n], config) for n in nodes]
+    grid = split_updates.hub_grid([p for _, p in dealt], [p.windows for p, _ in parts[0]])
+    done = [split_updates.node_align(parts[n], dealt[n][0], grid, firsts[n], config) for n in nodes]
+    return grid, done
 
 
 def assert_same_extras(a, b) -> None:
@@ -85,6 +115,40 @@ def test_the_hubs_decision_gives_every_node_its_part_of_the_whole_world_plan(cas
     assert np.allclose(extras.step_sum_work, work.sum(axis=1), rtol=1e-12)
 
 
+@st.composite
+def update_rounds(draw):
+    """rounds() with --align updates: updates of K steps or T tokens (a case without them gets
+    --accumulate 2; --align updates refuses a world where every step is an update)."""
+    config, offers, round_index = draw(rounds())
+    if not config.windows:
+        config = dataclasses.replace(config, accumulate=draw(st.integers(2, 4)))
+    return dataclasses.replace(config, align=Align.UPDATES), offers, round_index
+
+
+@SPLIT_SETTINGS
+@given(update_rounds())
+def test_under_align_updates_every_node_gets_its_part_of_the_whole_world_plan(case):
+    """Issue 26 on the split planner: the third exchange (each node's deals -> the hub's step
+    grid) gives every node exactly its part of plan_round's aligned plan, and the per-step
+    round facts (samples, tokens, costs) on the new grid."""
+    config, offers, round_index = case
+    whole = plan_round(offers, config, round_index)
+    got = []
+    _, _, seen, parts = live_round(offers, config, round_index, extras_out=got)
+    assert seen[0].decision is not None
+    plan = assemble(parts, seen[0].decision)
+    assert_same_plan(plan, whole)
+    assert whole.micro_steps is not None and plan.micro_steps is not None
+    assert np.array_equal(plan.micro_steps, whole.micro_steps)
+    for p in parts:  # every node holds the world's per-step facts of the aligned grid
+        assert np.array_equal(p.global_num_samples, whole.stats.num_samples.sum(axis=1))
+        assert np.array_equal(p.global_num_tokens, whole.stats.num_tokens.sum(axis=1))
+    extras = got[0]
+    assert extras.splits == sum(u.num_splits for u in whole.units)
+    assert np.array_equal(extras.step_max_work, whole.stats.work.max(axis=1))
+    assert np.allclose(extras.step_sum_work, whole.stats.work.sum(axis=1), rtol=1e-12)
+
+
 @SPLIT_SETTINGS
 @given(rounds())
 def test_the_decision_survives_its_bytes(case):
@@ -108,14 +172,14 @@ def offers_of(config, per_unit: int) -> list[UnitOffer]:
 @pytest.mark.parametrize("buffer", [64, 1024])
 def test_what_a_node_receives_does_not_grow_with_the_nodes_or_the_buffer(buffer):
     """Issue 25: the decision is bounded whatever the node count (a header, the facts, and
-    company.py's cap profile of at most PROFILE_DEPTH floats); the totals are 32 bytes a step
-    plus 40."""
+    company.py's cap profile of at most PROFILE_DEPTH floats); the totals are 40 bytes a step
+    plus 44 (and 16 per repeated identity emitted: fewer than W in an epoch, none here)."""
     sizes = {}
     for nodes in (2, 8, 32):
         config = make_config(world=nodes, per_node=1, budget=4096, buffer=buffer)
         decided, summed, seen, parts = live_round(offers_of(config, buffer), config, 3)
         steps = seen[0].decision.num_steps
-        assert len(summed) == 16 + 24 + 32 * steps
+        assert len(summed) == 16 + 28 + 40 * steps
         sizes[nodes] = len(decided)
         assert len(decided) + len(summed) <= 16 * 1024, (nodes, len(decided), len(summed))
     assert max(sizes.values()) <= 200 + 8 * company.PROFILE_DEPTH, sizes

@@ -22,6 +22,11 @@ T`), accumulate locally and all-reduce once, at the update's last micro-step:
         if step.batch.update_end:
             optimizer.step(); optimizer.zero_grad()
 
+The same loop runs odbd `--align updates`, where each rank runs its own number of micro-steps
+per update (`update_end` is then the rank's own last): DDP and DeepSpeed ZeRO-1/2 only. FSDP,
+DeepSpeed ZeRO-3 and Megatron run collectives in every micro-step and are refused at the first
+batch (`ProtocolError`).
+
 Do not also use Accelerate's own `gradient_accumulation_steps` (it divides the loss by its
 count, on top of odbd's update-wide scale).
 
@@ -76,6 +81,7 @@ from odbclient.batch import Batch
 from odbclient.client import ODBClient, launcher_world
 from odbclient.errors import JobMismatchError, RankRefusedError, StateDictError
 from odbclient.packed_check import check_packed_model, is_packed_batch
+from odbclient.update_align import refuse_distributed_type, refuse_per_layer_collectives
 
 __all__ = ["ODBAccelerate", "StepInputs"]
 
@@ -122,17 +128,29 @@ class ODBAccelerate:
         # for --num_processes 2: the daemon then refuses it instead of training rank 0 alone.
         client.set_world(accelerator.num_processes, accelerator.process_index, source="accelerate")
         self.resumed_from: Path | None = None  # this rank's file that load_state() loaded
+        self._align_checked = False  # --align updates: the distributed type was checked
+        self._models_checked: list[torch.nn.Module] = []
         accelerator.register_save_state_pre_hook(self._save_client_state)
         accelerator.register_load_state_pre_hook(self._load_client_state)
 
     def __iter__(self) -> Iterator[StepInputs]:
         device = self.accelerator.device
         for batch in self._batches():
+            if batch.update_per_rank and not self._align_checked:
+                self._refuse_sharded_parameters()
             inputs = batch.to(device)
             if not self._packed_checked and is_packed_batch(inputs):
                 check_packed_model(self.model, inputs.keys())
                 self._packed_checked = True
             yield StepInputs(inputs=inputs, batch=batch)
+
+    def _refuse_sharded_parameters(self) -> None:
+        """odbd --align updates: ranks run different micro-step counts per update, which FSDP
+        and DeepSpeed ZeRO-3 cannot (odbclient.update_align), refused at the first batch."""
+        plugin = getattr(self.accelerator.state, "deepspeed_plugin", None)
+        stage = getattr(plugin, "zero_stage", None) if plugin is not None else None
+        refuse_distributed_type(self.accelerator.distributed_type, stage)
+        self._align_checked = True
 
     def _batches(self) -> Iterator[Batch]:
         """The client's epoch; a daemon refusing the loaded checkpoint's resume point (at the
@@ -203,6 +221,9 @@ class ODBAccelerate:
         """`accelerator.no_sync(model)` on an update's micro-steps before its last, so DDP
         all-reduces the accumulated gradient once; a no-op on the last (and without updates,
         where every step is one)."""
+        if step.batch.update_per_rank and model not in self._models_checked:
+            refuse_per_layer_collectives(model)  # FSDP wrapped by hand, not by Accelerate
+            self._models_checked.append(model)
         if step.batch.update_end:
             return contextlib.nullcontext()
         return self.accelerator.no_sync(model)

@@ -72,6 +72,14 @@ class ODBBatches:
     def _check_update(self, batch: Batch) -> None:
         k = self.micro_steps_per_update
         n = batch.update_num_steps
+        if batch.update_per_rank:
+            raise ProtocolError(
+                f"odbd runs --align updates: update {batch.update_index} of epoch {batch.epoch} "
+                f"has {n} micro-steps on this rank and other counts on others, but this "
+                f"training loop steps the optimizer every {k} batch(es) on every rank. Nothing "
+                "was trained; restart the daemons with --align steps, or train with a loop "
+                "that steps at batch.update_end (ODBAccelerate, or your own; docs/training.md)"
+            )
         if n == k or (n < k and batch.update_short):
             return
         flag = f"--accumulate {k}" if k > 1 else "no --accumulate / --tokens-per-update"

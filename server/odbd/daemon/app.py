@@ -58,6 +58,7 @@ from odbd.daemon.node_state import NodeState, Rejected
 from odbd.daemon.remake import Rewinder
 from odbd.daemon.round_loop import RoundLoop
 from odbd.daemon.socket_claim import claim_socket_path
+from odbd.daemon.split_exchange import exchanges_per_round
 from odbd.daemon.split_round import check_summary_fits
 from odbd.errors import ConfigError, OdbdError
 from odbd.grpc_guard import DecodeGuard
@@ -337,9 +338,11 @@ class Daemon:
             tls=config.peer_tls,
             join_timeout_s=config.join_timeout_s,
             round_timeout_s=config.round_timeout_s,
+            fanout=config.round_fanout,
             from_journal=self.journal_records is not None,
-            # split_exchange.py: summaries, then step totals (after the moves, --migrate auto)
-            exchanges_per_round=3 if config.migrate else 2,
+            # split_exchange.py: (the moves, --migrate auto) summaries, step totals (and the
+            # deals, --align updates)
+            exchanges_per_round=exchanges_per_round(self.state.planner),
         )
 
     async def _serve_socket(self, trainer: TrainerService) -> None:
@@ -647,7 +650,6 @@ class Daemon:
         )
         await self.migration.start()
         loop.migration = self.migration
-        loop.split.first, loop.split.phases = 1, 3
 
     def _read_sample(self, segment: int, offset: int, nbytes: int) -> memoryview:
         assert self.arena is not None

@@ -12,7 +12,9 @@ File layout, version 2 (little-endian):
 Records:
     {"kind": "header", "version": 2, "fingerprint": {...}, "views_per_iteration": M}
     {"kind": "round", "round": r, "steps": [[epoch, step, global_samples], ...],
-     "counts": n, "rejected": {reason: n}}  + arrays keys (n,), counts (steps * W,),
+     "counts": n, "rejected": {reason: n},
+     "identities": [[singles, [identity, ...]], ...]}  (per step, every node's; optional)
+                                            + arrays keys (n,), counts (steps * W,),
                                               rejected_keys (this node's, since last round)
     {"kind": "resume", "epoch": e, "step": s}   a restart: steps >= (e, s) before it never ran
 Each round is appended and fsynced before its steps are queued, so any step a trainer saw is in
@@ -60,6 +62,9 @@ class JournalStep:
     step: int
     global_samples: int
     keys_by_rank: tuple[np.ndarray, ...]  # (W,) view keys of each global rank
+    # every node's identities of the step (planner/identities.py): (single views, repeated
+    # identities); None in a journal written before they were recorded
+    identities: tuple[int, tuple[int, ...]] | None = None
 
 
 @dataclass(slots=True)
@@ -273,8 +278,11 @@ class Journal:
         counts: np.ndarray,
         rejected_keys: list[int],
         rejected: dict[str, int],
+        identities: list[list] | None = None,  # [singles, [repeated ids]] per kept step
     ) -> None:
         header = {"kind": "round", "round": round_index, "steps": steps, "rejected": rejected}
+        if identities is not None:
+            header["identities"] = identities
         rejected_arr = np.asarray(rejected_keys, dtype=np.int64)
         self._write(encode_frame(header, [keys, counts.reshape(-1), rejected_arr]), "write")
 
@@ -400,10 +408,14 @@ def _round_steps(header: dict, arrays: list[np.ndarray], world_size: int) -> lis
     keys, counts = arrays[0], arrays[1].reshape(-1, world_size)
     bounds = np.concatenate([[0], np.cumsum(counts.reshape(-1))])
     out = []
+    emitted = header.get("identities")
     for i, (epoch, step, global_samples) in enumerate(header["steps"]):
         per_rank = tuple(
             keys[bounds[i * world_size + r] : bounds[i * world_size + r + 1]]
             for r in range(world_size)
         )
-        out.append(JournalStep(epoch, step, global_samples, per_rank))
+        ids = None
+        if emitted is not None:
+            ids = (int(emitted[i][0]), tuple(int(x) for x in emitted[i][1]))
+        out.append(JournalStep(epoch, step, global_samples, per_rank, ids))
     return out

@@ -30,6 +30,7 @@ import numpy as np
 from odbclient.shm import Allocation
 from odbd.daemon import migration_codec
 from odbd.daemon.node_state import Locations, NodeState
+from odbd.daemon.split_exchange import SplitExchange
 from odbd.errors import InvariantError
 from odbd.ingest.arena import Arena
 from odbd.ingest.lanes import Lanes
@@ -111,12 +112,15 @@ class LiveMigration:
 
     async def round(
         self,
+        exchange: SplitExchange,
+        planner_round: int,
         round_index: int,
-        barrier_round: int,
         offers: Sequence[UnitOffer],
         config: PlannerConfig,
     ) -> list[UnitOffer]:
-        """This round's moves done: the offers to plan (kept rows plus what arrived)."""
+        """This round's moves done: the offers to plan (kept rows plus what arrived).
+        `planner_round` names the barrier's rounds (the exchange runs through the same
+        SplitExchange as the round's others); `round_index` (the round's seed) the transfers."""
         sizes = [self.state.locations_of(o.samples.views).nbytes for o in offers]
         digests = [node_digest(o, config, s, self.link) for o, s in zip(offers, sizes, strict=True)]
         payload = migration_codec.encode_digest(self.node, digests, self.address)
@@ -124,7 +128,7 @@ class LiveMigration:
         def reduce(payloads: list[bytes]) -> bytes:  # on the hub only
             return migration_codec.hub_migrate(payloads, config, self.link, round_index)
 
-        result = await self.barrier.exchange_reduced(barrier_round, payload, reduce)
+        result = await exchange.moves(planner_round, payload, reduce)
         every_unit = list(range(config.num_units))
         _, moves = migration_codec.decode_moves(result, every_unit)
         addresses = migration_codec.decode_addresses(result)
@@ -141,9 +145,9 @@ class LiveMigration:
             for target in np.unique(pick.send_targets).tolist():
                 rows = pick.send_rows[pick.send_targets == target]
                 table = t.take(rows)
+                node = self._node_of(target, config)
                 where = self.state.move_out(table.views)
                 shipped.append(where)
-                node = self._node_of(target, config)
                 sends.append(asyncio.ensure_future(
                     self._ship(round_index, node, addresses[node], table, where)
                 ))  # fmt: skip

@@ -34,7 +34,7 @@ from odbd.daemon.end_requests import (
     end_decision,
     missing_failure,
 )
-from odbd.daemon.journal import Journal, ResumeState
+from odbd.daemon.journal import Journal, JournalStep, ResumeState
 from odbd.daemon.migration_live import LiveMigration
 from odbd.daemon.node_state import Locations, NodeState
 from odbd.daemon.split_exchange import SplitExchange, barrier_round
@@ -50,7 +50,7 @@ from odbd.ingest.rejections import (
     over_budget,
 )
 from odbd.metrics.stats import DaemonStats
-from odbd.planner.config import ROW_CAP_SHIFTS, Collate, PlannerConfig
+from odbd.planner.config import ROW_CAP_SHIFTS, Align, Collate, PlannerConfig
 from odbd.planner.cost_fit import (
     CostFit,
     CostModelMode,
@@ -60,6 +60,7 @@ from odbd.planner.cost_fit import (
     row_feature,
 )
 from odbd.planner.estimate import round_estimates
+from odbd.planner.identities import EpochIdentities, IdentitySource, StepIdentities
 from odbd.planner.progress import (
     JobShape,
     ProgressColumns,
@@ -68,6 +69,7 @@ from odbd.planner.progress import (
     steps_progress,
 )
 from odbd.planner.types import NodeRoundPlan, SampleTable, UnitPlan
+from odbd.planner.update_align import rank_runs
 from odbd.round import RoundBarrier
 from odbd.serve.rank_queue import QueuedItem, RankQueue
 
@@ -144,21 +146,17 @@ def _describe_rank(queue: RankQueue) -> str:
 
 @dataclass(slots=True)
 class EpochTally:
-    """Facts of the epoch being emitted: steps, samples and rejections over every node (from
-    the hub's results); `seen` holds the identities this node's ranks were given."""
+    """Facts of the epoch being emitted: steps, samples, rejections and distinct identities
+    over every node (from the hub's results, so the same on every daemon)."""
 
     steps: int = 0
     samples: int = 0
-    seen: np.ndarray | None = None  # (N,) bool: identity emitted this epoch
+    identities: EpochIdentities = dataclasses.field(default_factory=EpochIdentities)
     rejected: Counter[str] | None = None
-    num_seen: int = 0  # seen.sum(), kept as identities are marked (a round is O(its samples))
 
-    def mark_seen(self, identities: np.ndarray) -> None:
-        assert self.seen is not None
-        fresh = identities[~self.seen[identities]]
-        if fresh.size:  # an identity may repeat (the sampler pads an epoch by repeating some)
-            self.num_seen += len(set(fresh.tolist()))  # a set in C: no sort, unlike np.unique
-            self.seen[fresh] = True
+    @property
+    def num_seen(self) -> int:
+        return self.identities.count
 
 
 class RoundLoop:
@@ -241,7 +239,10 @@ class RoundLoop:
             ),
             row_feature(self.state.planner),
         )
-        self.split = SplitExchange(barrier, config.node_rank)
+        self.split = SplitExchange.of(barrier, config.node_rank, self.state.planner)
+        self.split.source = IdentitySource(
+            state.dataset_size, state.views_per_iteration, state.identities_of
+        )
         # --migrate auto (migration_live.py), set by the daemon once its bulk port listens
         self.migration: LiveMigration | None = None
         # (samples, loss tokens) every unit's buffer held this round (RoundExtras)
@@ -249,7 +250,7 @@ class RoundLoop:
         self._first_rank = config.local_ranks[0]  # a NodeRoundPlan's columns start here
 
     def _new_tally(self) -> EpochTally:
-        return EpochTally(0, 0, np.zeros(self.state.dataset_size, dtype=bool), Counter())
+        return EpochTally(0, 0, EpochIdentities(), Counter())
 
     async def run(self) -> None:
         if self.state.dataset_size == 0:
@@ -279,7 +280,7 @@ class RoundLoop:
             offers = self.state.offers()
             if self.migration is not None:
                 offers = await self.migration.round(
-                    seed_round, barrier_round(self.round_index, 0, 3), offers, planner
+                    self.split, self.round_index, seed_round, offers, planner
                 )
             grouped, decided = await self.split.decide(
                 self.round_index, seed_round, side, tuple(offers), planner, self.cost.absorb,
@@ -349,7 +350,7 @@ class RoundLoop:
                 reason = self._wait_reason(room)
                 self._log_waiting(reason)
                 if reason != reported:
-                    round_index = barrier_round(self.round_index, 0, self.split.phases)
+                    round_index = barrier_round(self.round_index, 0, self.split.per_round)
                     await self.barrier.report_waiting(round_index, reason)
                     reported = reason
             finally:
@@ -546,15 +547,14 @@ class RoundLoop:
         if self.config.max_updates:
             progress = self._capped_progress(progress, updates, steps_before)
         if self.journal is not None:
-            self._journal_round(plan, step_epochs, step_numbers, rejected)
+            self._journal_round(plan, step_epochs, step_numbers, rejected, extras)
         for unit in plan.units:  # this node's units only
-            self._tally_identities(unit, kept)
             self._queue_unit(plan, unit, step_epochs, step_numbers, progress, updates)
         self._record_steps(plan, kept, extras)
         self.stats.record_planned(
             step_epochs, step_numbers, progress.epoch_steps_estimate, progress.epoch_steps_exact
         )
-        self._advance_epochs(plan, step_epochs)
+        self._advance_epochs(plan, step_epochs, extras.step_identities())
         if self.capped:
             self._end_job(f"--max-updates {self.config.max_updates} reached")
 
@@ -584,11 +584,14 @@ class RoundLoop:
         s.step_mean_work += float(extras.step_sum_work[:kept].sum()) / world
         s.global_samples += int(plan.global_num_samples[:kept].sum())
         s.global_tokens += int(plan.global_num_tokens[:kept].sum())
+        # --align updates: a rank's skipped slots are queued and delivered (steps) but never
+        # run, so they are no fillers (idle_steps)
+        runs = rank_runs(plan)[:kept]
         for rank in self.queues:
             rs, column = s.rank(rank), rank - self._first_rank
             samples = stats.num_samples[:kept, column]
             rs.steps += kept
-            rs.idle_steps += int((samples == 0).sum())
+            rs.idle_steps += int(((samples == 0) & runs[:, column]).sum())
             rs.samples += int(samples.sum())
             rs.real_tokens += int(stats.real_tokens[:kept, column].sum())
             rs.padded_tokens += int(stats.padded_tokens[:kept, column].sum())
@@ -600,10 +603,12 @@ class RoundLoop:
         step_epochs: list[int],
         step_numbers: list[int],
         rejected: dict[str, int],
+        extras: split_round.RoundExtras,
     ) -> None:
         """Appends what this round hands to trainers, before any of it is queued: this node's
         ranks' samples (the journal's per-rank counts are 0 for the other nodes' ranks, whose
-        samples only their own journal holds)."""
+        samples only their own journal holds), and every node's identities per step (the
+        hub's), so a restart counts the epoch's identities as the others do."""
         assert self.journal is not None
         kept = len(step_epochs)
         g = self.state.planner.ranks_per_unit
@@ -625,6 +630,7 @@ class RoundLoop:
             counts,
             self.state.take_rejected_keys(),
             rejected,
+            [list(extras.step_identities().of_step(i)) for i in range(kept)],
         )
 
     def restore(self, resume: ResumeState, update: int = 0) -> None:
@@ -646,8 +652,7 @@ class RoundLoop:
             if s.epoch == resume.epoch:
                 self.tally.steps += 1
                 self.tally.samples += s.global_samples
-                for keys in s.keys_by_rank:
-                    self.tally.mark_seen(self.state.identities_of(keys))
+                self._restore_identities(s)
         self.steps_in_epoch[resume.epoch] = resume.step
         if not self.config.join:
             self.quota_consumed += sum(resume.rejected.values())
@@ -656,15 +661,28 @@ class RoundLoop:
         self.round_seed_base = resume.incarnation * 1_000_000_000
         self.updates_done = self._updates_before(resume.epoch, update)
 
+    def _restore_identities(self, step: JournalStep) -> None:
+        """A trained step's identities, as the round's result gave them to every daemon; a
+        journal from before they were recorded holds this node's ranks' views only."""
+        if step.identities is not None:
+            self.tally.identities.fold(*step.identities)
+            return
+        source = self.split.source
+        assert source is not None
+        local = source.of_steps([np.concatenate(step.keys_by_rank)])
+        self.tally.identities.fold(*local.of_step(0))
+
     def _updates_before(self, epoch: int, update: int) -> int:
         """--max-updates after a restart: the updates trained before the resume point. Exact
         without windows (a step is an update) and with --accumulate K (an epoch of n steps is
-        ceil(n / K) updates, its last one short); with --tokens-per-update the earlier epochs'
-        updates are counted as if of K = the mean steps per update of the resume epoch."""
+        ceil(n / K) updates, its last one short); with --tokens-per-update (or --align updates,
+        whose updates may span more than K steps) the earlier epochs' updates are counted as if
+        of K = the mean steps per update of the resume epoch."""
         if not self.state.planner.windows:
             return sum(self.steps_in_epoch.values())
         k = max(self.config.accumulate, 1)
-        if self.config.tokens_per_update and update:
+        sized_by_plan = self.config.tokens_per_update or self.config.align is Align.UPDATES
+        if sized_by_plan and update:
             k = max(round(self.steps_in_epoch[epoch] / update), 1)
         earlier = sum(-(-n // k) for e, n in self.steps_in_epoch.items() if e < epoch)
         return earlier + update
@@ -795,12 +813,6 @@ class RoundLoop:
         tokens = self.planned_tokens + self.offered[1]
         return tokens / samples if samples else 0.0
 
-    def _tally_identities(self, unit: UnitPlan, kept: int) -> None:
-        g = self.state.planner.ranks_per_unit
-        end = int(unit.slot_offsets[kept * g])
-        keys = unit.emitted.views[:end]
-        self.tally.mark_seen(self.state.identities_of(keys))
-
     def _queue_unit(
         self,
         plan: NodeRoundPlan,
@@ -830,8 +842,8 @@ class RoundLoop:
                 s = step * g + local_rank
                 items.append(self._step_item(
                     facts, emitted, step, rank, rank - first, s, slice(bounds[s], bounds[s + 1]),
-                    step_epochs[step], step_numbers[step], progress_messages[step], updates[step],
-                    patch_weight,
+                    step_epochs[step], step_numbers[step], progress_messages[step],
+                    self.updates.of_rank(updates[step], plan, step, rank - first), patch_weight,
                 ))  # fmt: skip
             self.free(self.queues[rank].push(items))
 
@@ -931,10 +943,17 @@ class RoundLoop:
         ]
         self.filler_schema = json.dumps(fields)
 
-    def _advance_epochs(self, plan: NodeRoundPlan, step_epochs: list[int]) -> None:
+    def _advance_epochs(
+        self, plan: NodeRoundPlan, step_epochs: list[int], emitted: StepIdentities
+    ) -> None:
+        """Counts the kept steps into their epochs' tallies and ends the epochs they finish.
+        `emitted`: every node's identities per step (the hub's sum), folded into each step's
+        own epoch (a --no-join round may end one epoch and start the next)."""
         if self.config.join:
             self.tally.steps += len(step_epochs)
             self.tally.samples += int(plan.global_num_samples[: len(step_epochs)].sum())
+            for i in range(len(step_epochs)):
+                self.tally.identities.fold(*emitted.of_step(i))
             if plan.final and len(step_epochs) == plan.num_steps:  # not cut by --max-updates
                 self._end_epoch(self.state.epoch)
                 self.state.epoch += 1
@@ -947,6 +966,7 @@ class RoundLoop:
                 self.state.epoch = epoch
             self.tally.steps += 1
             self.tally.samples += int(plan.global_num_samples[i])
+            self.tally.identities.fold(*emitted.of_step(i))
         n = self.state.dataset_size
         if self.capped and n and self.quota_consumed >= (self.state.epoch + 1) * n:
             self._end_epoch(self.state.epoch)  # the job's last update ends this epoch too
@@ -957,7 +977,7 @@ class RoundLoop:
 
     def _end_epoch(self, epoch: int) -> None:
         tally = self.tally
-        assert tally.seen is not None and tally.rejected is not None
+        assert tally.rejected is not None
         if tally.samples == 0:
             # Decided from global facts (every node's offers), so every daemon fails alike; the
             # trainers get the failed JobEnd instead of an empty epoch.

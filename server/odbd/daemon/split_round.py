@@ -18,7 +18,7 @@ No node's samples leave it: the hub sends O(N x (1 + T)) bytes per round instead
 and a node receives O(1 + T). The decision is the one plan_round makes from the same summaries
 (tests/unit/test_split_round.py checks the parts against it byte for byte).
 
-Payloads, version 1, little-endian, after summary_codec's u32 magic, u16 version, u16 kind:
+Payloads, version 2, little-endian, after summary_codec's u32 magic, u16 version, u16 kind:
     decision (kind 3): u32 round, u32 num_steps, u8 all_dry, u8 select_fullest,
         u16 reference length (0xffff: no cap), u32 facts bytes; then the cap profile (float64)
         and the facts as UTF-8 JSON {"epoch", "rejected", "resume", "ended", "invariant",
@@ -28,7 +28,9 @@ Payloads, version 1, little-endian, after summary_codec's u32 magic, u16 version
         num_steps int64 tokens, num_steps int64 samples [, num_steps float64 approx weights],
         then RoundExtras summed over the nodes
     RoundExtras: int64 offered samples, offered tokens, splits; then num_steps
-        float64 slowest rank's cost, num_steps float64 summed cost (the /metrics imbalance)
+        float64 slowest rank's cost, num_steps float64 summed cost (the /metrics imbalance);
+        then the identities emitted (planner/identities.py): u32 n, num_steps int64 single
+        views, n x (int64 step, int64 identity) of the repeated ones (EpochEnd.num_identities)
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ from odbd.planner.completion import RoundTotals, combine, complete_node
 from odbd.planner.config import CostModel, PlannerConfig
 from odbd.planner.cost_fit import CostFit, FitState
 from odbd.planner.decision import decide_round
+from odbd.planner.identities import IdentitySource, StepIdentities, no_identities, unite
 from odbd.planner.node_plan import NodeDraft, plan_node
 from odbd.planner.round import units_of_node
 from odbd.planner.summary import GroupedUnit, group_unit, summarize
@@ -59,13 +62,14 @@ from odbd.planner.types import FloatArray, NodeRoundPlan, RoundDecision, StepTot
 from odbd.round.config import max_payload_bytes
 
 _MAGIC = 0x4F444253  # summary_codec's: one family of split-round payloads
-_VERSION = 1
+_VERSION = 2  # 2: RoundExtras carry the identities emitted
 _DECISION, _ROUND_TOTALS, _NODE_TOTALS = 3, 4, 5
 _PREFIX = struct.Struct("<IHH")
 _DECISION_HEAD = struct.Struct("<IIBBHI")
 _TOTALS_HEAD = struct.Struct("<IBBH")
 _NO_CAP = 0xFFFF
 _EXTRAS_HEAD = struct.Struct("<qqq")
+_COUNT = struct.Struct("<I")
 _T = TypeVar("_T")
 
 
@@ -97,6 +101,12 @@ class RoundExtras:
     splits: int  # groups split to reach T
     step_max_work: FloatArray  # (T,) the slowest rank's planned cost per step
     step_sum_work: FloatArray  # (T,) the ranks' summed cost per step
+    # the identities each step emitted, summed and united by the hub (None: none known)
+    identities: StepIdentities | None = None
+
+    def step_identities(self) -> StepIdentities:
+        steps = int(self.step_max_work.shape[0])
+        return no_identities(steps) if self.identities is None else self.identities
 
 
 @dataclass(frozen=True, slots=True)
@@ -232,6 +242,7 @@ def hub_combine(payloads: Sequence[bytes], num_steps: int) -> bytes:
         step_max_work=np.max([e.step_max_work for e in extras], axis=0) if extras else zero,
         # cumsum adds node after node (a sum's order is numpy's choice)
         step_sum_work=np.cumsum([e.step_sum_work for e in extras], axis=0)[-1] if extras else zero,
+        identities=unite([e.step_identities() for e in extras], num_steps),
     )
     return encode_round_totals(totals, merged)
 
@@ -277,15 +288,22 @@ def node_summary(
 
 
 def node_totals(
-    node: int, grouped: Sequence[GroupedUnit], decision: RoundDecision, config: PlannerConfig
+    node: int,
+    grouped: Sequence[GroupedUnit],
+    decision: RoundDecision,
+    config: PlannerConfig,
+    source: IdentitySource | None = None,
 ) -> tuple[NodeDraft, bytes]:
     """Phase 2: this node's units fitted and placed; its totals payload for the hub: the
-    StepTotals, and the round facts the daemons report over every node (RoundExtras)."""
+    StepTotals, and the round facts the daemons report over every node (RoundExtras).
+    `source` names the identities of this node's views (None: the identities go untallied)."""
     draft = plan_node(node, grouped, decision, config)
-    return draft, encode_node_totals(draft.totals, node_extras(draft, config))
+    return draft, encode_node_totals(draft.totals, node_extras(draft, config, source))
 
 
-def node_extras(draft: NodeDraft, config: PlannerConfig) -> RoundExtras:
+def node_extras(
+    draft: NodeDraft, config: PlannerConfig, source: IdentitySource | None = None
+) -> RoundExtras:
     """This node's share of the round-wide facts the daemons used to read from every offer."""
     c = draft.columns
     work = config.cost.work(c["padded_tokens"], c["sum_sq"], c["patches"])
@@ -297,7 +315,21 @@ def node_extras(draft: NodeDraft, config: PlannerConfig) -> RoundExtras:
         splits=sum(u.num_splits for u in draft.units),
         step_max_work=work.max(axis=1) if work.shape[1] else np.zeros(steps),
         step_sum_work=work.sum(axis=1) if work.shape[1] else np.zeros(steps),
+        identities=None if source is None else source.of_steps(_step_keys(draft, config, steps)),
     )
+
+
+def _step_keys(draft: NodeDraft, config: PlannerConfig, steps: int) -> list[np.ndarray]:
+    """The view keys this node's units emit at each step of the draft (its step order)."""
+    g = config.ranks_per_unit
+    out = []
+    for step in range(steps):
+        parts = [
+            u.emitted.views[int(u.slot_offsets[step * g]) : int(u.slot_offsets[(step + 1) * g])]
+            for u in draft.units
+        ]
+        out.append(np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64))
+    return out
 
 
 def node_complete(
@@ -308,12 +340,17 @@ def node_complete(
     totals, extras = decode_round_totals(totals_payload, decision.num_steps)
     plan = complete_node(draft, decision, totals, config)
     max_work, sum_work = extras.step_max_work, extras.step_sum_work
+    emitted = extras.step_identities()
     if config.windows and config.tokens_per_update > 0:  # complete_node's order of the steps
         order = windows.pack_order(totals.num_tokens, config.tokens_per_update)
         max_work, sum_work = max_work[order], sum_work[order]
+        emitted = emitted.take(order)
     kept = slice(0, plan.num_steps)  # and its closed prefix
     return plan, dataclasses.replace(
-        extras, step_max_work=max_work[kept], step_sum_work=sum_work[kept]
+        extras,
+        step_max_work=max_work[kept],
+        step_sum_work=sum_work[kept],
+        identities=emitted.take(np.arange(plan.num_steps)),
     )
 
 
@@ -395,6 +432,17 @@ def _encode_extras(extras: RoundExtras) -> bytes:
             _EXTRAS_HEAD.pack(*counts),
             np.ascontiguousarray(extras.step_max_work, dtype="<f8").tobytes(),
             np.ascontiguousarray(extras.step_sum_work, dtype="<f8").tobytes(),
+            _encode_identities(extras.step_identities()),
+        ]
+    )
+
+
+def _encode_identities(emitted: StepIdentities) -> bytes:
+    return b"".join(
+        [
+            _COUNT.pack(len(emitted.repeated)),
+            np.ascontiguousarray(emitted.singles, dtype="<i8").tobytes(),
+            np.ascontiguousarray(emitted.repeated, dtype="<i8").tobytes(),
         ]
     )
 
@@ -404,9 +452,17 @@ def _decode_extras(payload: bytes, pos: int, steps: int) -> tuple[RoundExtras, i
     pos += _EXTRAS_HEAD.size
     max_work = np.frombuffer(payload, dtype="<f8", count=steps, offset=pos).copy()
     sum_work = np.frombuffer(payload, dtype="<f8", count=steps, offset=pos + 8 * steps).copy()
+    pos += 16 * steps
+    (repeated,) = _COUNT.unpack_from(payload, pos)
+    pos += _COUNT.size
+    singles = np.frombuffer(payload, dtype="<i8", count=steps, offset=pos).astype(np.int64)
+    pos += 8 * steps
+    rows = np.frombuffer(payload, dtype="<i8", count=2 * repeated, offset=pos).astype(np.int64)
+    pos += 16 * repeated
+    emitted = StepIdentities(singles, rows.reshape(-1, 2))
     samples, tokens, splits = (int(c) for c in counts)
-    extras = RoundExtras(samples, tokens, splits, max_work, sum_work)
-    return extras, pos + 16 * steps
+    extras = RoundExtras(samples, tokens, splits, max_work, sum_work, emitted)
+    return extras, pos
 
 
 def encode_node_totals(totals: StepTotals, extras: RoundExtras) -> bytes:

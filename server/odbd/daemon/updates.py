@@ -6,6 +6,8 @@ from __future__ import annotations
 import logging
 from collections import Counter
 
+import numpy as np
+
 from odbclient.wire.odbd.v1 import trainer_pb2
 from odbd.metrics.stats import DaemonStats
 from odbd.planner.config import PlannerConfig
@@ -62,6 +64,30 @@ class UpdateNumbering:
                         short=not bool(windows.closed[w]),
                     )
                 )
+        return out
+
+    def of_rank(
+        self, update: trainer_pb2.Update | None, plan: NodeRoundPlan, step: int, column: int
+    ) -> trainer_pb2.Update | None:
+        """The Update of the rank in `plan.stats`' `column` at `step`: `update` itself with
+        --align steps; with --align updates (planner/update_align.py) the rank's own
+        micro-step count, position and end, or skip for a slot after its last micro-step."""
+        if update is None or plan.micro_steps is None:
+            return update
+        w = int(np.searchsorted(plan.windows.ends, step, side="right"))
+        start, end = int(plan.windows.starts[w]), int(plan.windows.ends[w])
+        mine = int(plan.micro_steps[w, column])
+        position = step - start
+        out = trainer_pb2.Update()
+        out.CopyFrom(update)
+        out.per_rank = True
+        out.num_steps = mine
+        if position >= mine:
+            out.skip, out.end, out.step_in_update = True, False, mine
+            return out
+        out.step_in_update = position
+        out.end = position == mine - 1
+        out.skipped_after = end - start - mine if out.end else 0
         return out
 
     def _warn_short_update(self, plan: NodeRoundPlan, round_index: int) -> None:

@@ -160,8 +160,8 @@ class DaemonCollector(Collector):
         )
         yield GaugeMetricFamily(
             "odbd_epoch_identities_covered",
-            "distinct dataset identities emitted this epoch to this node's ranks (the job's on "
-            "one node; the split round keeps each node's samples on it)",
+            "distinct dataset identities emitted this epoch over every node (the same on every "
+            "daemon; EpochEnd.num_identities)",
             value=s.epoch_identities,
         )
         hist = HistogramMetricFamily("odbd_round_duration_seconds", "round barrier exchange time")

@@ -73,18 +73,27 @@ def min_time_target_steps(
     return min(t, max_steps) if max_steps > 0 else t
 
 
-def fit_groups(groups: Groups, num_slots: int, keep_priority: np.ndarray) -> FittedGroups:
+def fit_groups(
+    groups: Groups, num_slots: int, keep_priority: np.ndarray, split: bool = True
+) -> FittedGroups:
     """Keeps the `num_slots` highest-priority groups, or splits groups until there are enough.
 
     Kept groups stay in their original order. Splitting halves the largest group (largest
     first keeps the split groups as full as possible); slots still missing after every group is a
-    singleton become idle fillers (empty ranges).
+    singleton become idle fillers (empty ranges). `split` False (--align updates, where a rank
+    skips its idle slots rather than run them): no split, the missing slots are idle.
     """
     count = len(groups)
     if count >= num_slots:
         keep = np.sort(np.argsort(-keep_priority, kind="stable")[:num_slots])
         leftover = rows_of(groups, _others(count, keep))
         return FittedGroups(groups.order, groups.starts[keep], groups.ends[keep], leftover, 0)
+    if not split:
+        padded = _pad_idle(groups.starts.tolist(), groups.ends.tolist(), num_slots)
+        return FittedGroups(
+            groups.order, np.asarray(padded[0], np.int64), np.asarray(padded[1], np.int64),
+            np.zeros(0, dtype=np.int64), 0,
+        )  # fmt: skip
     starts, ends, num_splits = _split_to(groups, num_slots)
     return FittedGroups(groups.order, starts, ends, np.zeros(0, dtype=np.int64), num_splits)
 

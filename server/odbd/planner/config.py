@@ -60,6 +60,13 @@ class LossScaling(StrEnum):
     NONE = "none"  # 1 (0 for idle fillers)
 
 
+class Align(StrEnum):
+    """Where ranks wait for each other (planner/update_align.py)."""
+
+    STEPS = "steps"  # every micro-step: every rank runs every step of an update
+    UPDATES = "updates"  # every optimizer update: each rank runs its own micro-steps in it
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class CostModel:
     """Step time in token-equivalents: c + max_r (a * padded_r + b * sum_i l_i^2 + p * patches_r)
@@ -117,6 +124,7 @@ class PlannerConfig:
     # >= T loss-bearing tokens over every rank; 1 and 0 = every step is an update (today).
     accumulate: int = 1
     tokens_per_update: int = 0
+    align: Align = Align.STEPS  # --align updates: ranks all-reduce once per update
     collate: Collate = Collate.PADDED  # packed: a group's budget is its sum of lengths
     max_patches: int = 0  # a group's vision patches (sum over its samples); 0 = no patch budget
     # --attention as given (the cost's dense_rows is what this round plans with: fixed by
@@ -154,6 +162,12 @@ class PlannerConfig:
             raise ConfigError(
                 f"--accumulate {self.accumulate} and --tokens-per-update "
                 f"{self.tokens_per_update} both size the updates; pass one of them"
+            )
+        if self.align is Align.UPDATES and not self.windows:
+            raise ConfigError(
+                "--align updates aligns ranks at optimizer updates of several micro-steps; "
+                "without --accumulate K or --tokens-per-update T every step is an update, so "
+                "it would be --align steps: pass one of them, or drop --align updates"
             )
         if self.token_budget <= 0:
             raise ConfigError(

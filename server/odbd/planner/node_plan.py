@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from odbd.planner import alignment, assignment, company, selection
-from odbd.planner.config import Grouping, LossScaling, PlannerConfig
+from odbd.planner.config import Align, Grouping, LossScaling, PlannerConfig
 from odbd.planner.grouping import sort_longest_first
 from odbd.planner.loss_scaling import step_weights
 from odbd.planner.summary import GroupedUnit, SortedBuffer, range_max
@@ -111,7 +111,10 @@ def _fit(
         fullest = _fullest(unit, num_slots, hold, config)
         if fullest is not None:
             return fullest
-    return alignment.fit_groups(unit.groups, num_slots, priority), unit.buffer
+    # --align updates: a unit short of groups leaves slots idle (its ranks skip them) rather
+    # than split groups into more micro-steps, each costing the per-step constant
+    split = config.align is Align.STEPS
+    return alignment.fit_groups(unit.groups, num_slots, priority, split), unit.buffer
 
 
 def _fullest(

@@ -19,13 +19,13 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
 from odbd.errors import InvariantError
 from odbd.planner.completion import combine, complete_node
-from odbd.planner.config import Balance, PlannerConfig
+from odbd.planner.config import Align, Balance, PlannerConfig
 from odbd.planner.decision import decide_round
 from odbd.planner.node_plan import NodeDraft, plan_node
 from odbd.planner.summary import GroupedUnit, group_unit, summarize
@@ -38,6 +38,7 @@ from odbd.planner.types import (
     UnitOffer,
     UnitSummary,
 )
+from odbd.planner.update_align import align_node, deal_node, pick_grid, reduce_deals
 
 
 @dataclass(slots=True)
@@ -87,6 +88,23 @@ def plan_round(
         grouped.append(mine)
     with clock.shared():
         decision = decide_round(summaries, config, round_index)
+    steps_config = replace(config, align=Align.STEPS)
+    parts, drafts = _place(grouped, decision, steps_config, clock)
+    if config.align is Align.UPDATES:
+        parts, drafts = _aligned_at_updates(parts, drafts, grouped, decision, config, clock)
+    if trace is not None:
+        trace.local_s.append([clock.local_s[n] for n in nodes])
+        trace.shared_s.append(clock.shared_s)
+        trace.summaries.append(summaries)
+        trace.totals.append([d.totals for d in drafts])
+    return assemble(parts, decision)
+
+
+def _place(
+    grouped: list[list[GroupedUnit]], decision: RoundDecision, config: PlannerConfig, clock: _Clock
+) -> tuple[list[NodeRoundPlan], list[NodeDraft]]:
+    """Phases 2 and 3: every node's groups on (rank, step), updates closed, loss scales."""
+    nodes = range(len(grouped))
     drafts: list[NodeDraft] = []
     for node in nodes:
         with clock.local(node):
@@ -97,12 +115,46 @@ def plan_round(
     for node in nodes:
         with clock.local(node):
             parts.append(complete_node(drafts[node], decision, totals, config))
-    if trace is not None:
-        trace.local_s.append([clock.local_s[n] for n in nodes])
-        trace.shared_s.append(clock.shared_s)
-        trace.summaries.append(summaries)
-        trace.totals.append([d.totals for d in drafts])
-    return assemble(parts, decision)
+    return parts, drafts
+
+
+def _aligned_at_updates(
+    split: list[NodeRoundPlan],
+    drafts: list[NodeDraft],
+    grouped: list[list[GroupedUnit]],
+    decision: RoundDecision,
+    config: PlannerConfig,
+    clock: _Clock,
+) -> tuple[list[NodeRoundPlan], list[NodeDraft]]:
+    """--align updates (update_align.py): the step plan's groups dealt by cost. A unit short
+    of groups for the round's slots splits groups under --align steps; with ranks aligned at
+    updates it may instead leave slots idle (its ranks skip them). Splitting saves padding
+    and fills ranks, but each piece costs a micro-step: the round takes whichever plan's
+    updates end sooner, the split one on a tie (never slower than --align steps).
+
+    Each node deals its own part (deal_node), the grid is every node's deals reduced
+    (reduce_deals, the hub's), and each node moves its part onto it: the live daemons' three
+    exchanges (daemon/split_round.py) in one process."""
+    alternatives = [(split, drafts)]
+    if any(u.num_splits for p in split for u in p.units):
+        alternatives.append(_place(grouped, decision, config, clock))
+    firsts = [config.world.ranks_of(p.node).start for p in split]
+    dealt, grids = [], []
+    for parts, _ in alternatives:
+        deals = []
+        for p, first in zip(parts, firsts, strict=True):
+            with clock.local(p.node):
+                deals.append(deal_node(p.stats, p.units, p.windows, first, config))
+        with clock.shared():
+            grids.append(reduce_deals(deals, parts[0].windows))
+        dealt.append(deals)
+    chosen = pick_grid(grids)
+    parts, chosen_drafts = alternatives[chosen]
+    aligned = []
+    for p, first, deal in zip(parts, firsts, dealt[chosen], strict=True):
+        with clock.local(p.node):
+            aligned.append(align_node(p, first, deal, grids[chosen], config))
+    return aligned, chosen_drafts
 
 
 def assemble(parts: Sequence[NodeRoundPlan], decision: RoundDecision) -> RoundPlan:
@@ -117,8 +169,11 @@ def assemble(parts: Sequence[NodeRoundPlan], decision: RoundDecision) -> RoundPl
         *(np.concatenate([getattr(p.stats, f) for p in parts], axis=1) for f in fields)
     )
     units = tuple(u for p in parts for u in p.units)
+    micro = None
+    if first.micro_steps is not None:
+        micro = np.concatenate([p.micro_steps for p in parts if p.micro_steps is not None], axis=1)
     return RoundPlan(
-        decision.round_index, first.num_steps, units, stats, first.final, first.windows
+        decision.round_index, first.num_steps, units, stats, first.final, first.windows, micro
     )
 
 

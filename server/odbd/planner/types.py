@@ -173,6 +173,9 @@ class RoundPlan:
     stats: StepStats
     final: bool  # every unit was dry and nothing is left: the epoch's last round
     windows: Windows  # the round's optimizer updates (one per step without --accumulate etc.)
+    # (num_windows, world) micro-steps each rank runs per update with --align updates
+    # (planner/update_align.py); None with --align steps: every rank runs every step
+    micro_steps: IntArray | None = None
 
     def group_views(self, step: int, rank: int, ranks_per_unit: int) -> IntArray:
         """View ids of one rank's batch at one step of this round (empty = idle filler)."""
@@ -214,6 +217,9 @@ class NodeRoundPlan:
     global_num_tokens: IntArray  # (num_steps,)
     final: bool
     windows: Windows
+    # (num_windows, this node's ranks) micro-steps per update with --align updates
+    # (planner/update_align.py); None with --align steps
+    micro_steps: IntArray | None = None
 
 
 @dataclass(frozen=True, slots=True)

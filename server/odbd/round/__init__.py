@@ -6,9 +6,10 @@ every daemon, so the pure planner computes the same RoundPlan everywhere.
     config.py       RoundConfig, wire limits and gRPC options
     fingerprint.py  canonical settings and the first mismatch (pure)
     handshake.py    the hub's admit/refuse decision on a Hello (pure)
-    table.py        per-round contributions at the hub (pure)
-    hub.py          node 0: Join streams, broadcast, deadlines, aborts
-    spoke.py        other nodes: one Join stream to the hub
+    table.py        per-round contributions at the hub, or at a relay of its subtree (pure)
+    tree.py         the relay tree: parent, children and subtree of a node (pure)
+    hub.py          node 0 and relays: their children's Join streams, results, deadlines, aborts
+    spoke.py        other nodes: one Join stream to the parent (the hub or a relay)
     server.py       the peer listener: Peer service and grpc.health.v1
     barrier.py      RoundBarrier, the one entry point
 """

@@ -9,17 +9,24 @@ Rounds go strictly in order 0, 1, 2, ...; `exchange(k + 1)` may start before `ex
 returned, so the next round's metadata is in flight while trainers consume this one. Every wait
 has a deadline, and a failure (timeout, lost daemon) fails every daemon's pending and later
 rounds with the same message.
+
+The daemons form a relay tree (tree.py): a daemon with children serves them like the hub
+(a Hub of its subtree) and is a Spoke of its parent; its exchange collects its subtree's
+payloads, sends them up in one contribution, and returns the parent's result, which its Spoke
+has already passed down to the children.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import grpc
 
-from odbd.errors import InvariantError
+from odbclient.wire.odbd.v1 import peer_pb2
+from odbd.errors import InvariantError, OdbdError
 from odbd.round.config import RoundConfig, max_payload_bytes
 from odbd.round.errors import PayloadTooLargeError
 from odbd.round.hub import Hub
@@ -53,6 +60,7 @@ class RoundBarrier:
         self._started = False
         self.last_round: RoundRecord | None = None
         self.traffic = RoundTraffic()  # bytes of round messages over this daemon's streams
+        self._pending_up: set[asyncio.Task[None]] = set()  # a relay's reports to its parent
 
     @property
     def config(self) -> RoundConfig:
@@ -76,22 +84,46 @@ class RoundBarrier:
 
     async def _form(self) -> None:
         config = self._config
-        if config.is_hub:
-            self._hub = Hub(config, self._health.set_serving, self.traffic)
+        if config.children:
+            report_up = self._report_up if config.parent is not None else None
+            self._hub = Hub(config, self._health.set_serving, self.traffic, report_up)
             handler = join_handler(self._hub.join)
         else:
-            handler = not_the_hub_handler(config.node_rank)
+            handler = not_the_hub_handler(config.node_rank, config.fanout)
         if config.listen:
             self._server, self._listen_address = await serve(
                 config.listen, handler, self._health, config.tls, config.num_nodes
             )
         if self._hub is not None:
-            await self._hub.wait_formed()
-        elif config.num_nodes > 1:
-            self._spoke = Spoke(config, self._listen_address, self.traffic)
-            await self._spoke.connect()
+            await self._hub.wait_formed()  # a relay: its children joined
+        if config.parent is not None:
+            hub = self._hub
+            self._spoke = Spoke(
+                config,
+                self._listen_address,
+                self.traffic,
+                relay=hub.relay_down if hub is not None else None,
+                on_failure=hub.fail_from_parent if hub is not None else None,
+            )
+            try:
+                await self._spoke.connect()
+            except OdbdError as exc:
+                if hub is not None:  # its children learn why the job did not form
+                    hub.fail_from_parent(exc, None)
+                raise
+            if hub is not None:
+                hub.welcome()
         if self._server is not None:
             self._health.set_serving(True)
+
+    def _report_up(self, message: peer_pb2.PeerMessage) -> None:
+        """A relay's Waiting or Abort about its subtree, to its parent (from sync protocol
+        code, so as a task; close() waits for the last ones)."""
+        if self._spoke is None:
+            return  # not joined yet: a failure to form is this daemon's own error
+        task = asyncio.get_running_loop().create_task(self._spoke.send_up(message))
+        self._pending_up.add(task)
+        task.add_done_callback(self._pending_up.discard)
 
     async def exchange(self, round_index: int, payload: bytes) -> list[bytes]:
         """All nodes' payloads of round `round_index` in node-rank order.
@@ -101,7 +133,9 @@ class RoundBarrier:
         """
         self._check_round(round_index, payload)
         started_s = time.perf_counter()
-        if self._hub is not None:
+        if self._hub is not None and self._spoke is not None:
+            done = await self._relay_exchange(round_index, payload)
+        elif self._hub is not None:
             done = await self._hub.exchange(round_index, payload)
         elif self._spoke is not None:
             done = await self._spoke.exchange(round_index, payload)
@@ -109,6 +143,13 @@ class RoundBarrier:
             done = CompletedRound(round_index, (payload,), last_node=0)  # single node
         self.last_round = RoundRecord(round_index, time.perf_counter() - started_s, done.last_node)
         return list(done.payloads)
+
+    async def _relay_exchange(self, round_index: int, payload: bytes) -> CompletedRound:
+        """A relay: its subtree's payloads (its own among them) up in one contribution, once it
+        holds them all; the parent's result back (already passed down by the Spoke)."""
+        assert self._hub is not None and self._spoke is not None
+        subtree = await self._hub.exchange(round_index, payload)
+        return await self._spoke.exchange(round_index, b"", subtree.payloads)
 
     async def exchange_reduced(
         self, round_index: int, payload: bytes, reduce: Callable[[list[bytes]], bytes]
@@ -122,7 +163,9 @@ class RoundBarrier:
         """
         self._check_round(round_index, payload)
         started_s = time.perf_counter()
-        if self._hub is not None:
+        if self._hub is not None and self._spoke is not None:
+            done = await self._relay_exchange(round_index, payload)  # reduce runs at the hub
+        elif self._hub is not None:
             done = await self._hub.exchange(round_index, payload, reduce)
         elif self._spoke is not None:
             done = await self._spoke.exchange(round_index, payload)
@@ -139,8 +182,8 @@ class RoundBarrier:
     async def report_waiting(self, round_index: int, reason: str) -> None:
         """Why this daemon has not contributed `round_index` yet, e.g. "rank 3 has not taken
         ...". If the round times out, every daemon's error quotes the latest reason."""
-        if self._hub is not None:
-            self._hub.note_waiting(0, round_index, reason)
+        if self._hub is not None:  # a relay passes it up (Hub.note_waiting)
+            self._hub.note_waiting(self._config.node_rank, round_index, reason)
         elif self._spoke is not None:
             await self._spoke.report_waiting(round_index, reason)
 
@@ -152,7 +195,7 @@ class RoundBarrier:
         """
         if self._hub is not None:
             self._hub.raise_failure()
-        elif self._spoke is not None:
+        if self._spoke is not None:
             self._spoke.raise_failure()
 
     def _check_round(self, round_index: int, payload: bytes) -> None:
@@ -174,10 +217,14 @@ class RoundBarrier:
 
     async def close(self) -> None:
         """Ends the streams (the hub after queued results are written) and the listener."""
+        if self._hub is not None:
+            # First: a relay's children get their streams' normal end (after the results
+            # already queued), not the failure its Spoke's close() would pass down.
+            self._hub.close()
+        if self._pending_up:
+            await asyncio.wait(set(self._pending_up), timeout=1.0)
         if self._spoke is not None:
             await self._spoke.close()
-        if self._hub is not None:
-            self._hub.close()
         if self._server is not None:
             await self._health.drain()
             await self._server.stop(_STOP_GRACE_S)

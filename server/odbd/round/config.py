@@ -8,11 +8,14 @@ from dataclasses import dataclass
 import grpc
 
 from odbd.errors import ConfigError
+from odbd.round.tree import DEFAULT_FANOUT, TreeLayout
 
 # 2: the job token is proven by challenge-response (auth.py) instead of sent in the Hello.
 # 3: the live round runs on the split planner (daemon/split_round.py): two exchanges per round,
 # summaries then step totals, each reduced by the hub to one result for every node.
-PROTOCOL_VERSION = 3
+# 4: the round exchanges travel a relay tree of fan-out --round-fanout (tree.py): a daemon joins
+# its parent, relays aggregate their subtree's contributions and relay results and aborts down.
+PROTOCOL_VERSION = 4
 # A round result carries every node's payload in one message: up to a few hundred KB per node
 # per round today, so 64 MiB leaves room for 64 nodes with ~1 MB offers each.
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
@@ -113,6 +116,8 @@ class RoundConfig:
     # Barrier rounds per planner round (the live daemons: 2, split_exchange.py), so that
     # messages name the planner's round: barrier round 7 is "round 3 (exchange 2 of 2)".
     exchanges_per_round: int = 1
+    # Children per daemon in the relay tree (tree.py): the hub writes to at most this many.
+    fanout: int = DEFAULT_FANOUT
 
     def round_name(self, barrier_round: int) -> str:
         """A barrier round as operators know it: the planner's round (and its exchange)."""
@@ -122,6 +127,7 @@ class RoundConfig:
         return f"{barrier_round // n} (exchange {barrier_round % n + 1} of {n})"
 
     def __post_init__(self) -> None:
+        TreeLayout(max(self.num_nodes, 1), self.fanout)  # raises ConfigError on a bad fan-out
         self._check_layout()
         self._check_addresses()
         if self.join_timeout_s <= 0 or self.round_timeout_s <= 0 or self.hello_timeout_s <= 0:
@@ -160,9 +166,18 @@ class RoundConfig:
             parse_address(self.listen, "--listen")
         elif self.is_hub:
             raise ConfigError("node 0 is the hub of the round barrier and needs --listen HOST:PORT")
-        if self.num_nodes > 1 and not self.is_hub and parse_address(self.peers[0], "hub")[1] == 0:
+        parent = self.parent
+        if parent is not None and parse_address(self.peers[parent], "parent")[1] == 0:
             raise ConfigError(
-                f"the hub's address {self.peers[0]} has port 0; other daemons must know its port"
+                f"the address {self.peers[parent]} of node {parent} has port 0; node "
+                f"{self.node_rank} joins the round exchanges through it (its parent in the relay "
+                f"tree of fan-out {self.fanout}), so give node {parent} a fixed --listen port"
+            )
+        if self.children and not self.listen:
+            raise ConfigError(
+                f"node {self.node_rank} relays the round exchanges of nodes "
+                f"{', '.join(map(str, self.children))} (fan-out {self.fanout}) and needs "
+                "--listen HOST:PORT"
             )
 
     @property
@@ -174,6 +189,32 @@ class RoundConfig:
         return self.peers[0] if self.peers else ""
 
     @property
+    def layout(self) -> TreeLayout:
+        return TreeLayout(self.num_nodes, self.fanout)
+
+    @property
+    def parent(self) -> int | None:
+        """The node this daemon joins (None: the hub, or a job of one node)."""
+        return self.layout.parent(self.node_rank) if self.num_nodes > 1 else None
+
+    @property
+    def children(self) -> list[int]:
+        """The nodes that join this daemon (it relays for them, or is their hub)."""
+        return self.layout.children(self.node_rank)
+
+    @property
+    def parent_address(self) -> str:
+        parent = self.parent
+        return self.peers[parent] if parent is not None else ""
+
+    @property
     def settings(self) -> Mapping[str, str]:
-        """What the handshake compares: the fingerprint plus the job's node count."""
-        return {"num_nodes": str(self.num_nodes), **self.fingerprint}
+        """What the handshake compares: the fingerprint plus the job's node count and tree."""
+        return {
+            "num_nodes": str(self.num_nodes),
+            # Only when set, like the daemon's optional settings: a Hello built for the
+            # default tree (tools, tests) still matches. A daemon of another fan-out would also
+            # be refused as nobody's child (handshake.py), but this names the flag.
+            **({"round_fanout": str(self.fanout)} if self.fanout != DEFAULT_FANOUT else {}),
+            **self.fingerprint,
+        }

@@ -35,16 +35,23 @@ class Refusal:
         return self.message if authenticated or not self.public else self.public
 
 
-def check_version(hello: peer_pb2.Hello) -> Refusal | None:
+def check_version(hello: peer_pb2.Hello, me: str = "the hub (node 0)") -> Refusal | None:
     """Before the challenge, which a daemon of another protocol would not understand."""
     if hello.protocol_version == PROTOCOL_VERSION:
         return None
     return Refusal(
         grpc.StatusCode.FAILED_PRECONDITION,
-        f"node {hello.node_rank} speaks odbd peer protocol {hello.protocol_version}, the hub "
-        f"(node 0) speaks {PROTOCOL_VERSION}; run the same odbd release on every node",
+        f"node {hello.node_rank} speaks odbd peer protocol {hello.protocol_version}, {me} "
+        f"speaks {PROTOCOL_VERSION}; run the same odbd release on every node",
         fatal=False,
     )
+
+
+def _me(config: RoundConfig) -> str:
+    """How refusals name the daemon that refuses: the hub, or a relay of the tree."""
+    if config.node_rank == 0:
+        return "the hub (node 0)"
+    return f"node {config.node_rank} (a relay of the round tree)"
 
 
 def token_refusal(hello: peer_pb2.Hello) -> Refusal:
@@ -104,7 +111,7 @@ def check_hello(
             fatal=False,
         )
     mismatch = fingerprint_mismatch(
-        config.settings, hello.fingerprint, ours_name="the hub (node 0)", theirs_name=node
+        config.settings, hello.fingerprint, ours_name=_me(config), theirs_name=node
     )
     if mismatch is not None:
         return Refusal(
@@ -113,5 +120,13 @@ def check_hello(
             fatal=authenticated,
             public=f"the settings of {node} differ from the hub's; the hub's log names the "
             "setting (a daemon without the job token or mTLS is not told which)",
+        )
+    if hello.node_rank not in config.children:
+        parent = config.layout.parent(hello.node_rank)
+        return Refusal(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"{node} joined {_me(config)}, but its parent in the round relay tree of fan-out "
+            f"{config.fanout} is node {parent}; check --peers (every node in node-rank order)",
+            fatal=False,
         )
     return None

@@ -1,5 +1,11 @@
 """The hub (node 0): admits every daemon's Join stream, collects each round, broadcasts the result.
 
+In a relay tree (tree.py) the same class serves a relay's children: it admits only them,
+collects its subtree's rounds and hands each complete one to the relay's own exchange (which
+sends it up, barrier.py) instead of broadcasting; the parent's results and aborts come back
+down through relay_down() and fail_from_parent(), and the relay's own failures go up through
+`report_up`. "Spoke" below is any child stream.
+
 Each spoke stream is served by two coroutines: the RPC handler writes what the protocol queued
 in the spoke's outbox, and a reader task feeds contributions to the round table. Protocol
 decisions (admit, complete, expire, abort) are synchronous, so a round's completion and its
@@ -27,6 +33,7 @@ from odbd.round.spoke import grace_s
 from odbd.round.stall import TICK_S, StallWatch
 from odbd.round.table import CompletedRound, ProtocolViolation, RoundTable
 from odbd.round.traffic import RoundTraffic
+from odbd.round.tree import SubtreeMismatch, describe_subtree, unpack_subtree
 
 log = logging.getLogger(__name__)
 
@@ -60,11 +67,21 @@ class Hub:
         config: RoundConfig,
         on_serving: Callable[[bool], None],
         traffic: RoundTraffic | None = None,
+        report_up: Callable[[peer_pb2.PeerMessage], None] | None = None,
     ) -> None:
         self._config = config
         self.traffic = traffic if traffic is not None else RoundTraffic()
         self._on_serving = on_serving
-        self._table = RoundTable(config.num_nodes, max_payload_bytes(config.num_nodes))
+        # A relay (not node 0): what it says to its parent about its subtree (aborts, waiting).
+        self._report_up = report_up
+        self._relay = config.parent is not None
+        self._layout = config.layout
+        self._children = config.children
+        self._table = RoundTable(
+            config.num_nodes,
+            max_payload_bytes(config.num_nodes),
+            members=self._layout.subtree(config.node_rank),
+        )
         self._spokes: dict[int, _Spoke] = {}  # node -> admitted spoke
         self._advertised: dict[int, str] = {}  # node -> listener address from its Hello
         self._refusals: dict[int, str] = {}  # node -> why its last Hello was refused
@@ -78,6 +95,11 @@ class Hub:
         self._waiting: dict[int, tuple[int, str]] = {}  # node -> (round, why it has not sent it)
         self._loop = asyncio.get_running_loop()
         self._formed: asyncio.Future[None] = self._loop.create_future()
+        self._reported_up = False  # a relay told its parent of a failure (_abort)
+        self._verdict_timer: asyncio.TimerHandle | None = None  # ... and awaits its verdict
+        # every child joined (at the hub the same moment as _formed; a relay then joins its
+        # parent, and welcomes its children with the parent's Welcome)
+        self._children_joined: asyncio.Future[None] = self._loop.create_future()
         self._watch = StallWatch(self._loop.time())
         self._ticker = self._loop.create_task(self._tick())
         self._handshaking = 0  # streams between their start and admission or refusal
@@ -91,23 +113,42 @@ class Hub:
     # -- the job's formation ------------------------------------------------------------------
 
     async def wait_formed(self) -> None:
-        """Returns once every node joined; raises HandshakeError on a join timeout or refusal."""
+        """Returns once every node joined; raises HandshakeError on a join timeout or refusal.
+        A relay's returns once its children joined (then it joins its parent and welcome()s)."""
         timer = self._loop.call_later(self._config.join_timeout_s, self._join_expired)
         try:
-            await self._formed
+            await (self._children_joined if self._relay else self._formed)
         finally:
             timer.cancel()
 
+    def welcome(self) -> None:
+        """A relay: its parent welcomed it (the whole tree joined), so it welcomes its children."""
+        lost = [n for n in self._children if n not in self._spokes]
+        if lost:
+            reason = (
+                f"{_names(self._name(n) for n in lost)} left node {self._config.node_rank} "
+                "while the job formed; restart it and the job on all nodes"
+            )
+            self._abort(peer_pb2.ABORT_KIND_JOIN_TIMEOUT, 0, reason, lost, HandshakeError)
+            self.raise_failure()
+        self._form()
+
     def _join_expired(self) -> None:
-        missing = [n for n in range(1, self._config.num_nodes) if n not in self._spokes]
+        missing = [n for n in self._children if n not in self._spokes]
         refused = "".join(
             f"; {self._name(n)} was refused: {self._refusals[n]}"
             for n in missing
             if n in self._refusals
         )
+        relays = "".join(
+            f"; {self._name(n)} joins once{describe_subtree(self._layout, n)[4:]} joined it"
+            for n in missing
+            if describe_subtree(self._layout, n)
+        )
+        me = "the hub" if not self._relay else f"node {self._config.node_rank}"
         reason = (
             f"the job did not form within the {self._config.join_timeout_s:g} s join deadline: "
-            f"{_names(self._name(n) for n in missing)} never joined the hub{refused}. "
+            f"{_names(self._name(n) for n in missing)} never joined {me}{refused}{relays}. "
             + (restart_hint(missing) if self._config.from_journal else "Start every daemon "
                "with the same --peers (node 0 first) or raise the join timeout")
         )  # fmt: skip
@@ -147,7 +188,9 @@ class Hub:
             why = f"its Hello has {first.ByteSize()} bytes, over the {MAX_HELLO_BYTES} allowed"
             self._log_refusal(context, why)
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, why)
-        version = check_version(hello)
+        version = check_version(
+            hello, "the hub (node 0)" if not self._relay else f"node {self._config.node_rank}"
+        )
         if version is not None:
             await self._refuse(context, hello, version, authenticated=False)
         authenticated = await self._challenge(context, hello)
@@ -167,8 +210,11 @@ class Hub:
         self._advertised[node] = hello.listen_address
         self._refusals.pop(node, None)
         spoke = self._spokes[node] = _Spoke(node, self._name(node))
-        if len(self._spokes) == self._config.num_nodes - 1:
-            self._form()
+        if len(self._spokes) == len(self._children):
+            if not self._children_joined.done():
+                self._children_joined.set_result(None)
+            if not self._relay or self._formed.done():
+                self._form()
         return spoke
 
     async def _challenge(self, context: grpc.aio.ServicerContext, hello: peer_pb2.Hello) -> bool:
@@ -197,7 +243,7 @@ class Hub:
     ) -> NoReturn:
         """Ends this stream only, unless an authenticated member of the job can never join."""
         self._log_refusal(context, refusal.message)
-        if 1 <= hello.node_rank < self._config.num_nodes:  # bounded: strangers pick any rank
+        if hello.node_rank in self._children:  # bounded: strangers pick any rank
             self._refusals[hello.node_rank] = refusal.message
         if refusal.fatal and authenticated:
             reason = f"the job cannot form: {refusal.message}"
@@ -213,6 +259,8 @@ class Hub:
         log.warning("refused a peer from %s: %s%s", context.peer(), why, more)
 
     def _form(self) -> None:
+        if self._formed.done():
+            return
         welcome = peer_pb2.Welcome(
             protocol_version=PROTOCOL_VERSION, num_nodes=self._config.num_nodes
         )
@@ -256,8 +304,12 @@ class Hub:
                     self._left(spoke)
                     return
                 if kind == "waiting":
-                    self.note_waiting(spoke.node, msg.waiting.round, msg.waiting.reason)
+                    waiter = self._of_subtree(spoke, msg.waiting.node_rank, "Waiting")
+                    self.note_waiting(waiter, msg.waiting.round, msg.waiting.reason)
                     continue
+                if kind == "abort":
+                    self._abort_from_child(spoke, msg.abort)
+                    return
                 contribution = msg.contribution
                 if kind != "contribution" or contribution.node_rank != spoke.node:
                     raise ProtocolViolation(
@@ -265,7 +317,17 @@ class Hub:
                         "its handshake"
                     )
                 self.traffic.received += msg.ByteSize()
-                self._contribute(spoke.node, contribution.round, contribution.payload)
+                try:
+                    nodes = unpack_subtree(
+                        self._layout,
+                        spoke.node,
+                        contribution.payload,
+                        contribution.subtree_payloads,
+                    )
+                except SubtreeMismatch as exc:
+                    raise ProtocolViolation(str(exc)) from None
+                for node, payload in nodes:
+                    self._contribute(node, contribution.round, payload)
             # A killed process reads as a plain end of stream here, which is why a deliberate
             # shutdown says Leave first.
             self._lost(spoke, _lost_without_leave)
@@ -274,6 +336,19 @@ class Hub:
         except grpc.aio.AioRpcError as exc:
             self._lost(spoke, f"its stream failed with {exc.code().name}: {exc.details()}")
 
+    def _of_subtree(self, spoke: _Spoke, node: int, what: str) -> int:
+        if node not in self._layout.subtree(spoke.node):
+            raise ProtocolViolation(
+                f"{spoke.name} sent a {what} about node {node}, which is not in its subtree"
+            )
+        return node
+
+    def _abort_from_child(self, spoke: _Spoke, abort: peer_pb2.Abort) -> None:
+        """A relay below failed its subtree: the job fails everywhere with its reason."""
+        missing = [self._of_subtree(spoke, ref.node_rank, "Abort") for ref in abort.missing]
+        error = _ABORT_ERRORS.get(abort.kind, PeerLostError)
+        self._abort(abort.kind, abort.round, abort.reason[:_MAX_ABORT_CHARS], missing, error)
+
     def _refuse_stream(self, spoke: _Spoke, why: str) -> None:
         log.error("refusing %s: %s", spoke.name, why)
         if spoke.state == "active":
@@ -281,7 +356,8 @@ class Hub:
             spoke.state = "ending"
         round_index = self._table.next_round(spoke.node)
         reason = f"{spoke.name} broke the round protocol and was refused: {why}"
-        self._abort(peer_pb2.ABORT_KIND_PEER_LOST, round_index, reason, [spoke.node], PeerLostError)
+        missing = self._layout.subtree(spoke.node)
+        self._abort(peer_pb2.ABORT_KIND_PEER_LOST, round_index, reason, missing, PeerLostError)
 
     def _lost(self, spoke: _Spoke, why: str) -> None:
         if spoke.state != "active":
@@ -292,12 +368,16 @@ class Hub:
             del self._spokes[spoke.node]
             return
         round_index = self._table.next_round(spoke.node)
+        cut_off = describe_subtree(self._layout, spoke.node)
+        if cut_off:
+            cut_off += ", which the loss cut off from the job"
         reason = (
-            f"lost {spoke.name} before round {self._config.round_name(round_index)}: {why}. The "
-            "job cannot continue without every node; restart it on all nodes (resume from "
-            "--state-dir)"
+            f"lost {spoke.name}{cut_off} before round {self._config.round_name(round_index)}: "
+            f"{why}. The job cannot continue without every node; restart it on all nodes "
+            "(resume from --state-dir)"
         )
-        self._abort(peer_pb2.ABORT_KIND_PEER_LOST, round_index, reason, [spoke.node], PeerLostError)
+        missing = self._layout.subtree(spoke.node)
+        self._abort(peer_pb2.ABORT_KIND_PEER_LOST, round_index, reason, missing, PeerLostError)
 
     def _left(self, spoke: _Spoke) -> None:
         """The spoke said Leave (shutdown): fine, unless a round still needs it."""
@@ -343,20 +423,52 @@ class Hub:
         if reduce is not None:
             self._reducers[round_index] = reduce
         try:
-            self._contribute(0, round_index, payload)
+            self._contribute(self._config.node_rank, round_index, payload)
         except ProtocolViolation as exc:
             raise InvariantError(f"the hub's own contribution broke the protocol: {exc}") from None
         return await waiter
 
     def note_waiting(self, node: int, round_index: int, reason: str) -> None:
-        """Why `node` has not contributed `round_index` yet; quoted if that round times out."""
+        """Why `node` has not contributed `round_index` yet; quoted if that round times out.
+        A relay passes it on to its parent, so the hub can quote it too."""
         self._waiting[node] = (round_index, reason[:_MAX_REASON_CHARS])
+        if self._report_up is not None:
+            waiting = peer_pb2.Waiting(
+                round=round_index, reason=reason[:_MAX_REASON_CHARS], node_rank=node
+            )
+            self._report_up(peer_pb2.PeerMessage(waiting=waiting))
 
     def _why_missing(self, node: int, round_index: int) -> str:
         waiting = self._waiting.get(node)
         if waiting is None or waiting[0] != round_index:
             return f"{self._name(node)} did not contribute"
         return f"{self._name(node)} did not contribute: it waits because {waiting[1]}"
+
+    def _why_all_missing(self, missing: list[int], round_index: int) -> str:
+        """Each missing node's reason; a child relay's subtree arrives in one piece, so what
+        this daemon knows is that the relay did not send it, and why nodes below it wait."""
+        parts = []
+        for node in missing:
+            relay = next((c for c in self._children if node in self._layout.subtree(c)), node)
+            if node in self._children and len(self._layout.subtree(node)) > 1:
+                below = ", ".join(str(n) for n in self._layout.subtree(node)[1:])
+                waiting = self._waiting.get(node)
+                why = (
+                    f": it waits because {waiting[1]}"
+                    if waiting and waiting[0] == round_index
+                    else ""
+                )
+                parts.append(
+                    f"{self._name(node)} did not send its own and its subtree's contributions "
+                    f"(it relays for nodes {below}; one of them may be the one that stalled){why}"
+                )
+            elif relay != node:
+                waiting = self._waiting.get(node)
+                if waiting is not None and waiting[0] == round_index:
+                    parts.append(f"{self._why_missing(node, round_index)} (below node {relay})")
+            else:
+                parts.append(self._why_missing(node, round_index))
+        return "; ".join(parts) or "no node"
 
     def _contribute(self, node: int, round_index: int, payload: bytes) -> None:
         if self._failure is not None:
@@ -368,12 +480,23 @@ class Hub:
                 self._timers[round_index] = self._loop.call_later(
                     self._config.round_timeout_s, self._round_expired, round_index
                 )
+                if self._relay:  # halfway: tell the hub who below holds the round up
+                    self._loop.call_later(
+                        0.5 * self._config.round_timeout_s, self._report_missing, round_index
+                    )
             self._check_departed(round_index)
             self._send_early(round_index)
             return
         timer = self._timers.pop(round_index, None)
         if timer is not None:
             timer.cancel()
+        if self._relay:
+            # The subtree's round, for the relay's own exchange to send up (barrier.py); the
+            # parent's result comes back down through relay_down().
+            waiter = self._waiters.pop(round_index, None)
+            if waiter is not None and not waiter.done():
+                waiter.set_result(done)
+            return
         reduce = self._reducers.pop(round_index, None)
         if reduce is not None:
             try:
@@ -405,8 +528,10 @@ class Hub:
 
     def _send_early(self, round_index: int) -> None:
         """Sends a round's result to its one missing spoke before it contributes (peer.proto)."""
-        if round_index in self._reducers:
-            return  # a reduced round's result needs every payload, the straggler's too
+        if round_index in self._reducers or self._relay:
+            # A reduced round's result needs every payload, the straggler's too; a relay's
+            # results are its parent's.
+            return
         node = self._table.straggler(round_index)
         spoke = self._spokes.get(node) if node else None  # never node 0: the hub itself
         if spoke is None or spoke.state != "active" or round_index in self._sent_early:
@@ -422,13 +547,39 @@ class Hub:
         self.traffic.sent += len(data)
         self._sent_early[round_index] = spoke.node
 
+    def relay_down(self, message: peer_pb2.HubMessage) -> None:
+        """A relay: its parent's result of a round, passed to every child unchanged."""
+        if self._failure is not None:
+            return
+        data = message.SerializeToString()
+        for spoke in self._spokes.values():
+            if spoke.state == "active":
+                spoke.outbox.put_nowait(data)
+                self.traffic.sent += len(data)
+
+    def fail_from_parent(self, error: OdbdError, abort: peer_pb2.Abort | None) -> None:
+        """A relay: the job failed above it (the hub's Abort, or the parent's stream broke);
+        its children get the same Abort, or one naming the parent."""
+        if self._failure is not None:
+            return
+        if abort is None:
+            abort = peer_pb2.Abort(kind=peer_pb2.ABORT_KIND_PEER_LOST, reason=str(error), round=0)
+        if self._verdict_timer is not None:
+            self._verdict_timer.cancel()
+        log.error("%s", error)
+        self._failure = type(error)(str(error))
+        self._end_children(peer_pb2.HubMessage(abort=abort).SerializeToString(), str(error))
+        self._fail_local(type(error), str(error))
+        self._on_serving(False)
+
     def _round_expired(self, round_index: int) -> None:
         self._timers.pop(round_index, None)
         missing = self._table.missing(round_index)
         reason = (
             f"round {self._config.round_name(round_index)} did not complete within the "
-            f"{self._config.round_timeout_s:g} s round deadline: "
-            f"{'; '.join(self._why_missing(n, round_index) for n in missing) or 'no node'}. "
+            f"{self._config.round_timeout_s:g} s round deadline"
+            f"{'' if not self._relay else f' at node {self._config.node_rank}, a relay'}: "
+            f"{self._why_all_missing(missing, round_index)}. "
             "Every daemon stops this job; check why that daemon stalled (its log, producers and "
             "trainers) or raise the round timeout"
         )
@@ -446,23 +597,63 @@ class Hub:
         missing: list[int],
         error: type[OdbdError],
     ) -> None:
-        """Fails the job everywhere: every stream gets an Abort, every local wait the error."""
-        if self._failure is not None:
+        """Fails the job everywhere: every stream gets an Abort, every local wait the error.
+
+        A joined relay does not decide: it reports the failure to the hub, whose Abort (this
+        one, or the hub's own if it failed first) comes back down to every node, so every
+        daemon fails with the same message. If no verdict comes within a grace (the hub
+        hangs), the relay fails its subtree itself."""
+        if self._failure is not None or self._reported_up:
             return
         if kind in (peer_pb2.ABORT_KIND_ROUND_TIMEOUT, peer_pb2.ABORT_KIND_PEER_LOST):
             reason = self._blame_own_stall(round_index, reason, missing)
-        log.error("%s", reason)
-        self._failure = error(reason)
         refs = [common_pb2.NodeRef(node_rank=n, address=self._address(n)) for n in missing]
         abort = peer_pb2.Abort(kind=kind, round=round_index, reason=reason, missing=refs)  # type: ignore[arg-type]
-        data = peer_pb2.HubMessage(abort=abort).SerializeToString()
-        for spoke in self._spokes.values():
-            if spoke.state == "active":
-                spoke.outbox.put_nowait(data)
-                spoke.outbox.put_nowait(_End(grpc.StatusCode.ABORTED, reason))
-                spoke.state = "ending"
+        if self._report_up is not None and self._formed.done():
+            log.error("reporting to node %s: %s", self._config.parent, reason)
+            self._reported_up = True
+            self._report_up(peer_pb2.PeerMessage(abort=abort))
+            grace = grace_s(self._config.round_timeout_s)
+            self._verdict_timer = self._loop.call_later(
+                grace, self._fail_alone, error, reason, abort
+            )
+            return
+        log.error("%s", reason)
+        self._failure = error(reason)
+        self._end_children(peer_pb2.HubMessage(abort=abort).SerializeToString(), reason)
         self._fail_local(error, reason)
         self._on_serving(False)
+
+    def _report_missing(self, round_index: int) -> None:
+        """A relay, half a deadline into a round its subtree has not completed: why it has not
+        sent the round up, for the hub to quote should the round time out (a node stopped
+        without a word, say SIGSTOP, has sent no Waiting of its own)."""
+        if self._failure is not None or round_index not in self._timers:
+            return
+        missing = self._table.missing(round_index)
+        if not missing or self._config.node_rank in missing:
+            return  # complete, or the relay's own reason (its round loop's) stands
+        names = _names(self._name(n) for n in missing)
+        self.note_waiting(
+            self._config.node_rank, round_index, f"{names} below it did not contribute yet"
+        )
+
+    def _fail_alone(self, error: type[OdbdError], reason: str, abort: peer_pb2.Abort) -> None:
+        """A relay whose report got no verdict from above within the grace."""
+        grace = grace_s(self._config.round_timeout_s)
+        reason = (
+            f"{reason} (node {self._config.node_rank} reported this to node "
+            f"{self._config.parent} and got no verdict within {grace:g} s)"
+        )
+        abort.reason = reason
+        self.fail_from_parent(error(reason), abort)
+
+    def _end_children(self, abort_data: bytes, reason: str) -> None:
+        for spoke in self._spokes.values():
+            if spoke.state == "active":
+                spoke.outbox.put_nowait(abort_data)
+                spoke.outbox.put_nowait(_End(grpc.StatusCode.ABORTED, reason))
+                spoke.state = "ending"
 
     def _blame_own_stall(self, round_index: int, reason: str, missing: list[int]) -> str:
         """The hub's own freeze, not the peers, when this process did not run long enough that
@@ -476,8 +667,8 @@ class Hub:
             return reason
         peers = _names(self._name(n) for n in missing if n != 0)
         return (
-            f"round {self._config.round_name(round_index)} failed because this daemon (node 0, "
-            "the hub) itself did not "
+            f"round {self._config.round_name(round_index)} failed because this daemon "
+            f"({self._me()}) itself did not "
             f"run for {stall.duration_s:.1f} s, against a {timeout:g} s round deadline: the "
             "process was stopped or starved (SIGSTOP, a paused VM or container, swapping, CPU "
             f"starvation), so it could not hear the other daemons in time; {peers} is not to "
@@ -494,8 +685,9 @@ class Hub:
             if not waiter.done():
                 waiter.set_exception(error(reason))
         self._waiters.clear()
-        if not self._formed.done():
-            self._formed.set_exception(error(reason))
+        forming = self._children_joined if self._relay else self._formed  # what start() awaits
+        if not forming.done():
+            forming.set_exception(error(reason))
 
     def raise_failure(self) -> None:
         if self._failure is not None:
@@ -509,11 +701,19 @@ class Hub:
                 spoke.outbox.put_nowait(_End(grpc.StatusCode.OK))
                 spoke.state = "ending"
         if self._failure is None:
-            reason = "the round barrier of node 0 was closed; no more rounds can be exchanged"
+            reason = (
+                f"the round barrier of node {self._config.node_rank} was closed; no more rounds "
+                "can be exchanged"
+            )
             self._failure = PeerLostError(reason)
             self._fail_local(PeerLostError, reason)
-        if not self._formed.done():
-            self._formed.cancel()
+        for forming in (self._formed, self._children_joined):
+            if not forming.done():
+                forming.cancel()
+
+    def _me(self) -> str:
+        node = self._config.node_rank
+        return "node 0, the hub" if node == 0 else f"node {node}, a relay of the round tree"
 
     def _address(self, node: int) -> str:
         configured = self._config.peers[node] if node < len(self._config.peers) else ""
@@ -527,6 +727,13 @@ class Hub:
 
 
 _MAX_REASON_CHARS = 1024
+_MAX_ABORT_CHARS = 16 * 1024  # a relay's abort reason quotes a few nodes' waiting reasons
+_ABORT_ERRORS: dict[int, type[OdbdError]] = {
+    peer_pb2.ABORT_KIND_ROUND_TIMEOUT: RoundTimeoutError,
+    peer_pb2.ABORT_KIND_PEER_LOST: PeerLostError,
+    peer_pb2.ABORT_KIND_JOIN_TIMEOUT: HandshakeError,
+    peer_pb2.ABORT_KIND_REFUSED: HandshakeError,
+}
 
 
 def restart_hint(missing: list[int]) -> str:

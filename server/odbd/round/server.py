@@ -35,14 +35,16 @@ def join_handler(behavior: JoinBehavior) -> grpc.GenericRpcHandler:
     return grpc.method_handlers_generic_handler(PEER_SERVICE, {"Join": method})
 
 
-def not_the_hub_handler(node_rank: int) -> grpc.GenericRpcHandler:
-    """A Join that reaches a non-hub daemon means --peers is out of order on the caller."""
+def not_the_hub_handler(node_rank: int, fanout: int = 0) -> grpc.GenericRpcHandler:
+    """A Join that reaches a daemon without children (a leaf of the relay tree) means --peers
+    is out of order, or --round-fanout differs, on the caller."""
 
     async def refuse(_requests: object, context: grpc.aio.ServicerContext) -> None:
         await context.abort(
             grpc.StatusCode.FAILED_PRECONDITION,
-            f"this daemon is node {node_rank}, not the hub; --peers must list node 0's daemon "
-            "first, every node in node-rank order",
+            f"this daemon is node {node_rank}, not the hub, and relays for no node of the round "
+            f"tree (--round-fanout {fanout}); --peers must list node 0's daemon first, every "
+            "node in node-rank order, and --round-fanout must be the same on every daemon",
         )
 
     return join_handler(refuse)

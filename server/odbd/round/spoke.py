@@ -1,4 +1,8 @@
-"""A non-hub daemon's side of the barrier: one Join stream to the hub for the job's lifetime.
+"""A non-hub daemon's side of the barrier: one Join stream to its parent for the job's lifetime.
+
+The parent is the hub, or a relay of the tree (tree.py) that forwards this node's contributions
+and passes the hub's results and aborts down; "the hub" below means whichever it is. A relay's
+own Spoke hands every result and failure to its children too (`relay`, `on_failure`).
 
 A reader task turns the hub's messages into the outcome of each pending round: a RoundResult
 resolves that round, an Abort or a broken stream fails every pending and later round. A local
@@ -10,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Callable, Sequence
 
 import grpc
 
@@ -56,18 +61,29 @@ def error_of_abort(abort: peer_pb2.Abort) -> OdbdError:
 
 class Spoke:
     def __init__(
-        self, config: RoundConfig, listen_address: str, traffic: RoundTraffic | None = None
+        self,
+        config: RoundConfig,
+        listen_address: str,
+        traffic: RoundTraffic | None = None,
+        relay: Callable[[peer_pb2.HubMessage], None] | None = None,
+        on_failure: Callable[[OdbdError, peer_pb2.Abort | None], None] | None = None,
     ) -> None:
         self._config = config
         self.traffic = traffic if traffic is not None else RoundTraffic()
         self._listen_address = listen_address
-        self._hub = f"the hub node 0 ({config.hub_address})"
+        self._relay = relay
+        self._on_failure = on_failure
+        address = config.parent_address
+        if config.parent == 0:
+            self._hub = f"the hub node 0 ({address})"
+        else:
+            self._hub = f"node {config.parent} ({address}), its relay to the hub"
         options = CHANNEL_OPTIONS + _CONNECT_OPTIONS
         if config.tls is None:
-            self._channel = grpc.aio.insecure_channel(config.hub_address, options=options)
+            self._channel = grpc.aio.insecure_channel(address, options=options)
         else:
             credentials = config.tls.channel_credentials()
-            self._channel = grpc.aio.secure_channel(config.hub_address, credentials, options)
+            self._channel = grpc.aio.secure_channel(address, credentials, options)
         self._join = self._channel.stream_stream(
             JOIN_METHOD,
             request_serializer=peer_pb2.PeerMessage.SerializeToString,
@@ -172,7 +188,12 @@ class Spoke:
         if self._channel.get_state() is grpc.ChannelConnectivity.READY:
             return (
                 f"{self._hub} accepted the connection but did not welcome node "
-                f"{self._config.node_rank} within {timeout:g} s; see the hub's log"
+                f"{self._config.node_rank} within {timeout:g} s; see its log"
+                + (
+                    ""
+                    if self._config.parent == 0
+                    else " (a relay joins the hub once every node it relays for joined it)"
+                )
             )
         tls = (
             "; with --tls-*, also that both certificates come from the same --tls-ca and name "
@@ -181,8 +202,9 @@ class Spoke:
             else ""
         )
         return (
-            f"could not reach {self._hub} within the {timeout:g} s join deadline; start node 0's "
-            f"daemon, and check --peers (node 0 first) and that its --listen is reachable{tls}"
+            f"could not reach {self._hub} within the {timeout:g} s join deadline; start node "
+            f"{self._config.parent}'s daemon, and check --peers (node 0 first) and that its "
+            f"--listen is reachable{tls}"
         )
 
     async def _read(self) -> None:
@@ -191,17 +213,20 @@ class Spoke:
                 kind = msg.WhichOneof("kind")
                 if kind == "result":
                     self.traffic.received += msg.ByteSize()
+                    if self._relay is not None:
+                        self._relay(msg)
                     self._deliver(msg.result)
                 elif kind == "abort":
-                    self._fail(error_of_abort(msg.abort))
+                    self._fail(error_of_abort(msg.abort), msg.abort)
                     return
             self._fail(PeerLostError(f"{self._hub} ended the round stream (it shut down)"))
         except grpc.aio.AioRpcError as exc:
             self._fail(
                 PeerLostError(
-                    f"lost the stream to {self._hub} ({exc.code().name}: {exc.details()}); the "
-                    "hub daemon exited or the network failed, and the job cannot continue "
-                    "without it: restart the job on all nodes"
+                    f"lost the stream to {self._hub} ({exc.code().name}: {exc.details()}); "
+                    f"{'the hub' if self._config.parent == 0 else 'that'} daemon exited or the "
+                    "network failed, and the job cannot continue without it: restart the job on "
+                    "all nodes"
                 )
             )
 
@@ -213,10 +238,12 @@ class Spoke:
         elif not waiter.done():
             waiter.set_result(result)
 
-    def _fail(self, error: OdbdError) -> None:
+    def _fail(self, error: OdbdError, abort: peer_pb2.Abort | None = None) -> None:
         if self._failure is not None:
             return
         self._failure = error
+        if self._on_failure is not None:
+            self._on_failure(error, abort)
         for waiter in self._waiters.values():
             if not waiter.done():
                 waiter.set_exception(type(error)(str(error)))
@@ -226,7 +253,11 @@ class Spoke:
         if self._failure is not None:
             raise type(self._failure)(str(self._failure))
 
-    async def exchange(self, round_index: int, payload: bytes) -> CompletedRound:
+    async def exchange(
+        self, round_index: int, payload: bytes, subtree: Sequence[bytes] = ()
+    ) -> CompletedRound:
+        """This node's contribution, or a relay's: `subtree` holds one payload per node of its
+        subtree (tree.py) and `payload` is empty."""
         self.raise_failure()
         waiter: asyncio.Future[peer_pb2.RoundResult] = asyncio.get_running_loop().create_future()
         early = self._early.pop(round_index, None)
@@ -235,7 +266,10 @@ class Spoke:
         else:
             self._waiters[round_index] = waiter
         contribution = peer_pb2.Contribution(
-            round=round_index, node_rank=self._config.node_rank, payload=payload
+            round=round_index,
+            node_rank=self._config.node_rank,
+            payload=payload,
+            subtree_payloads=subtree,
         )
         async with self._write_lock:
             # A failed write means the stream is gone; the reader reports why, so wait for it.
@@ -271,10 +305,19 @@ class Spoke:
     async def report_waiting(self, round_index: int, reason: str) -> None:
         """Tells the hub why this node has not contributed `round_index` yet (best effort:
         a broken stream is reported by the reader, and the hub's deadline holds regardless)."""
-        waiting = peer_pb2.Waiting(round=round_index, reason=reason)
+        waiting = peer_pb2.Waiting(
+            round=round_index, reason=reason, node_rank=self._config.node_rank
+        )
+        await self.send_up(peer_pb2.PeerMessage(waiting=waiting))
+
+    async def send_up(self, message: peer_pb2.PeerMessage) -> None:
+        """A Waiting or a relay's Abort to the parent, best effort (within 1 s): the parent's
+        own deadlines hold regardless."""
+        if self._reader is None:
+            return  # not joined yet: the parent knows nothing of this node's subtree
         with contextlib.suppress(Exception):
             async with self._write_lock, asyncio.timeout(1.0):
-                await self._call.write(peer_pb2.PeerMessage(waiting=waiting))
+                await self._call.write(message)
 
     async def close(self) -> None:
         """Says Leave, then waits briefly for the hub to end the stream cleanly."""

@@ -7,6 +7,7 @@ once. Rounds complete in order, because a node that contributed k+1 has contribu
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 
@@ -17,20 +18,27 @@ class ProtocolViolation(Exception):
 @dataclass(frozen=True, slots=True)
 class CompletedRound:
     round_index: int
-    payloads: tuple[bytes, ...]  # node -> payload, in node-rank order
+    payloads: tuple[bytes, ...]  # member -> payload, in node-rank order (every node at the hub)
     last_node: int  # whose contribution completed the round (the barrier's straggler)
 
 
 class RoundTable:
-    def __init__(self, num_nodes: int, max_payload_bytes: int) -> None:
-        self._num_nodes = num_nodes
+    """Rounds of `members` (default: nodes 0..num_nodes-1); a relay's table holds its subtree
+    (tree.py), and its rounds complete with the members' payloads in node order."""
+
+    def __init__(
+        self, num_nodes: int, max_payload_bytes: int, members: Sequence[int] | None = None
+    ) -> None:
+        self._members = list(members) if members is not None else list(range(num_nodes))
+        self._slot = {node: i for i, node in enumerate(self._members)}
+        self._num_nodes = len(self._members)
         self._max_payload_bytes = max_payload_bytes
-        self._next = [0] * num_nodes  # node -> the only round it may contribute next
-        self._open: dict[int, list[bytes | None]] = {}  # round -> node -> payload
+        self._next = [0] * self._num_nodes  # slot -> the only round it may contribute next
+        self._open: dict[int, list[bytes | None]] = {}  # round -> slot -> payload
         self._arrived: dict[int, int] = {}  # round -> number of contributions so far
 
     def next_round(self, node: int) -> int:
-        return self._next[node]
+        return self._next[self._slot[node]]
 
     def open_rounds(self) -> list[int]:
         return sorted(self._open)
@@ -39,8 +47,8 @@ class RoundTable:
         """Nodes that have not contributed `round_index` (every node if it has not started)."""
         slots = self._open.get(round_index)
         if slots is None:
-            return [n for n in range(self._num_nodes) if self._next[n] <= round_index]
-        return [n for n, payload in enumerate(slots) if payload is None]
+            return [n for i, n in enumerate(self._members) if self._next[i] <= round_index]
+        return [self._members[i] for i, payload in enumerate(slots) if payload is None]
 
     def straggler(self, round_index: int) -> int | None:
         """The one node an open round still waits for, if it has contributed every earlier round.
@@ -51,16 +59,22 @@ class RoundTable:
         slots = self._open.get(round_index)
         if slots is None or self._arrived.get(round_index, 0) != self._num_nodes - 1:
             return None
-        node = slots.index(None)
-        return node if self._next[node] == round_index else None
+        slot = slots.index(None)
+        return self._members[slot] if self._next[slot] == round_index else None
 
     def partial(self, round_index: int) -> tuple[bytes, ...]:
         """node -> payload of an open round, b"" for the nodes that have not contributed."""
         return tuple(p if p is not None else b"" for p in self._open[round_index])
 
     def add(self, node: int, round_index: int, payload: bytes) -> CompletedRound | None:
-        """Records one contribution; returns the round once every node has contributed it."""
-        expected = self._next[node]
+        """Records one contribution; returns the round once every member has contributed it."""
+        slot = self._slot.get(node)
+        if slot is None:
+            raise ProtocolViolation(
+                f"node {node} contributed round {round_index} here, but is not one of the nodes "
+                "this daemon collects (its relay subtree)"
+            )
+        expected = self._next[slot]
         if round_index != expected:
             verb = "replayed" if round_index < expected else "skipped ahead to"
             raise ProtocolViolation(
@@ -73,8 +87,8 @@ class RoundTable:
                 f"{self._max_payload_bytes} bytes a node may send"
             )
         slots = self._open.setdefault(round_index, [None] * self._num_nodes)
-        slots[node] = payload
-        self._next[node] = round_index + 1
+        slots[slot] = payload
+        self._next[slot] = round_index + 1
         arrived = self._arrived.get(round_index, 0) + 1
         if arrived < self._num_nodes:
             self._arrived[round_index] = arrived

@@ -1,7 +1,9 @@
 """Bytes of round-protocol payloads this daemon sent and received, for /metrics.
 
 Counted where the messages are built or read (hub.py, spoke.py): the serialized Contribution a
-node sends and the RoundResult it gets back, per peer stream; handshakes, Waiting reports and
+node sends and the RoundResult it gets back, per peer stream (a relay of the tree counts both
+of its sides: its children's contributions and its own up, the results from its parent and
+those it passes down); handshakes, Waiting reports and
 aborts are not rounds and are not counted. The hub's own contribution never leaves its process,
 so it counts neither way. One plain object per barrier, read by the metrics collector at scrape
 time (an integer add on the event loop, no lock: the collector reads two ints).

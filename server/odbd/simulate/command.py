@@ -20,6 +20,7 @@ import numpy as np
 from odbd import flags
 from odbd.errors import ConfigError
 from odbd.planner.config import (
+    Align,
     Balance,
     Collate,
     CostModel,
@@ -144,6 +145,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="updates closed at >= T loss tokens over all ranks (reports tokens per update)",
     )
     world.add_argument(
+        "--align",
+        choices=[a.value for a in Align],
+        default="steps",
+        help="updates: also time the plan with ranks aligned at optimizer updates (issue 26)",
+    )
+    world.add_argument(
         "--collate",
         choices=[c.value for c in Collate],
         default="padded",
@@ -260,6 +267,7 @@ def build_setup(args: argparse.Namespace) -> Setup:
         fresh_groups=args.fresh_groups,
         accumulate=args.accumulate,
         tokens_per_update=args.tokens_per_update,
+        align=Align(args.align),
         collate=Collate(args.collate),
         max_patches=args.max_patches,
     )
@@ -365,6 +373,8 @@ def _write_outputs(setup: Setup, outcome: Outcome) -> None:
             report["repeated_groups"] = freshness.as_json()
         if setup.config.windows:
             report["updates"] = summarize_updates(outcome.result).as_json()
+        if outcome.align is not None:
+            report["align"] = outcome.align.as_json()
         if outcome.planning is not None:
             report["planning"] = outcome.planning.as_json()
         if outcome.migration is not None:
@@ -377,6 +387,10 @@ def _write_outputs(setup: Setup, outcome: Outcome) -> None:
         print(render_freshness(freshness))
     if setup.config.windows:
         print(render_updates(summarize_updates(outcome.result)))
+    if outcome.align is not None:
+        from odbd.simulate.update_align import render_align  # the planner is loaded by now
+
+        print(render_align(outcome.align))
     if outcome.planning is not None:
         from odbd.simulate.planning_time import render_planning  # the planner is loaded by now
 

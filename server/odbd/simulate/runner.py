@@ -11,7 +11,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from odbd.errors import ConfigError
-from odbd.planner.config import Balance, Grouping, PlannerConfig
+from odbd.planner.config import Align, Balance, Grouping, PlannerConfig
 from odbd.planner.epoch import SimulationResult, simulate
 from odbd.planner.round import RoundTrace
 from odbd.simulate.baselines import fixed_batch_stats
@@ -19,6 +19,7 @@ from odbd.simulate.migration import MigrationReport, summarize_migration
 from odbd.simulate.oracle import node_oracle_stats, oracle_stats
 from odbd.simulate.planning_time import PlanningReport, planning_report
 from odbd.simulate.report import Summary, summarize
+from odbd.simulate.update_align import AlignComparison, compare_align
 
 if TYPE_CHECKING:
     from odbd.simulate.command import Setup
@@ -33,6 +34,7 @@ class Outcome:
     baselines: tuple[tuple[str, Summary], ...]  # (name, summary) in table order
     planning: PlanningReport | None = None  # with --planning-time
     migration: MigrationReport | None = None  # with --migrate auto
+    align: AlignComparison | None = None  # with --align updates: the plan timed both ways
 
     @property
     def num_rejected(self) -> int:
@@ -45,22 +47,32 @@ class Outcome:
 def execute(setup: Setup) -> Outcome:
     """Runs the planner, then (with --compare) fixed-batch, paper and oracle baselines."""
     trace = RoundTrace() if setup.planning_time else None
+    # The table keeps the step grid: with --align updates it shows the --align steps plan,
+    # and the updates plan is timed beside it (update_align.compare_align).
+    config = replace(setup.config, align=Align.STEPS)
     result = simulate(
         setup.lengths,
-        setup.config,
+        config,
         epochs=setup.epochs,
         join=setup.join,
         patches=setup.patches,
         trace=trace,
         migration=setup.migration,
     )
-    ours = summarize_config(result, setup.config)
+    ours = summarize_config(result, config)
+    align = None
+    if setup.config.align is Align.UPDATES:
+        aligned = simulate(
+            setup.lengths, setup.config, epochs=setup.epochs, join=setup.join,
+            patches=setup.patches, migration=setup.migration,
+        )  # fmt: skip
+        align = compare_align(result, aligned, config.cost, ours.ideal_time)
     planning = planning_report(trace, setup.config) if trace is not None else None
     baselines: list[tuple[str, Summary]] = []
     for batch_size in setup.compare_batch_sizes:
         baselines.append((f"fixed-{batch_size}", fixed_batch_summary(setup, batch_size)))
     if setup.compare_batch_sizes:
-        paper = paper_config(setup.config)
+        paper = paper_config(config)
         paper_result = simulate(setup.lengths, paper, epochs=setup.epochs, join=setup.join)
         baselines.append(("paper", summarize_config(paper_result, paper)))
         baselines.append(("oracle", oracle_summary(setup)))
@@ -71,7 +83,7 @@ def execute(setup: Setup) -> Outcome:
     migration = None
     if setup.migration is not None:
         migration = summarize_migration(result, setup.config.cost, setup.migration)
-    return Outcome(result, ours, tuple(baselines), planning, migration)
+    return Outcome(result, ours, tuple(baselines), planning, migration=migration, align=align)
 
 
 def paper_config(config: PlannerConfig) -> PlannerConfig:

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from odbclient.wire.odbd.v1 import common_pb2 as odbd_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x12odbd/v1/peer.proto\x12\x07odbd.v1\x1a\x14odbd/v1/common.proto\"\xe6\x01\n\x05Hello\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x0e\n\x06job_id\x18\x02 \x01(\t\x12\x11\n\tnode_rank\x18\x03 \x01(\r\x12\x34\n\x0b\x66ingerprint\x18\x04 \x03(\x0b\x32\x1f.odbd.v1.Hello.FingerprintEntry\x12\x16\n\x0elisten_address\x18\x06 \x01(\t\x12\r\n\x05nonce\x18\x07 \x01(\x0c\x1a\x32\n\x10\x46ingerprintEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01J\x04\x08\x05\x10\x06R\tjob_token\"-\n\tChallenge\x12\r\n\x05nonce\x18\x01 \x01(\x0c\x12\x11\n\thub_proof\x18\x02 \x01(\x0c\"\x1c\n\x05Proof\x12\x13\n\x0bspoke_proof\x18\x01 \x01(\x0c\"6\n\x07Welcome\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x11\n\tnum_nodes\x18\x02 \x01(\r\"A\n\x0c\x43ontribution\x12\r\n\x05round\x18\x01 \x01(\x04\x12\x11\n\tnode_rank\x18\x02 \x01(\r\x12\x0f\n\x07payload\x18\x03 \x01(\x0c\"i\n\x0bRoundResult\x12\r\n\x05round\x18\x01 \x01(\x04\x12\x10\n\x08payloads\x18\x02 \x03(\x0c\x12\x16\n\x0elast_node_rank\x18\x03 \x01(\r\x12!\n\x19recipient_payload_omitted\x18\x04 \x01(\x08\"k\n\x05\x41\x62ort\x12 \n\x04kind\x18\x01 \x01(\x0e\x32\x12.odbd.v1.AbortKind\x12\r\n\x05round\x18\x02 \x01(\x04\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12!\n\x07missing\x18\x04 \x03(\x0b\x32\x10.odbd.v1.NodeRef\"\x17\n\x05Leave\x12\x0e\n\x06reason\x18\x01 \x01(\t\"(\n\x07Waiting\x12\r\n\x05round\x18\x01 \x01(\x04\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\xcc\x01\n\x0bPeerMessage\x12\x1f\n\x05hello\x18\x01 \x01(\x0b\x32\x0e.odbd.v1.HelloH\x00\x12-\n\x0c\x63ontribution\x18\x02 \x01(\x0b\x32\x15.odbd.v1.ContributionH\x00\x12\x1f\n\x05leave\x18\x03 \x01(\x0b\x32\x0e.odbd.v1.LeaveH\x00\x12#\n\x07waiting\x18\x04 \x01(\x0b\x32\x10.odbd.v1.WaitingH\x00\x12\x1f\n\x05proof\x18\x05 \x01(\x0b\x32\x0e.odbd.v1.ProofH\x00\x42\x06\n\x04kind\"\xab\x01\n\nHubMessage\x12#\n\x07welcome\x18\x01 \x01(\x0b\x32\x10.odbd.v1.WelcomeH\x00\x12&\n\x06result\x18\x02 \x01(\x0b\x32\x14.odbd.v1.RoundResultH\x00\x12\x1f\n\x05\x61\x62ort\x18\x03 \x01(\x0b\x32\x0e.odbd.v1.AbortH\x00\x12\'\n\tchallenge\x18\x04 \x01(\x0b\x32\x12.odbd.v1.ChallengeH\x00\x42\x06\n\x04kind*\x94\x01\n\tAbortKind\x12\x1a\n\x16\x41\x42ORT_KIND_UNSPECIFIED\x10\x00\x12\x1c\n\x18\x41\x42ORT_KIND_ROUND_TIMEOUT\x10\x01\x12\x18\n\x14\x41\x42ORT_KIND_PEER_LOST\x10\x02\x12\x1b\n\x17\x41\x42ORT_KIND_JOIN_TIMEOUT\x10\x03\x12\x16\n\x12\x41\x42ORT_KIND_REFUSED\x10\x04\x32=\n\x04Peer\x12\x35\n\x04Join\x12\x14.odbd.v1.PeerMessage\x1a\x13.odbd.v1.HubMessage(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x12odbd/v1/peer.proto\x12\x07odbd.v1\x1a\x14odbd/v1/common.proto\"\xe6\x01\n\x05Hello\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x0e\n\x06job_id\x18\x02 \x01(\t\x12\x11\n\tnode_rank\x18\x03 \x01(\r\x12\x34\n\x0b\x66ingerprint\x18\x04 \x03(\x0b\x32\x1f.odbd.v1.Hello.FingerprintEntry\x12\x16\n\x0elisten_address\x18\x06 \x01(\t\x12\r\n\x05nonce\x18\x07 \x01(\x0c\x1a\x32\n\x10\x46ingerprintEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01J\x04\x08\x05\x10\x06R\tjob_token\"-\n\tChallenge\x12\r\n\x05nonce\x18\x01 \x01(\x0c\x12\x11\n\thub_proof\x18\x02 \x01(\x0c\"\x1c\n\x05Proof\x12\x13\n\x0bspoke_proof\x18\x01 \x01(\x0c\"6\n\x07Welcome\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x11\n\tnum_nodes\x18\x02 \x01(\r\"[\n\x0c\x43ontribution\x12\r\n\x05round\x18\x01 \x01(\x04\x12\x11\n\tnode_rank\x18\x02 \x01(\r\x12\x0f\n\x07payload\x18\x03 \x01(\x0c\x12\x18\n\x10subtree_payloads\x18\x04 \x03(\x0c\"i\n\x0bRoundResult\x12\r\n\x05round\x18\x01 \x01(\x04\x12\x10\n\x08payloads\x18\x02 \x03(\x0c\x12\x16\n\x0elast_node_rank\x18\x03 \x01(\r\x12!\n\x19recipient_payload_omitted\x18\x04 \x01(\x08\"k\n\x05\x41\x62ort\x12 \n\x04kind\x18\x01 \x01(\x0e\x32\x12.odbd.v1.AbortKind\x12\r\n\x05round\x18\x02 \x01(\x04\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12!\n\x07missing\x18\x04 \x03(\x0b\x32\x10.odbd.v1.NodeRef\"\x17\n\x05Leave\x12\x0e\n\x06reason\x18\x01 \x01(\t\";\n\x07Waiting\x12\r\n\x05round\x18\x01 \x01(\x04\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x11\n\tnode_rank\x18\x03 \x01(\r\"\xed\x01\n\x0bPeerMessage\x12\x1f\n\x05hello\x18\x01 \x01(\x0b\x32\x0e.odbd.v1.HelloH\x00\x12-\n\x0c\x63ontribution\x18\x02 \x01(\x0b\x32\x15.odbd.v1.ContributionH\x00\x12\x1f\n\x05leave\x18\x03 \x01(\x0b\x32\x0e.odbd.v1.LeaveH\x00\x12#\n\x07waiting\x18\x04 \x01(\x0b\x32\x10.odbd.v1.WaitingH\x00\x12\x1f\n\x05proof\x18\x05 \x01(\x0b\x32\x0e.odbd.v1.ProofH\x00\x12\x1f\n\x05\x61\x62ort\x18\x06 \x01(\x0b\x32\x0e.odbd.v1.AbortH\x00\x42\x06\n\x04kind\"\xab\x01\n\nHubMessage\x12#\n\x07welcome\x18\x01 \x01(\x0b\x32\x10.odbd.v1.WelcomeH\x00\x12&\n\x06result\x18\x02 \x01(\x0b\x32\x14.odbd.v1.RoundResultH\x00\x12\x1f\n\x05\x61\x62ort\x18\x03 \x01(\x0b\x32\x0e.odbd.v1.AbortH\x00\x12\'\n\tchallenge\x18\x04 \x01(\x0b\x32\x12.odbd.v1.ChallengeH\x00\x42\x06\n\x04kind*\x94\x01\n\tAbortKind\x12\x1a\n\x16\x41\x42ORT_KIND_UNSPECIFIED\x10\x00\x12\x1c\n\x18\x41\x42ORT_KIND_ROUND_TIMEOUT\x10\x01\x12\x18\n\x14\x41\x42ORT_KIND_PEER_LOST\x10\x02\x12\x1b\n\x17\x41\x42ORT_KIND_JOIN_TIMEOUT\x10\x03\x12\x16\n\x12\x41\x42ORT_KIND_REFUSED\x10\x04\x32=\n\x04Peer\x12\x35\n\x04Join\x12\x14.odbd.v1.PeerMessage\x1a\x13.odbd.v1.HubMessage(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,8 +34,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_HELLO_FINGERPRINTENTRY']._loaded_options = None
   _globals['_HELLO_FINGERPRINTENTRY']._serialized_options = b'8\001'
-  _globals['_ABORTKIND']._serialized_start=1151
-  _globals['_ABORTKIND']._serialized_end=1299
+  _globals['_ABORTKIND']._serialized_start=1229
+  _globals['_ABORTKIND']._serialized_end=1377
   _globals['_HELLO']._serialized_start=54
   _globals['_HELLO']._serialized_end=284
   _globals['_HELLO_FINGERPRINTENTRY']._serialized_start=217
@@ -47,19 +47,19 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_WELCOME']._serialized_start=363
   _globals['_WELCOME']._serialized_end=417
   _globals['_CONTRIBUTION']._serialized_start=419
-  _globals['_CONTRIBUTION']._serialized_end=484
-  _globals['_ROUNDRESULT']._serialized_start=486
-  _globals['_ROUNDRESULT']._serialized_end=591
-  _globals['_ABORT']._serialized_start=593
-  _globals['_ABORT']._serialized_end=700
-  _globals['_LEAVE']._serialized_start=702
-  _globals['_LEAVE']._serialized_end=725
-  _globals['_WAITING']._serialized_start=727
-  _globals['_WAITING']._serialized_end=767
-  _globals['_PEERMESSAGE']._serialized_start=770
-  _globals['_PEERMESSAGE']._serialized_end=974
-  _globals['_HUBMESSAGE']._serialized_start=977
-  _globals['_HUBMESSAGE']._serialized_end=1148
-  _globals['_PEER']._serialized_start=1301
-  _globals['_PEER']._serialized_end=1362
+  _globals['_CONTRIBUTION']._serialized_end=510
+  _globals['_ROUNDRESULT']._serialized_start=512
+  _globals['_ROUNDRESULT']._serialized_end=617
+  _globals['_ABORT']._serialized_start=619
+  _globals['_ABORT']._serialized_end=726
+  _globals['_LEAVE']._serialized_start=728
+  _globals['_LEAVE']._serialized_end=751
+  _globals['_WAITING']._serialized_start=753
+  _globals['_WAITING']._serialized_end=812
+  _globals['_PEERMESSAGE']._serialized_start=815
+  _globals['_PEERMESSAGE']._serialized_end=1052
+  _globals['_HUBMESSAGE']._serialized_start=1055
+  _globals['_HUBMESSAGE']._serialized_end=1226
+  _globals['_PEER']._serialized_start=1379
+  _globals['_PEER']._serialized_end=1440
 # @@protoc_insertion_point(module_scope)

@@ -67,14 +67,16 @@ class Welcome(_message.Message):
     def __init__(self, protocol_version: _Optional[int] = ..., num_nodes: _Optional[int] = ...) -> None: ...
 
 class Contribution(_message.Message):
-    __slots__ = ("round", "node_rank", "payload")
+    __slots__ = ("round", "node_rank", "payload", "subtree_payloads")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     NODE_RANK_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    SUBTREE_PAYLOADS_FIELD_NUMBER: _ClassVar[int]
     round: int
     node_rank: int
     payload: bytes
-    def __init__(self, round: _Optional[int] = ..., node_rank: _Optional[int] = ..., payload: _Optional[bytes] = ...) -> None: ...
+    subtree_payloads: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, round: _Optional[int] = ..., node_rank: _Optional[int] = ..., payload: _Optional[bytes] = ..., subtree_payloads: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class RoundResult(_message.Message):
     __slots__ = ("round", "payloads", "last_node_rank", "recipient_payload_omitted")
@@ -107,26 +109,30 @@ class Leave(_message.Message):
     def __init__(self, reason: _Optional[str] = ...) -> None: ...
 
 class Waiting(_message.Message):
-    __slots__ = ("round", "reason")
+    __slots__ = ("round", "reason", "node_rank")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    NODE_RANK_FIELD_NUMBER: _ClassVar[int]
     round: int
     reason: str
-    def __init__(self, round: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
+    node_rank: int
+    def __init__(self, round: _Optional[int] = ..., reason: _Optional[str] = ..., node_rank: _Optional[int] = ...) -> None: ...
 
 class PeerMessage(_message.Message):
-    __slots__ = ("hello", "contribution", "leave", "waiting", "proof")
+    __slots__ = ("hello", "contribution", "leave", "waiting", "proof", "abort")
     HELLO_FIELD_NUMBER: _ClassVar[int]
     CONTRIBUTION_FIELD_NUMBER: _ClassVar[int]
     LEAVE_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
     PROOF_FIELD_NUMBER: _ClassVar[int]
+    ABORT_FIELD_NUMBER: _ClassVar[int]
     hello: Hello
     contribution: Contribution
     leave: Leave
     waiting: Waiting
     proof: Proof
-    def __init__(self, hello: _Optional[_Union[Hello, _Mapping]] = ..., contribution: _Optional[_Union[Contribution, _Mapping]] = ..., leave: _Optional[_Union[Leave, _Mapping]] = ..., waiting: _Optional[_Union[Waiting, _Mapping]] = ..., proof: _Optional[_Union[Proof, _Mapping]] = ...) -> None: ...
+    abort: Abort
+    def __init__(self, hello: _Optional[_Union[Hello, _Mapping]] = ..., contribution: _Optional[_Union[Contribution, _Mapping]] = ..., leave: _Optional[_Union[Leave, _Mapping]] = ..., waiting: _Optional[_Union[Waiting, _Mapping]] = ..., proof: _Optional[_Union[Proof, _Mapping]] = ..., abort: _Optional[_Union[Abort, _Mapping]] = ...) -> None: ...
 
 class HubMessage(_message.Message):
     __slots__ = ("welcome", "result", "abort", "challenge")

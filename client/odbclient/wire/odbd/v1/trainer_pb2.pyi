@@ -143,7 +143,7 @@ class StepBatch(_message.Message):
     def __init__(self, epoch: _Optional[int] = ..., step: _Optional[int] = ..., is_idle: _Optional[bool] = ..., loss_scale: _Optional[float] = ..., num_samples: _Optional[int] = ..., num_tokens: _Optional[int] = ..., global_num_samples: _Optional[int] = ..., global_num_tokens: _Optional[int] = ..., sample_ids: _Optional[bytes] = ..., segments: _Optional[bytes] = ..., offsets: _Optional[bytes] = ..., nbytes: _Optional[bytes] = ..., filler_schema: _Optional[str] = ..., progress: _Optional[_Union[Progress, _Mapping]] = ..., update: _Optional[_Union[Update, _Mapping]] = ...) -> None: ...
 
 class Update(_message.Message):
-    __slots__ = ("index", "end", "num_steps", "step_in_update", "num_tokens", "num_samples", "short")
+    __slots__ = ("index", "end", "num_steps", "step_in_update", "num_tokens", "num_samples", "short", "per_rank", "skip", "skipped_after")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     END_FIELD_NUMBER: _ClassVar[int]
     NUM_STEPS_FIELD_NUMBER: _ClassVar[int]
@@ -151,6 +151,9 @@ class Update(_message.Message):
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_SAMPLES_FIELD_NUMBER: _ClassVar[int]
     SHORT_FIELD_NUMBER: _ClassVar[int]
+    PER_RANK_FIELD_NUMBER: _ClassVar[int]
+    SKIP_FIELD_NUMBER: _ClassVar[int]
+    SKIPPED_AFTER_FIELD_NUMBER: _ClassVar[int]
     index: int
     end: bool
     num_steps: int
@@ -158,7 +161,10 @@ class Update(_message.Message):
     num_tokens: int
     num_samples: int
     short: bool
-    def __init__(self, index: _Optional[int] = ..., end: _Optional[bool] = ..., num_steps: _Optional[int] = ..., step_in_update: _Optional[int] = ..., num_tokens: _Optional[int] = ..., num_samples: _Optional[int] = ..., short: _Optional[bool] = ...) -> None: ...
+    per_rank: bool
+    skip: bool
+    skipped_after: int
+    def __init__(self, index: _Optional[int] = ..., end: _Optional[bool] = ..., num_steps: _Optional[int] = ..., step_in_update: _Optional[int] = ..., num_tokens: _Optional[int] = ..., num_samples: _Optional[int] = ..., short: _Optional[bool] = ..., per_rank: _Optional[bool] = ..., skip: _Optional[bool] = ..., skipped_after: _Optional[int] = ...) -> None: ...
 
 class Progress(_message.Message):
     __slots__ = ("epoch_steps_estimate", "epoch_steps_exact", "epoch_sample_fraction", "epoch_token_fraction", "epoch_tokens", "job_fraction", "job_steps_estimate")
