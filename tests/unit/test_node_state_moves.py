@@ -163,3 +163,31 @@ def test_every_view_is_emitted_exactly_once_over_the_nodes_whatever_moves(
     )
     assert all(c == 1 for c in emitted.values()), emitted
     assert sorted(emitted) == list(range(size))
+
+
+def test_a_restart_holds_moved_views_until_it_knows_who_trained_them() -> None:
+    """--state-dir with moves: node 0's journal shows it trained views 0, 1 and moved 4, 5, 8,
+    9 out (plus 12, which it then trained itself); node 1 trained 4 and 5 and a view of its
+    own. After restore, 8 and 9 wait (neither leased nor letting the unit go dry), the rest is
+    leased again; round 0's exchange says node 1 trained 4 and 5: those become MOVED (final),
+    8 and 9 are leased again, so every view is trained once over both nodes."""
+    home = node(0)
+    assert home.is_home(np.arange(8)).tolist() == [True, True, False, False] * 2
+    trained = np.array([0, 1, 12, 6])  # 6: node 1's view that node 0's ranks trained
+    moved = np.array([4, 5, 8, 9, 12])
+    home.restore(trained, np.zeros(0, dtype=np.int64), 0, moved)
+    assert home.num_held() == 4
+    leased = home.lease(producer=0, count=1000, deadline=10.0)
+    own = [k for k in range(DATASET) if k % 4 < 2]
+    assert sorted(leased.tolist()) == sorted(set(own) - {0, 1, 12, 4, 5, 8, 9})
+    n = len(leased)
+    ones = np.ones(n, dtype=np.int64)
+    home.commit(0, leased, Locations.in_lane(0, 64 * np.arange(n), np.full(n, 8)), ones, ones, ones)
+    home.close_schema_vote()  # fewer samples than a vote waits for
+    [unit] = home._units
+    assert home.dry(unit, held=False) and not home.dry(unit)  # held: the epoch is not over
+    assert home.units_ready()  # yet they do not hold round 0 up: its exchange releases them
+    final, again = home.release_held(np.array([4, 5, 7]))  # 7: node 1's own, not held here
+    assert (final, again) == (2, 2) and home.num_held() == 0
+    assert states(home, np.array([4, 5])) == [ViewState.MOVED] * 2
+    assert sorted(home.lease(producer=0, count=1000, deadline=10.0).tolist()) == [8, 9]

@@ -29,6 +29,7 @@ from functools import partial
 from typing import Any
 
 import grpc
+import numpy as np
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry
 
@@ -647,9 +648,25 @@ class Daemon:
             host=host or "127.0.0.1",
             free=lambda locations: self._free(lanes, locations),
             read=self._read_sample,
+            journal=self.journal.append_moved if self.journal is not None else None,
+            released=self._release_held,
         )
         await self.migration.start()
         loop.migration = self.migration
+
+    def _release_held(self, trained_elsewhere: np.ndarray) -> None:
+        """Round 0's moves exchange named every view the other nodes trained before the
+        resume point: the views this node held back since its restart are settled."""
+        held = self.state.num_held()
+        final, again = self.state.release_held(trained_elsewhere)
+        if held:
+            log.info(
+                "restart with moves: of %d views this node had moved out and not trained, "
+                "%d were trained by other nodes (final) and %d are produced again",
+                held, final, again,
+            )  # fmt: skip
+        if again and self.ingest is not None:
+            self.ingest.pump_leases()
 
     def _read_sample(self, segment: int, offset: int, nbytes: int) -> memoryview:
         assert self.arena is not None

@@ -245,6 +245,7 @@ class RoundLoop:
         )
         # --migrate auto (migration_live.py), set by the daemon once its bulk port listens
         self.migration: LiveMigration | None = None
+        self.foreign_trained = np.zeros(0, dtype=np.int64)  # restore(): see there
         # (samples, loss tokens) every unit's buffer held this round (RoundExtras)
         self.offered = (0, 0)
         self._first_rank = config.local_ranks[0]  # a NodeRoundPlan's columns start here
@@ -279,8 +280,9 @@ class RoundLoop:
             seed_round = self.round_seed_base + self.round_index
             offers = self.state.offers()
             if self.migration is not None:
+                restart = self.foreign_trained if self.round_index == 0 else None
                 offers = await self.migration.round(
-                    self.split, self.round_index, seed_round, offers, planner
+                    self.split, self.round_index, seed_round, offers, planner, restart
                 )
             grouped, decided = await self.split.decide(
                 self.round_index, seed_round, side, tuple(offers), planner, self.cost.absorb,
@@ -640,11 +642,16 @@ class RoundLoop:
         local = set(self.queues)
         trained = [k for s in resume.trained_steps for r, keys in enumerate(s.keys_by_rank)
                    if r in local for k in keys.tolist()]  # fmt: skip
+        trained_keys = np.asarray(trained, dtype=np.int64)
         self.state.restore(
-            np.asarray(trained, dtype=np.int64),
+            trained_keys,
             np.asarray(resume.rejected_keys, dtype=np.int64),
             resume.epoch,
+            np.asarray(resume.moved_keys, dtype=np.int64),
         )
+        # --migrate auto: views of other nodes this node's ranks trained before the resume
+        # point, for round 0's moves exchange (their home nodes hold them back till then)
+        self.foreign_trained = np.unique(trained_keys[~self.state.is_home(trained_keys)])
         for s in resume.trained_steps:
             self.steps_in_epoch[s.epoch] = max(self.steps_in_epoch[s.epoch], s.step + 1)
             self.quota_consumed += s.global_samples
