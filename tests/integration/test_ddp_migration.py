@@ -142,6 +142,26 @@ def test_a_node_killed_while_samples_move_fails_the_job_naming_it() -> None:
         _cleanup_dead_node(fc, 1)
 
 
+def test_a_node_killed_at_start_up_fails_the_job_naming_it() -> None:
+    """The start-up neighbour of the kill above: node 1 dies once the job formed, before any
+    trainer attached (its bulk port open, round 0 at most begun): the survivor exits 1 at
+    once naming node 1, as with --migrate off, and leaves no shared memory."""
+    from tests.integration.faults_cluster import FaultCluster, synthetic
+    from tests.integration.test_faults_peer import ROUND_TIMEOUT_S, _cleanup_dead_node
+
+    args = [*synthetic(200, workers=1), "--buffer", "8", "--token-budget", "1024"]
+    args += ["--round-timeout", str(ROUND_TIMEOUT_S), "--migrate", "auto"]
+    with FaultCluster(nodes=2, ranks_per_node=2, daemon_args=args) as fc:
+        fc.daemons[1].kill()
+        killed = time.monotonic()
+        fc.wait_done(ROUND_TIMEOUT_S + 20)
+        exited_s = time.monotonic() - killed
+        assert fc.daemons[0].returncode == 1, fc.describe()
+        assert re.search(r"lost node 1\b", fc.log(0)), fc.log(0)
+        print(f"\nthe survivor exited 1 {exited_s:.1f} s after node 1 was killed at start-up")
+        _cleanup_dead_node(fc, 1)
+
+
 @pytest.mark.soak  # two runs of a 2 x 2 gloo job, ~40-60 s on 2 busy cores: `make soak`
 def test_a_node_killed_with_samples_in_flight_resumes_from_state_dir_exactly(
     tmp_path: Path,
