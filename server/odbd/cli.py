@@ -138,6 +138,8 @@ def config_from_args(
         grouping=Grouping(args.grouping),
         cost_model=CostModelMode(args.cost_model),
         balance=Balance(args.balance),
+        migrate=args.migrate == "auto",
+        link_gbps=args.link_gbps,
         length_key=args.length_key,
         labels_key=args.labels_key,
         pads=tuple(pads.items()),

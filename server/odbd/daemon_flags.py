@@ -16,6 +16,7 @@ from odbd import flags
 from odbd.config import DEFAULT_ROUND_FANOUT, default_socket
 from odbd.planner.config import Align, Attention, Balance, Collate, Grouping, LossScaling
 from odbd.planner.cost_fit import CostModelMode
+from odbd.planner.migration import DEFAULT_LINK_BYTES_PER_S
 
 SUBCOMMANDS = {
     "simulate": "run the planner offline over a length distribution and compare baselines",
@@ -84,6 +85,22 @@ PLANNER_FLAGS: dict[str, dict[str, Any]] = {
         default="node",
         metavar=choices(Balance),
         help="pool a node's buffers or keep per-rank buffers",
+    ),
+    "--migrate": dict(
+        type=flags.choice_of(["auto", "off"]),
+        default="off",
+        metavar="{auto,off}",
+        help="auto: move samples between nodes when the link model says it lowers the round's "
+        "time (issue 26; docs/bench/migration.md; a --state-dir restart stays exact); off "
+        "(default until make test and make soak pass with auto as the default): every sample "
+        "trains on the node whose producers made it",
+    ),
+    "--link-gbps": dict(
+        type=flags.number,
+        default=DEFAULT_LINK_BYTES_PER_S * 8 / 1e9,
+        metavar="GBPS",
+        help="--migrate auto: each node's bulk bandwidth per direction, Gb/s (default 8: one "
+        "loopback gRPC stream measured 9.0 Gb/s on the reference machine)",
     ),
     "--accumulate": dict(
         type=count(1),
@@ -226,6 +243,8 @@ def add_batching_flags(group: argparse._ArgumentGroup) -> None:
         "fewer lets a short job plan with its own costs sooner, on a noisier fit",
     )
     add_planner_flag(group, "--balance")
+    add_planner_flag(group, "--migrate")
+    add_planner_flag(group, "--link-gbps")
     group.add_argument(
         "--length-key",
         type=flags.nonempty,

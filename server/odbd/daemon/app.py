@@ -29,6 +29,7 @@ from functools import partial
 from typing import Any
 
 import grpc
+import numpy as np
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry
 
@@ -43,7 +44,6 @@ from odbclient.wire.odbd.v1 import (
     trainer_pb2_grpc,
 )
 from odbd.config import DaemonConfig
-from odbd.daemon import split_updates
 from odbd.daemon.job_clash import find_clash
 from odbd.daemon.job_end import (
     Outcome,
@@ -54,10 +54,12 @@ from odbd.daemon.job_end import (
     presences,
 )
 from odbd.daemon.journal import Journal, check_header, replay
+from odbd.daemon.migration_live import LiveMigration
 from odbd.daemon.node_state import NodeState, Rejected
 from odbd.daemon.remake import Rewinder
 from odbd.daemon.round_loop import RoundLoop
 from odbd.daemon.socket_claim import claim_socket_path
+from odbd.daemon.split_exchange import exchanges_per_round
 from odbd.daemon.split_round import check_summary_fits
 from odbd.errors import ConfigError, OdbdError
 from odbd.grpc_guard import DecodeGuard
@@ -71,6 +73,7 @@ from odbd.metrics.collector import DaemonCollector
 from odbd.metrics.http_server import start_metrics_server
 from odbd.metrics.stats import DaemonStats
 from odbd.planner.config import Collate
+from odbd.planner.migration import LinkModel
 from odbd.round import RoundBarrier, RoundConfig
 from odbd.round.errors import HandshakeError
 from odbd.round.traffic import round_work_line
@@ -124,6 +127,7 @@ class Daemon:
         self.step_server: StepServer | None = None  # the trainers' step socket (protocol 6)
         self.ingest_server: IngestServer | None = None  # the producers' socket (protocol 7)
         self.barrier: RoundBarrier | None = None
+        self.migration: LiveMigration | None = None  # --migrate auto
         self.supervisor: ProducerSupervisor | None = None
         self.health = health.aio.HealthServicer()
         self.loop: RoundLoop | None = None
@@ -240,6 +244,8 @@ class Daemon:
             slow_sample=lambda: self.ingest.slowest_sample() if self.ingest else None,
             free=lambda locations: self._free(lanes, locations),
         )
+        if config.migrate:
+            await self._start_migration(lanes)
         self._serve_metrics(lanes)
         if config.dataset is not None and config.workers > 0:
             self.supervisor = ProducerSupervisor(
@@ -335,8 +341,9 @@ class Daemon:
             round_timeout_s=config.round_timeout_s,
             fanout=config.round_fanout,
             from_journal=self.journal_records is not None,
-            # split_exchange.py: summaries, then step totals (and the deals, --align updates)
-            exchanges_per_round=split_updates.exchanges_per_round(self.state.planner),
+            # split_exchange.py: (the moves, --migrate auto) summaries, step totals (and the
+            # deals, --align updates)
+            exchanges_per_round=exchanges_per_round(self.state.planner),
         )
 
     async def _serve_socket(self, trainer: TrainerService) -> None:
@@ -508,6 +515,11 @@ class Daemon:
             waiting_for=loop.waiting_for if loop else "",
             ending=loop.ending_status(time.monotonic()) if loop else "",
             cost_model=self._cost_model_status(),
+            migrate=self.config.migrate,
+            migrated_out_samples=self.stats.migrated_out_samples,
+            migrated_out_bytes=self.stats.migrated_out_bytes,
+            migrated_in_samples=self.stats.migrated_in_samples,
+            migrated_in_bytes=self.stats.migrated_in_bytes,
             **progress_fields(self.stats, time.monotonic()),
         )
 
@@ -617,6 +629,44 @@ class Daemon:
             self.ingest.pump_leases()
         if locations and self.loop is not None:
             self.loop.trainer_progress()
+
+    async def _start_migration(self, lanes: Lanes) -> None:
+        """--migrate auto: the bulk port beside the peer listener (migration_live.py)."""
+        config, loop = self.config, self.loop
+        assert self.arena is not None and self.barrier is not None and loop is not None
+        host = config.listen.rsplit(":", 1)[0] if config.world.num_nodes > 1 else "127.0.0.1"
+        self.migration = LiveMigration(
+            barrier=self.barrier,
+            node=config.node_rank,
+            state=self.state,
+            lanes=lanes,
+            arena=self.arena,
+            stats=self.stats,
+            link=LinkModel(bytes_per_s=config.link_gbps * 1e9 / 8),
+            token=config.job_token,
+            job_id=config.job_id,
+            host=host or "127.0.0.1",
+            free=lambda locations: self._free(lanes, locations),
+            read=self._read_sample,
+            journal=self.journal.append_moved if self.journal is not None else None,
+            released=self._release_held,
+        )
+        await self.migration.start()
+        loop.migration = self.migration
+
+    def _release_held(self, trained_elsewhere: np.ndarray) -> None:
+        """Round 0's moves exchange named every view the other nodes trained before the
+        resume point: the views this node held back since its restart are settled."""
+        held = self.state.num_held()
+        final, again = self.state.release_held(trained_elsewhere)
+        if held:
+            log.info(
+                "restart with moves: of %d views this node had moved out and not trained, "
+                "%d were trained by other nodes (final) and %d are produced again",
+                held, final, again,
+            )  # fmt: skip
+        if again and self.ingest is not None:
+            self.ingest.pump_leases()
 
     def _read_sample(self, segment: int, offset: int, nbytes: int) -> memoryview:
         assert self.arena is not None
@@ -876,6 +926,8 @@ class Daemon:
             steps.append(("stop the socket server", partial(self.server.stop, 1.0)))
         if self._health_server is not None:
             steps.append(("stop the health server", partial(self._health_server.stop, 0.5)))
+        if self.migration is not None:
+            steps.append(("close the bulk port", self.migration.close))
         if self.barrier is not None:
             steps.append(("close the round barrier", self.barrier.close))
         if self._metrics_server is not None:

@@ -172,6 +172,10 @@ class _Unit:
     iteration: int = 0  # the iteration `cursor` walks
     cursor: int = 0
     retry: deque[int] = field(default_factory=deque)  # released leases, re-leased first
+    # After a restart with --migrate auto: views this unit moved out before it (the journal's
+    # `moved` records) that its own ranks never trained. Another node may have trained them, so
+    # they are neither leased nor dry until round 0's moves exchange says which (release_held).
+    held: list[int] = field(default_factory=list)
     leased_in: Counter[int] = field(default_factory=Counter)  # iteration -> its keys leased
     buffers: dict[int, list[SampleTable]] = field(default_factory=dict)  # slot -> chunks
     # slot -> samples in its chunks, kept as chunks come and go: readiness is checked on every
@@ -278,6 +282,7 @@ class NodeState:
         # exchange, the trainers' queue room): without it they idle from the moment a buffer
         # is full until its round is planned. A round still takes one buffer (unit_capacity).
         self.lease_capacity = RUN_AHEAD_BUFFERS * self.planner.unit_capacity
+        self._migrated: set[int] = set()  # iterations some of whose views moved in or out
 
     # -- layout ------------------------------------------------------------------------------
 
@@ -720,8 +725,9 @@ class NodeState:
     def _plan_slot(self) -> int:
         return self._slot(self.epoch)
 
-    def dry(self, unit: _Unit) -> bool:
-        """No view of the epoch being planned is pending or leased on this unit (join only)."""
+    def dry(self, unit: _Unit, *, held: bool = True) -> bool:
+        """No view of the epoch being planned is pending or leased on this unit (join only).
+        `held=False`: as if the views a restart holds back (_Unit.held) were done."""
         if not self.config.join:
             return False
         e = self.epoch
@@ -729,13 +735,17 @@ class NodeState:
         if not exhausted:  # the usual case, checked on every commit: skip the scans below
             return False
         in_flight = unit.leased_in[e] > 0
-        retrying = any(k // max(self.views_per_iteration, 1) == e for k in unit.retry)
-        return not in_flight and not retrying
+        m = max(self.views_per_iteration, 1)
+        retrying = any(k // m == e for k in unit.retry)
+        waiting = held and any(k // m == e for k in unit.held)
+        return not in_flight and not retrying and not waiting
 
     def units_ready(self) -> bool:
+        # Held views do not hold up a round: round 0's moves exchange is what releases them.
         slot = self._plan_slot()
         return all(
-            u.buffered(slot) >= self.planner.unit_capacity or self.dry(u) for u in self._units
+            u.buffered(slot) >= self.planner.unit_capacity or self.dry(u, held=False)
+            for u in self._units
         )
 
     def buffered_now(self) -> int:
@@ -767,10 +777,57 @@ class NodeState:
         for it, _, views in by_iteration(keys, self.views_per_iteration):
             iteration = self.iteration(it)
             iteration.ledger.emit(views)
-            ledger = iteration.ledger
-            done = ledger.count(ViewState.EMITTED) + ledger.count(ViewState.REJECTED)
-            if done == self._num_local_views:  # the ledger spans every node's views
+            self._drop_where_when_done(it)
+
+    def _drop_where_when_done(self, it: int) -> None:
+        iteration = self.iteration(it)
+        ledger = iteration.ledger
+        if it in self._migrated:
+            # Moves put other nodes' views in this ledger: count this node's own views only.
+            final = [ViewState.EMITTED, ViewState.REJECTED, ViewState.MOVED]
+            states = [ledger.state_of(u.views) for u in self._units]
+            done = sum(int(np.isin(x, final).sum()) for x in states)
+            foreign_live = ledger.count(ViewState.BUFFERED) - sum(
+                int((x == ViewState.BUFFERED).sum()) for x in states
+            )
+            if done == self._num_local_views and foreign_live == 0:
                 iteration.where = None
+            return
+        done = ledger.count(ViewState.EMITTED) + ledger.count(ViewState.REJECTED)
+        if done == self._num_local_views:  # the ledger spans every node's views
+            iteration.where = None
+
+    # -- cross-node moves (planner/migration_digest.py, round/bulk.py) --------------------
+
+    def move_out(self, keys: IntArray) -> Locations:
+        """Samples taken out of this round's offer for another node: their views are MOVED
+        here (final: the receiver emits them), and where they lie is returned so the caller
+        ships the bytes and, once the receiver has them, frees them (lanes.free)."""
+        if not keys.size:
+            return Locations.empty()
+        where = self.locations_of(keys)
+        for it, _, _ in by_iteration(keys, self.views_per_iteration):
+            self._migrated.add(it)
+        self._transition(keys, "move_out")
+        for it, _, _ in by_iteration(keys, self.views_per_iteration):
+            self._drop_where_when_done(it)
+        return where
+
+    def move_in(self, table: SampleTable, locations: Locations) -> None:
+        """Samples another node moved here landed in this node's arena at `locations`: their
+        views are BUFFERED here (from PENDING, or from MOVED if this node had moved them out).
+        The caller puts the table in this round's offer of the receiving unit (the plan's
+        leftovers then come back to that unit's buffer, return_samples)."""
+        keys = table.views
+        if not keys.size:
+            return
+        for it, mask, views in by_iteration(keys, self.views_per_iteration):
+            self._migrated.add(it)
+            iteration = self.iteration(it)
+            back = iteration.ledger.state_of(views) == ViewState.MOVED
+            iteration.ledger.move_back(views[back])
+            iteration.ledger.move_in(views[~back])
+            iteration.store(views, locations if isinstance(mask, slice) else locations.take(mask))
 
     def take_rejected_delta(self) -> dict[str, int]:
         """The rejections for this round's offer, which every node adds to the tally (and the
@@ -795,14 +852,21 @@ class NodeState:
         keys, self.rejected_keys = self.rejected_keys, []
         return keys
 
-    def restore(self, trained: IntArray, rejected: IntArray, epoch: int) -> None:
+    def restore(
+        self, trained: IntArray, rejected: IntArray, epoch: int, moved: IntArray | None = None
+    ) -> None:
         """After a restart: trained views stay emitted, rejected ones rejected, the rest of every
-        iteration up to the latest one touched is pending again, re-leased in sampler order."""
+        iteration up to the latest one touched is pending again, re-leased in sampler order.
+        `moved`: keys this node's journal says it moved to other nodes (--migrate auto); those
+        of its own views that it did not train itself are held (_Unit.held) until
+        release_held() learns which of them another node trained."""
         m = self.views_per_iteration
         self.epoch = epoch
         done = np.concatenate([trained, rejected]).astype(np.int64)
+        moved = np.zeros(0, dtype=np.int64) if moved is None else moved.astype(np.int64)
+        moved = moved[self.is_home(moved)]
         touched = [epoch] if self.config.join else [0]
-        last = max(touched + (done // max(m, 1)).tolist()) if m else 0
+        last = max(touched + (np.concatenate([done, moved]) // max(m, 1)).tolist()) if m else 0
         first = epoch if self.config.join else 0
         for it in range(first, last + 1):
             ledger = self.iteration(it).ledger
@@ -813,15 +877,49 @@ class NodeState:
             refused = rejected[rejected // m == it] % m
             ledger.lease(refused)
             ledger.reject(refused)
+        foreign = trained[~self.is_home(trained)]
+        self._migrated.update((foreign // max(m, 1)).tolist())  # their ledgers count own views
         done_set = set(done.tolist())
+        held_set = set(moved[moved // max(m, 1) >= first].tolist()) - done_set
         for unit in self._units:
-            unit.retry = deque(
-                k
-                for it in range(first, last + 1)
-                for k in (unit.views + it * m).tolist()
-                if k not in done_set
-            )
+            keys = [k for it in range(first, last + 1) for k in (unit.views + it * m).tolist()]
+            unit.retry = deque(k for k in keys if k not in done_set and k not in held_set)
+            unit.held = [k for k in keys if k in held_set]
             unit.iteration, unit.cursor = last, len(unit.views)
+
+    def is_home(self, keys: IntArray) -> np.ndarray:
+        """Which keys are views of this node's own units (not moved in from another node)."""
+        if not keys.size or not self.views_per_iteration:
+            return np.zeros(keys.shape, dtype=bool)
+        ranks = (keys % self.views_per_iteration) % self.config.world.world_size
+        return ranks // self.config.world.ranks_per_node == self.config.node_rank
+
+    def num_held(self) -> int:
+        return sum(len(u.held) for u in self._units)
+
+    def release_held(self, trained_elsewhere: IntArray) -> tuple[int, int]:
+        """Round 0 after a restart told every node which views the others trained before the
+        resume point: of the held views, those are final here (MOVED, as when they left), the
+        rest are leased again (the node they went to lost them). Returns (final, re-leased)."""
+        elsewhere = set(trained_elsewhere.tolist())
+        final: list[int] = []
+        again = 0
+        for unit in self._units:
+            for key in unit.held:
+                if key in elsewhere:
+                    final.append(key)
+                else:
+                    unit.retry.append(key)
+                    again += 1
+            unit.held = []
+        keys = np.asarray(sorted(final), dtype=np.int64)
+        for it, _, views in by_iteration(keys, self.views_per_iteration):
+            self._migrated.add(it)
+            ledger = self.iteration(it).ledger
+            ledger.lease(views)
+            ledger.buffer(views)
+            ledger.move_out(views)
+        return len(final), again
 
     def local_unit_ids(self) -> list[int]:
         return [u.unit for u in self._units]

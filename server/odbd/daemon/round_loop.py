@@ -25,7 +25,7 @@ import numpy as np
 from odbclient.shm import read_meta
 from odbclient.wire.odbd.v1 import trainer_pb2
 from odbd.config import DaemonConfig
-from odbd.daemon import split_round, split_updates, summary_codec
+from odbd.daemon import split_round, summary_codec
 from odbd.daemon.cost_learning import CostLearner
 from odbd.daemon.end_requests import (
     EndDecision,
@@ -35,6 +35,7 @@ from odbd.daemon.end_requests import (
     missing_failure,
 )
 from odbd.daemon.journal import Journal, JournalStep, ResumeState
+from odbd.daemon.migration_live import LiveMigration
 from odbd.daemon.node_state import Locations, NodeState
 from odbd.daemon.split_exchange import SplitExchange, barrier_round
 from odbd.daemon.trained import StepCounts, steps_trained
@@ -238,12 +239,13 @@ class RoundLoop:
             ),
             row_feature(self.state.planner),
         )
-        self.split = SplitExchange(
-            barrier, config.node_rank, split_updates.exchanges_per_round(self.state.planner)
-        )
+        self.split = SplitExchange.of(barrier, config.node_rank, self.state.planner)
         self.split.source = IdentitySource(
             state.dataset_size, state.views_per_iteration, state.identities_of
         )
+        # --migrate auto (migration_live.py), set by the daemon once its bulk port listens
+        self.migration: LiveMigration | None = None
+        self.foreign_trained = np.zeros(0, dtype=np.int64)  # restore(): see there
         # (samples, loss tokens) every unit's buffer held this round (RoundExtras)
         self.offered = (0, 0)
         self._first_rank = config.local_ranks[0]  # a NodeRoundPlan's columns start here
@@ -276,9 +278,14 @@ class RoundLoop:
             self._exchanging, self._exchange_started_s = True, time.monotonic()
             planner = self._planner()
             seed_round = self.round_seed_base + self.round_index
+            offers = self.state.offers()
+            if self.migration is not None:
+                restart = self.foreign_trained if self.round_index == 0 else None
+                offers = await self.migration.round(
+                    self.split, self.round_index, seed_round, offers, planner, restart
+                )
             grouped, decided = await self.split.decide(
-                self.round_index, seed_round, side, tuple(self.state.offers()), planner,
-                self.cost.absorb,
+                self.round_index, seed_round, side, tuple(offers), planner, self.cost.absorb,
             )  # fmt: skip
             facts = decided.facts
             if facts.invariant is not None:
@@ -635,11 +642,16 @@ class RoundLoop:
         local = set(self.queues)
         trained = [k for s in resume.trained_steps for r, keys in enumerate(s.keys_by_rank)
                    if r in local for k in keys.tolist()]  # fmt: skip
+        trained_keys = np.asarray(trained, dtype=np.int64)
         self.state.restore(
-            np.asarray(trained, dtype=np.int64),
+            trained_keys,
             np.asarray(resume.rejected_keys, dtype=np.int64),
             resume.epoch,
+            np.asarray(resume.moved_keys, dtype=np.int64),
         )
+        # --migrate auto: views of other nodes this node's ranks trained before the resume
+        # point, for round 0's moves exchange (their home nodes hold them back till then)
+        self.foreign_trained = np.unique(trained_keys[~self.state.is_home(trained_keys)])
         for s in resume.trained_steps:
             self.steps_in_epoch[s.epoch] = max(self.steps_in_epoch[s.epoch], s.step + 1)
             self.quota_consumed += s.global_samples

@@ -30,7 +30,6 @@ from odbd.planner.config import (
 )
 from odbd.planner.migration import (
     DEFAULT_BYTES_PER_TOKEN,
-    DEFAULT_LINK_BYTES_PER_S,
     DEFAULT_SECONDS_PER_WORK,
     LinkModel,
     Migrate,
@@ -96,19 +95,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="at most N vision patches per group (patch counts: --lengths' second column)",
     )
     move = parser.add_argument_group("cross-node moves (planner/migration.py)")
-    move.add_argument(
-        "--migrate",
-        choices=[m.value for m in Migrate],
-        default=Migrate.OFF.value,
-        help="auto: move samples between nodes when the link model says it pays",
+    add_planner_flag(
+        move, "--migrate", help="auto: move samples between nodes when the link model says it pays"
     )
-    move.add_argument(
-        "--link-gbps",
-        type=flags.number,
-        default=DEFAULT_LINK_BYTES_PER_S * 8 / 1e9,
-        metavar="G",
-        help="each node's network bandwidth per direction, Gb/s",
-    )
+    add_planner_flag(move, "--link-gbps", help="each node's network bandwidth per direction, Gb/s")
     move.add_argument(
         "--token-seconds",
         type=flags.number,
