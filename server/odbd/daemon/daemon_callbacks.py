@@ -12,7 +12,7 @@ from odbclient.wire.odbd.v1 import (
     trainer_pb2,
 )
 from odbd.daemon.daemon_state import DaemonState
-from odbd.daemon.node_state import Rejected
+from odbd.daemon.node_commits import Rejected
 from odbd.ingest.lanes import Lanes
 
 log = logging.getLogger("odbd")

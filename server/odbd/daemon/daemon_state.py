@@ -13,7 +13,8 @@ from grpc_health.v1 import health
 
 from odbd.config import DaemonConfig
 from odbd.daemon.journal import Journal
-from odbd.daemon.node_state import NodeState, Rejected
+from odbd.daemon.node_commits import Rejected
+from odbd.daemon.node_state import NodeState
 from odbd.daemon.remake import Rewinder
 from odbd.daemon.round_loop import RoundLoop
 from odbd.ingest.arena import Arena

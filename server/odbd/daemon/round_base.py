@@ -19,7 +19,8 @@ from odbd.daemon.end_requests import (
     Point,
 )
 from odbd.daemon.journal import Journal
-from odbd.daemon.node_state import Locations, NodeState
+from odbd.daemon.locations import Locations
+from odbd.daemon.node_state import NodeState
 from odbd.daemon.split_exchange import SplitExchange
 from odbd.daemon.updates import UpdateNumbering
 from odbd.errors import OdbdError

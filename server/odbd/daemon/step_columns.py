@@ -10,7 +10,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from odbclient.wire.odbd.v1 import trainer_pb2
-from odbd.daemon.node_state import Locations, NodeState
+from odbd.daemon.locations import Locations
+from odbd.daemon.node_state import NodeState
 from odbd.ingest.lanes import Lanes
 from odbd.planner.progress import (
     ProgressColumns,
