@@ -179,6 +179,23 @@ def daemon_parser() -> flags.OneLineParser:
         help="pool a node's buffers or keep per-rank buffers",
     )
     plan.add_argument(
+        "--migrate",
+        type=flags.choice_of(["auto", "off"]),
+        default="off",
+        metavar="{auto,off}",
+        help="auto: move samples between nodes when the link model says it lowers the round's "
+        "time (issue 26; docs/bench/migration.md); off (default until the live path is proven "
+        "in every fault test): every sample trains on the node whose producers made it",
+    )
+    plan.add_argument(
+        "--link-gbps",
+        type=float,
+        default=8.0,
+        metavar="GBPS",
+        help="--migrate auto: each node's bulk bandwidth per direction, Gb/s (default 8: one "
+        "loopback gRPC stream measured 9.0 Gb/s on the reference machine)",
+    )
+    plan.add_argument(
         "--length-key",
         type=flags.nonempty,
         default="input_ids",
@@ -567,6 +584,8 @@ def config_from_args(
         grouping=Grouping(args.grouping),
         cost_model=CostModelMode(args.cost_model),
         balance=Balance(args.balance),
+        migrate=args.migrate == "auto",
+        link_gbps=args.link_gbps,
         length_key=args.length_key,
         labels_key=args.labels_key,
         pads=tuple(pads.items()),

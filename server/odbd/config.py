@@ -106,6 +106,8 @@ class DaemonConfig:
     job_token: bytes = b""
     peer_tls: PeerTls | None = None  # --tls-cert/--tls-key/--tls-ca: mTLS between daemons
     insecure: bool = False  # --insecure: no peer authentication on a non-loopback address
+    migrate: bool = False  # --migrate auto: cross-node moves (daemon/migration_live.py)
+    link_gbps: float = 8.0  # --link-gbps: the link model's bandwidth per node and direction
     shm_size: int = 1 << 30
     lease_timeout_s: float = 60.0
     round_timeout_s: float = 300.0
@@ -137,6 +139,26 @@ class DaemonConfig:
 
     def __post_init__(self) -> None:
         nodes = self.world.num_nodes
+        if self.migrate and self.balance is not Balance.NODE:
+            raise ConfigError(
+                "--migrate auto moves samples between nodes' pooled buffers, and --balance "
+                f"{self.balance.value} keeps per-rank buffers; use --balance node with it, or "
+                "--migrate off"
+            )
+        if self.migrate and self.state_dir is not None:
+            # A restart re-leases a view on its home node from that node's journal alone, but
+            # a moved view is journaled by the node that trained it: the restart would train
+            # it twice. Refused until the restart exchanges those views (docs/bench/migration.md).
+            raise ConfigError(
+                "--migrate auto cannot be combined with --state-dir yet: a restart would train "
+                "samples that moved to another node a second time. Use --migrate off for a job "
+                "that must resume, or run without --state-dir"
+            )
+        if self.migrate and not self.link_gbps > 0:
+            raise ConfigError(
+                f"--link-gbps must be > 0, got {self.link_gbps:g}; pass each node's bandwidth "
+                "in Gb/s (or --migrate off)"
+            )
         if not 0 <= self.node_rank < nodes:
             raise ConfigError(
                 f"node rank {self.node_rank} is outside 0..{nodes - 1} for world "
@@ -265,6 +287,7 @@ class DaemonConfig:
             cost=CostModel(
                 dense_rows=self.collate is Collate.PACKED and self.attention is Attention.DENSE
             ),
+            migrate=self.migrate,
         )
 
     @property
@@ -289,6 +312,8 @@ class DaemonConfig:
             **({"cost_model": self.cost_model.value} if self.cost_model.value != "fixed" else {}),
             **({"cost_warmup": str(self.cost_warmup)} if self.cost_warmup != 64 else {}),
             "dataset_size": str(dataset_size),
+            # Only when set: every daemon must run the same exchanges per round.
+            **({"migrate": "auto", "link_gbps": repr(self.link_gbps)} if self.migrate else {}),
             "length_key": self.length_key,
             # Only when set (as below): every daemon must fail a job at the same count.
             **(

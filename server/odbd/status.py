@@ -130,6 +130,12 @@ def render(reply: admin_pb2.StatusReply) -> str:
         )
     if reply.HasField("cost_model"):
         lines.append(_cost_model(reply.cost_model))
+    if reply.migrate:
+        lines.append(
+            f"moved    out {reply.migrated_out_samples} samples "
+            f"({reply.migrated_out_bytes / 2**20:.1f} MiB)  in {reply.migrated_in_samples} "
+            f"samples ({reply.migrated_in_bytes / 2**20:.1f} MiB)  (--migrate auto)"
+        )
     if reply.ending:
         lines.append(f"ending   {reply.ending}")
     if reply.waiting_for:

@@ -43,6 +43,9 @@ LINK = LinkModel()  # the defaults: 8 Gb/s, 1.2e-4 s per token-equivalent, 4 byt
 # Off is the oracle table of docs/bench/planner.md (--migrate off plans as main does), so only
 # ODBD_BENCH_MIGRATION_OFF=1 simulates it here too.
 WITH_OFF = os.environ.get("ODBD_BENCH_MIGRATION_OFF") == "1"
+# ODBD_BENCH_MIGRATION_DIGEST=1: the moves decided as the live daemons decide them, from every
+# node's O(bins) digest (planner/migration_digest.py), instead of the pooled offers.
+DIGEST = os.environ.get("ODBD_BENCH_MIGRATION_DIGEST") == "1"
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,7 +74,7 @@ def row(workload: str, world_size: int) -> Row:
 
     off = summary(simulate(lengths, config).stats()) if WITH_OFF else None
     start = time.perf_counter()
-    moved = simulate(lengths, config, migration=LINK)
+    moved = simulate(lengths, config, migration=LINK, digest=DIGEST)
     seconds = time.perf_counter() - start
     oracle = oracle_stats(
         lengths, world_size=world_size, budget=BUDGET, cost=config.cost, seed=SEED

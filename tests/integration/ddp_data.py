@@ -50,6 +50,7 @@ class LongTailTokens:
         prompt_fraction: float = 0.25,
         as_torch: int = 0,
         label_shift: int = 1,
+        skew: int = 0,
     ) -> None:
         if min_len < 4 or max_len < min_len or size < 0 or not 0.25 <= prompt_fraction < 1:
             raise ValueError(
@@ -59,6 +60,16 @@ class LongTailTokens:
         self.lengths = long_tail_lengths(
             size, seed=seed, median_len=median_len, sigma=sigma, min_len=min_len, max_len=max_len
         )
+        if skew > 0:
+            # Node-skewed (the migration tests, with odbd --shuffle off, where view i goes to
+            # rank i % W): samples whose index % skew falls in the first half are 4x longer,
+            # the others half as long, so the nodes of the first ranks hold the long ones.
+            heavy = np.arange(size) % skew < skew // 2
+            self.lengths = np.where(
+                heavy,
+                np.minimum(self.lengths * 4, max_len),
+                np.maximum(self.lengths // 2, min_len),
+            ).astype(np.int64)
         self.seed = seed
         self.vocab = vocab
         self.prompt_fraction = prompt_fraction

@@ -34,23 +34,25 @@ DAEMON = ["--token-budget", "256", "--buffer", "8", "--accumulate", "3", "--alig
 
 
 @pytest.mark.parametrize(
-    ("nodes", "world"),
+    ("nodes", "world", "extra"),
     [
-        (1, WORLD),
+        (1, WORLD, ()),
         # 2 daemons x 2 ranks: the split planner's third exchange (daemon/split_updates.py);
         # each node deals its own groups, the hub's grid gives every update the length of the
         # busiest rank of either node
-        (2, 4),
+        (2, 4, ()),
+        # and with cross-node moves first (four exchanges a round, migration_live.py)
+        (2, 4, ("--migrate", "auto")),
     ],
 )
 def test_ranks_run_their_own_micro_steps_and_updates_keep_the_per_token_mean(
-    tmp_path: Path, nodes: int, world: int
+    tmp_path: Path, nodes: int, world: int, extra: tuple[str, ...]
 ) -> None:
     cluster, reports, daemon_codes, rank_codes = run_odbd_training(
         nodes=nodes,
         ranks_per_node=world // nodes,
         data=DATA,
-        daemon_args=["--epochs", str(EPOCHS), *DAEMON],
+        daemon_args=["--epochs", str(EPOCHS), *DAEMON, *extra],
         trainer_args=["--grads", "--dtype", "float64", "--epochs", str(EPOCHS), *MODEL.to_args()],
         out_dir=tmp_path,
         timeout_s=200.0,

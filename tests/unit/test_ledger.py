@@ -23,6 +23,7 @@ P, L, B, E, R = (
     ViewState.EMITTED,
     ViewState.REJECTED,
 )
+M = ViewState.MOVED  # migration: the view's sample went to another node
 # name -> (source, target): the whole transition table of the ledger
 TRANSITIONS = {
     "lease": (P, L),
@@ -31,6 +32,9 @@ TRANSITIONS = {
     "emit": (B, E),
     "reject": (L, R),
     "unbuffer": (B, P),
+    "move_out": (B, M),
+    "move_in": (P, B),
+    "move_back": (M, B),
 }
 
 
@@ -38,9 +42,10 @@ def make_ledger(states: list[ViewState]) -> ViewLedger:
     """A ledger whose view i is in states[i], reached by legal transitions only."""
     ledger = ViewLedger(len(states))
     by_state = {s: [i for i, x in enumerate(states) if x == s] for s in ViewState}
-    ledger.lease(by_state[L] + by_state[B] + by_state[E] + by_state[R])
-    ledger.buffer(by_state[B] + by_state[E])
+    ledger.lease(by_state[L] + by_state[B] + by_state[E] + by_state[R] + by_state[M])
+    ledger.buffer(by_state[B] + by_state[E] + by_state[M])
     ledger.emit(by_state[E])
+    ledger.move_out(by_state[M])
     ledger.reject(by_state[R])
     return ledger
 
@@ -55,10 +60,24 @@ def snapshot(ledger: ViewLedger) -> tuple[list[int], dict[ViewState, int]]:
 
 def test_new_ledger_has_every_view_pending() -> None:
     ledger = ViewLedger(7)
-    assert ledger.counts() == {P: 7, L: 0, B: 0, E: 0, R: 0}
+    assert ledger.counts() == {P: 7, L: 0, B: 0, E: 0, R: 0, M: 0}
     assert ledger.views_in(P).tolist() == list(range(7))
     assert ledger.views_in(P).dtype == np.int64
     ledger.check()
+
+
+def test_a_moved_view_is_emitted_once_over_the_home_and_the_receiving_ledger() -> None:
+    home, receiver = ViewLedger(4), ViewLedger(4)  # each node's ledger spans every view
+    home.lease([0, 1])
+    home.buffer([0, 1])
+    home.move_out([1])
+    receiver.move_in([1])
+    home.emit([0])
+    receiver.emit([1])
+    assert home.state_of(range(4)).tolist() == [E, M, P, P]
+    assert receiver.state_of(range(4)).tolist() == [P, E, P, P]
+    with pytest.raises(InvariantError, match="view 1 is MOVED"):
+        home.emit([1])  # the home node can never emit it too
 
 
 def test_empty_ledger_is_valid() -> None:
@@ -77,7 +96,7 @@ def test_full_life_of_views() -> None:
     ledger.emit([1, 0])
     ledger.unbuffer([3])
     assert ledger.state_of(range(6)).tolist() == [E, E, R, P, P, P]
-    assert ledger.counts() == {P: 3, L: 0, B: 0, E: 2, R: 1}
+    assert ledger.counts() == {P: 3, L: 0, B: 0, E: 2, R: 1, M: 0}
     assert ledger.views_in(E).tolist() == [0, 1]
     ledger.check()
 

@@ -79,3 +79,12 @@ def test_status_before_any_delivery_says_nothing_was_trained() -> None:
     text = render(reply(ranks=[idle], planned_epoch_steps=13, planned_epoch_steps_so_far=9))
     assert "planned  epoch 0 step 9 of ~13" in text
     assert "trained  nothing yet" in text
+
+
+def test_status_shows_samples_moved_between_nodes_with_migrate_auto() -> None:
+    text = render(
+        reply(migrate=True, migrated_out_samples=12, migrated_out_bytes=3 << 20,
+              migrated_in_samples=2, migrated_in_bytes=1 << 19)
+    )  # fmt: skip
+    assert "moved    out 12 samples (3.0 MiB)  in 2 samples (0.5 MiB)  (--migrate auto)" in text
+    assert "moved" not in render(reply())  # --migrate off: no line

@@ -13,6 +13,7 @@ from grpc_health.v1 import health
 
 from odbd.config import DaemonConfig
 from odbd.daemon.journal import Journal
+from odbd.daemon.migration_live import LiveMigration
 from odbd.daemon.node_commits import Rejected
 from odbd.daemon.node_state import NodeState
 from odbd.daemon.remake import Rewinder
@@ -47,6 +48,7 @@ class DaemonState:
         self.step_server: StepServer | None = None  # the trainers' step socket (protocol 6)
         self.ingest_server: IngestServer | None = None  # the producers' socket (protocol 7)
         self.barrier: RoundBarrier | None = None
+        self.migration: LiveMigration | None = None  # --migrate auto
         self.supervisor: ProducerSupervisor | None = None
         self.health = health.aio.HealthServicer()
         self.loop: RoundLoop | None = None

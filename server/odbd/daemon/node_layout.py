@@ -59,6 +59,7 @@ class NodeLayout:
         # exchange, the trainers' queue room): without it they idle from the moment a buffer
         # is full until its round is planned. A round still takes one buffer (unit_capacity).
         self.lease_capacity = RUN_AHEAD_BUFFERS * self.planner.unit_capacity
+        self._migrated: set[int] = set()  # iterations some of whose views moved in or out
 
     # -- layout ------------------------------------------------------------------------------
 

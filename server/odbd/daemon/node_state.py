@@ -15,6 +15,7 @@ from collections import Counter, deque
 import numpy as np
 
 from odbd.daemon.leases import NO_HOLDER
+from odbd.daemon.locations import Locations
 from odbd.daemon.node_commits import NodeCommits
 from odbd.daemon.unit_buffers import LocalUnit, concat_keys
 from odbd.planner.ledger import ViewState
@@ -160,10 +161,57 @@ class NodeState(NodeCommits):
         for it, _, views in by_iteration(keys, self.views_per_iteration):
             iteration = self.iteration(it)
             iteration.ledger.emit(views)
-            ledger = iteration.ledger
-            done = ledger.count(ViewState.EMITTED) + ledger.count(ViewState.REJECTED)
-            if done == self._num_local_views:  # the ledger spans every node's views
+            self._drop_where_when_done(it)
+
+    def _drop_where_when_done(self, it: int) -> None:
+        iteration = self.iteration(it)
+        ledger = iteration.ledger
+        if it in self._migrated:
+            # Moves put other nodes' views in this ledger: count this node's own views only.
+            final = [ViewState.EMITTED, ViewState.REJECTED, ViewState.MOVED]
+            states = [ledger.state_of(u.views) for u in self._units]
+            done = sum(int(np.isin(x, final).sum()) for x in states)
+            foreign_live = ledger.count(ViewState.BUFFERED) - sum(
+                int((x == ViewState.BUFFERED).sum()) for x in states
+            )
+            if done == self._num_local_views and foreign_live == 0:
                 iteration.where = None
+            return
+        done = ledger.count(ViewState.EMITTED) + ledger.count(ViewState.REJECTED)
+        if done == self._num_local_views:  # the ledger spans every node's views
+            iteration.where = None
+
+    # -- cross-node moves (planner/migration_digest.py, round/bulk.py) --------------------
+
+    def move_out(self, keys: IntArray) -> Locations:
+        """Samples taken out of this round's offer for another node: their views are MOVED
+        here (final: the receiver emits them), and where they lie is returned so the caller
+        ships the bytes and, once the receiver has them, frees them (lanes.free)."""
+        if not keys.size:
+            return Locations.empty()
+        where = self.locations_of(keys)
+        for it, _, _ in by_iteration(keys, self.views_per_iteration):
+            self._migrated.add(it)
+        self._transition(keys, "move_out")
+        for it, _, _ in by_iteration(keys, self.views_per_iteration):
+            self._drop_where_when_done(it)
+        return where
+
+    def move_in(self, table: SampleTable, locations: Locations) -> None:
+        """Samples another node moved here landed in this node's arena at `locations`: their
+        views are BUFFERED here (from PENDING, or from MOVED if this node had moved them out).
+        The caller puts the table in this round's offer of the receiving unit (the plan's
+        leftovers then come back to that unit's buffer, return_samples)."""
+        keys = table.views
+        if not keys.size:
+            return
+        for it, mask, views in by_iteration(keys, self.views_per_iteration):
+            self._migrated.add(it)
+            iteration = self.iteration(it)
+            back = iteration.ledger.state_of(views) == ViewState.MOVED
+            iteration.ledger.move_back(views[back])
+            iteration.ledger.move_in(views[~back])
+            iteration.store(views, locations if isinstance(mask, slice) else locations.take(mask))
 
     def restore(self, trained: IntArray, rejected: IntArray, epoch: int) -> None:
         """After a restart: trained views stay emitted, rejected ones rejected, the rest of every

@@ -13,13 +13,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from odbd.config import DaemonConfig
-from odbd.daemon import split_updates
 from odbd.daemon.cost_learning import CostLearner
 from odbd.daemon.end_requests import (
     Point,
 )
 from odbd.daemon.journal import Journal
 from odbd.daemon.locations import Locations
+from odbd.daemon.migration_live import LiveMigration
 from odbd.daemon.node_state import NodeState
 from odbd.daemon.split_exchange import SplitExchange
 from odbd.daemon.updates import UpdateNumbering
@@ -141,12 +141,12 @@ class RoundLoopState:
             ),
             row_feature(self.state.planner),
         )
-        self.split = SplitExchange(
-            barrier, config.node_rank, split_updates.exchanges_per_round(self.state.planner)
-        )
+        self.split = SplitExchange.of(barrier, config.node_rank, self.state.planner)
         self.split.source = IdentitySource(
             state.dataset_size, state.views_per_iteration, state.identities_of
         )
+        # --migrate auto (migration_live.py), set by the daemon once its bulk port listens
+        self.migration: LiveMigration | None = None
         # (samples, loss tokens) every unit's buffer held this round (RoundExtras)
         self.offered = (0, 0)
         self._first_rank = config.local_ranks[0]  # a NodeRoundPlan's columns start here

@@ -68,9 +68,13 @@ class RoundLoop(RoundWaiting, RoundApplying):
             self._exchanging, self._exchange_started_s = True, time.monotonic()
             planner = self._planner()
             seed_round = self.round_seed_base + self.round_index
+            offers = self.state.offers()
+            if self.migration is not None:
+                offers = await self.migration.round(
+                    self.split, self.round_index, seed_round, offers, planner
+                )
             grouped, decided = await self.split.decide(
-                self.round_index, seed_round, side, tuple(self.state.offers()), planner,
-                self.cost.absorb,
+                self.round_index, seed_round, side, tuple(offers), planner, self.cost.absorb,
             )  # fmt: skip
             facts = decided.facts
             if facts.invariant is not None:

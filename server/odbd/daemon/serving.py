@@ -158,6 +158,11 @@ class DaemonServing(DaemonState):
             waiting_for=loop.waiting_for if loop else "",
             ending=loop.ending_status(time.monotonic()) if loop else "",
             cost_model=self._cost_model_status(),
+            migrate=self.config.migrate,
+            migrated_out_samples=self.stats.migrated_out_samples,
+            migrated_out_bytes=self.stats.migrated_out_bytes,
+            migrated_in_samples=self.stats.migrated_in_samples,
+            migrated_in_bytes=self.stats.migrated_in_bytes,
             **progress_fields(self.stats, time.monotonic()),
         )
 

@@ -164,6 +164,8 @@ class DaemonStopping(DaemonState):
             steps.append(("stop the socket server", partial(self.server.stop, 1.0)))
         if self._health_server is not None:
             steps.append(("stop the health server", partial(self._health_server.stop, 0.5)))
+        if self.migration is not None:
+            steps.append(("close the bulk port", self.migration.close))
         if self.barrier is not None:
             steps.append(("close the round barrier", self.barrier.close))
         if self._metrics_server is not None:

@@ -4,8 +4,11 @@ carry), and what they cost this daemon: the I/O half of split_round, kept out of
 Round k of the planner is barrier rounds 2k (summaries -> the hub's decision) and 2k + 1 (step
 totals -> the round's totals); every daemon runs both for every round, so the barrier's rounds
 stay in lock-step. With --align updates a round is three: 3k, 3k + 1 (both alternatives'
-totals) and 3k + 2 (the deals -> the step grid, split_updates.py). Planning time is this
-daemon's own CPU on the round: its local phases, plus the hub's reductions on the hub.
+totals) and 3k + 2 (the deals -> the step grid, split_updates.py). With --migrate auto the
+moves' exchange (digests -> the hub's moves, migration_live.py) comes first, so each of these
+is one later and a round is 3 or 4. Every exchange goes through the same barrier (and relay
+tree). Planning time is this daemon's own CPU on the round: its local phases, plus the hub's
+reductions on the hub.
 """
 
 from __future__ import annotations
@@ -30,8 +33,14 @@ Reducer = Callable[[list[bytes]], bytes]  # every node's payload -> the result (
 
 def barrier_round(round_index: int, phase: int, per_round: int = 2) -> int:
     """The barrier round of planner round `round_index`'s exchange `phase` (0 .. per_round - 1;
-    per_round: split_updates.exchanges_per_round)."""
+    per_round: exchanges_per_round)."""
     return per_round * round_index + phase
+
+
+def exchanges_per_round(config: PlannerConfig) -> int:
+    """Barrier exchanges per planner round: the moves' first with --migrate auto
+    (migration_live.py), then the summaries, the totals and, with --align updates, the deals."""
+    return int(config.migrate) + split_updates.exchanges_per_round(config)
 
 
 @dataclass(slots=True)
@@ -43,6 +52,17 @@ class SplitExchange:
     exchange_s: float = 0.0  # its two exchanges, from the summary's send to the totals
     last_round: RoundRecord | None = None  # both exchanges of the last round, for /metrics
     source: IdentitySource | None = None  # this node's views' identities (EpochEnd's count)
+    first: int = 0  # the summary's phase: 1 when the moves' exchange comes first (--migrate)
+
+    @classmethod
+    def of(cls, barrier: RoundBarrier, node: int, config: PlannerConfig) -> SplitExchange:
+        return cls(barrier, node, exchanges_per_round(config), first=int(config.migrate))
+
+    async def moves(self, round_index: int, payload: bytes, reduce: Reducer) -> bytes:
+        """--migrate auto's exchange 0 (migration_live.py): digests out, the hub's moves back.
+        It opens the round, so the round's planning and exchange times start here."""
+        self.planning_s = self.exchange_s = 0.0
+        return await self._exchange(round_index, -self.first, payload, self._timed(reduce))
 
     async def decide(
         self,
@@ -56,16 +76,17 @@ class SplitExchange:
         """Exchange 1: this node's summary out, the hub's decision back."""
         started = time.perf_counter()
         grouped, payload = split_round.node_summary(side, offers, config, seed_round)
-        self.planning_s = time.perf_counter() - started
+        opened = self.first == 0  # else moves() opened the round
+        self.planning_s = (0.0 if opened else self.planning_s) + time.perf_counter() - started
 
         reduce = self._timed(
             lambda p: split_round.hub_decide(p, config, seed_round, absorb, round_index)
         )
         sent = time.perf_counter()
         result = await self.barrier.exchange_reduced(
-            barrier_round(round_index, 0, self.per_round), payload, reduce
+            barrier_round(round_index, self.first, self.per_round), payload, reduce
         )
-        self.exchange_s = time.perf_counter() - sent
+        self.exchange_s = (0.0 if opened else self.exchange_s) + time.perf_counter() - sent
         last_node = self.barrier.last_round.last_node if self.barrier.last_round else 0
         self.last_round = RoundRecord(round_index, self.exchange_s, last_node)
         started = time.perf_counter()
@@ -140,10 +161,11 @@ class SplitExchange:
     async def _exchange(
         self, round_index: int, phase: int, payload: bytes, reduce: Reducer
     ) -> bytes:
-        """One exchange after the first, its time added to the round's."""
+        """One exchange other than the summaries' (`phase` counts from theirs), its time
+        added to the round's."""
         sent = time.perf_counter()
         result = await self.barrier.exchange_reduced(
-            barrier_round(round_index, phase, self.per_round), payload, reduce
+            barrier_round(round_index, self.first + phase, self.per_round), payload, reduce
         )
         self.exchange_s += time.perf_counter() - sent
         if self.last_round is not None:

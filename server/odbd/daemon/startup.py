@@ -13,14 +13,15 @@ from odbclient.wire.odbd.v1 import (
     ingest_pb2,
     trainer_pb2,
 )
-from odbd.daemon import split_updates
 from odbd.daemon.daemon_callbacks import DaemonCallbacks
 from odbd.daemon.job_clash import find_clash
+from odbd.daemon.migration_live import LiveMigration
 from odbd.daemon.remake import Rewinder
 from odbd.daemon.resume import DaemonResume
 from odbd.daemon.round_loop import RoundLoop
 from odbd.daemon.serving import DaemonServing
 from odbd.daemon.socket_claim import claim_socket_path
+from odbd.daemon.split_exchange import exchanges_per_round
 from odbd.daemon.split_round import check_summary_fits
 from odbd.errors import OdbdError
 from odbd.ingest.arena import Arena, ArenaInUseError
@@ -29,6 +30,7 @@ from odbd.ingest.rejections import samples_made
 from odbd.ingest.service import IngestService
 from odbd.ingest.supervisor import ProducerSupervisor, SupervisorConfig
 from odbd.planner.config import Collate
+from odbd.planner.migration import LinkModel
 from odbd.round import RoundBarrier, RoundConfig
 from odbd.round.errors import HandshakeError
 from odbd.serve.trainer_service import TrainerService
@@ -127,6 +129,8 @@ class DaemonStartup(DaemonServing, DaemonResume, DaemonCallbacks):
             slow_sample=lambda: self.ingest.slowest_sample() if self.ingest else None,
             free=lambda locations: self._free(lanes, locations),
         )
+        if config.migrate:
+            await self._start_migration(lanes)
         self._serve_metrics(lanes)
         if config.dataset is not None and config.workers > 0:
             self.supervisor = ProducerSupervisor(
@@ -222,6 +226,29 @@ class DaemonStartup(DaemonServing, DaemonResume, DaemonCallbacks):
             round_timeout_s=config.round_timeout_s,
             fanout=config.round_fanout,
             from_journal=self.journal_records is not None,
-            # split_exchange.py: summaries, then step totals (and the deals, --align updates)
-            exchanges_per_round=split_updates.exchanges_per_round(self.state.planner),
+            # split_exchange.py: (the moves, --migrate auto) summaries, step totals (and the
+            # deals, --align updates)
+            exchanges_per_round=exchanges_per_round(self.state.planner),
         )
+
+    async def _start_migration(self, lanes: Lanes) -> None:
+        """--migrate auto: the bulk port beside the peer listener (migration_live.py)."""
+        config, loop = self.config, self.loop
+        assert self.arena is not None and self.barrier is not None and loop is not None
+        host = config.listen.rsplit(":", 1)[0] if config.world.num_nodes > 1 else "127.0.0.1"
+        self.migration = LiveMigration(
+            barrier=self.barrier,
+            node=config.node_rank,
+            state=self.state,
+            lanes=lanes,
+            arena=self.arena,
+            stats=self.stats,
+            link=LinkModel(bytes_per_s=config.link_gbps * 1e9 / 8),
+            token=config.job_token,
+            job_id=config.job_id,
+            host=host or "127.0.0.1",
+            free=lambda locations: self._free(lanes, locations),
+            read=self._read_sample,
+        )
+        await self.migration.start()
+        loop.migration = self.migration

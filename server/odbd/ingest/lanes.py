@@ -55,6 +55,19 @@ class Lanes:
         self._next_id += 1
         return lane
 
+    def adopt(self, allocation: Allocation, offsets: np.ndarray) -> Lane:
+        """A daemon-owned lane over an arena region the bulk channel filled with samples moved
+        here from another node (round/bulk.py), live at `offsets`. It has no producer, so the
+        delivery of its last sample returns the region to the arena (_maybe_reclaim), and no
+        freed offset is handed to a producer."""
+        lane = Lane(self._next_id, allocation, self._segment_index[allocation.segment], None)
+        lane.live.update(np.asarray(offsets, dtype=np.int64).tolist())
+        if len(lane.live) != len(offsets):
+            raise InvariantError(f"moved-in samples share an offset: {offsets.tolist()[:8]}")
+        self._lanes[lane.lane_id] = lane
+        self._next_id += 1
+        return lane
+
     def get(self, lane_id: int) -> Lane:
         return self._lanes[lane_id]
 

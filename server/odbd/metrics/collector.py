@@ -209,6 +209,24 @@ class DaemonCollector(Collector):
                 s.oversized_samples,
             ),
         )
+        for name, what, out, into in (
+            (
+                "odbd_migrated_bytes",
+                "payload bytes of samples moved between nodes (--migrate auto)",
+                s.migrated_out_bytes,
+                s.migrated_in_bytes,
+            ),
+            (
+                "odbd_migrated_samples",
+                "samples moved between nodes (--migrate auto)",
+                s.migrated_out_samples,
+                s.migrated_in_samples,
+            ),
+        ):
+            moved = CounterMetricFamily(name, what, labels=["direction"])
+            moved.add_metric(["out"], out)
+            moved.add_metric(["in"], into)
+            yield moved
         rejected = CounterMetricFamily(
             "odbd_rejected_samples", "samples rejected at ingest", labels=["reason"]
         )

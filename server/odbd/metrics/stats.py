@@ -119,6 +119,13 @@ class DaemonStats:
     rejected: Counter[str] = field(default_factory=Counter)
     # this node's samples emitted with more tokens than the budget (or patches than --max-patches)
     oversized_samples: int = 0
+    # --migrate auto (daemon/migration_live.py): samples and payload bytes this node moved to
+    # other nodes (out) and received from them (in), and the seconds its sends took
+    migrated_out_samples: int = 0
+    migrated_out_bytes: int = 0
+    migrated_in_samples: int = 0
+    migrated_in_bytes: int = 0
+    migrate_seconds: float = 0.0
     producers_restarted: int = 0
     serving: bool = False  # what grpc.health.v1 reports for this daemon
     # The metrics' own cost: CPU the metrics thread spent rendering scrapes (thread time).

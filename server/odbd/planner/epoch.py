@@ -22,6 +22,7 @@ from odbd.errors import ConfigError, InvariantError
 from odbd.planner.config import CostModel, PlannerConfig
 from odbd.planner.ledger import ViewLedger
 from odbd.planner.migration import LinkModel, plan_migration
+from odbd.planner.migration_digest import plan_digested
 from odbd.planner.round import RoundTrace, plan_round
 from odbd.planner.sampler import num_views, sampler_identities, views_of_ranks
 from odbd.planner.types import IntArray, RoundPlan, SampleTable, StepStats, UnitOffer
@@ -121,6 +122,7 @@ def simulate(
     patches: np.ndarray | None = None,
     trace: RoundTrace | None = None,
     migration: LinkModel | None = None,
+    digest: bool = False,
 ) -> SimulationResult:
     """Plans `epochs` trainer epochs of a dataset whose sample i has length lengths[i]
     (and patches[i] vision patches, default 0).
@@ -128,7 +130,8 @@ def simulate(
     `costs`: round r plans with costs[r % len(costs)], as under --cost-model auto, where the
     daemons refit the model as the run goes (default: config.cost throughout). `trace` records
     every round's per-node planning time and payloads (round.RoundTrace). `migration`: plan
-    every round after migration.py's cross-node moves under this link model (--migrate auto).
+    every round after migration.py's cross-node moves under this link model (--migrate auto);
+    `digest`: decide them as the live daemons do, from O(bins) digests (migration_digest.py).
     """
     lengths = np.asarray(lengths, dtype=np.int64)
     loss_tokens = lengths if tokens is None else np.asarray(tokens, dtype=np.int64)
@@ -139,6 +142,7 @@ def simulate(
     sim.costs = list(costs)
     sim.trace = trace
     sim.migration = migration
+    sim.digest = digest
     if patches is not None:
         sim.patches = np.asarray(patches, dtype=np.int64)
         if sim.patches.shape != lengths.shape or (sim.patches.size and sim.patches.min() < 0):
@@ -184,6 +188,7 @@ class _Simulation:
         self.costs: list[CostModel] = []  # per round, cycled; empty: config.cost
         self.trace: RoundTrace | None = None
         self.migration: LinkModel | None = None
+        self.digest = False  # migration decided from digests (the live daemons' way)
         self.moved_samples: list[int] = []
         self.moved_bytes: list[int] = []
         self.moved_peak_bytes: list[int] = []
@@ -267,7 +272,8 @@ class _Simulation:
             )
         held: tuple[SampleTable, ...] = ()
         if self.migration is not None:
-            moves = plan_migration(offers, config, self.migration)
+            decide = plan_digested if self.digest else plan_migration
+            moves = decide(offers, config, self.migration)
             offers, held = list(moves.offers), moves.held
             self.moved_samples.append(moves.num_moved)
             self.moved_bytes.append(moves.bytes_moved)

@@ -1,9 +1,16 @@
 """The view ledger: every sampler view is in exactly one state (DESIGN.md section 3.2).
 
     PENDING --lease--> LEASED --buffer--> BUFFERED --emit--> EMITTED
-       ^                 |  |                 |
-       +----release------+  +--reject--> REJECTED
+       ^                 |  |                 |  |
+       +----release------+  +--reject--> REJECTED +--move_out--> MOVED
        +----------------------unbuffer--------+
+    PENDING --move_in--> BUFFERED   (on the receiving node of a cross-node move)
+    MOVED --move_back--> BUFFERED   (a later round moved it back to a node that held it)
+
+Migration (planner/migration_digest.py): a node's ledger spans every node's views. The home
+node moves a buffered view out (MOVED, final there, like EMITTED); the receiving node books the
+same view, PENDING in its ledger since no producer of its made it, in as BUFFERED, and emits it
+from there. So across the job a view is still emitted once: by the one node holding it BUFFERED.
 
 A view leaves PENDING only by a lease and reaches EMITTED only through BUFFERED, so a view is
 emitted at most once and is never lost: it is always somewhere in this partition. The ledger only
@@ -36,6 +43,7 @@ class ViewState(IntEnum):
     BUFFERED = 2  # sample committed to shared memory, waiting for a round to plan it
     EMITTED = 3  # planned into a step; final
     REJECTED = 4  # bad sample (counted by reason elsewhere); final, never emitted
+    MOVED = 5  # its sample went to another node's buffer (migration); final on this node
 
 
 _NUM_STATES = len(ViewState)
@@ -76,6 +84,18 @@ class ViewLedger:
     def reject(self, views: IntArray | Sequence[int]) -> None:
         """LEASED -> REJECTED: a bad sample; counted, never emitted."""
         self._move(views, ViewState.LEASED, ViewState.REJECTED, "reject")
+
+    def move_out(self, views: IntArray | Sequence[int]) -> None:
+        """BUFFERED -> MOVED: the sample went to another node, which emits it."""
+        self._move(views, ViewState.BUFFERED, ViewState.MOVED, "move out")
+
+    def move_in(self, views: IntArray | Sequence[int]) -> None:
+        """PENDING -> BUFFERED: another node's sample arrived here (its home node moved it out)."""
+        self._move(views, ViewState.PENDING, ViewState.BUFFERED, "move in")
+
+    def move_back(self, views: IntArray | Sequence[int]) -> None:
+        """MOVED -> BUFFERED: a sample this node moved out came back in a later round."""
+        self._move(views, ViewState.MOVED, ViewState.BUFFERED, "move back")
 
     def unbuffer(self, views: IntArray | Sequence[int]) -> None:
         """BUFFERED -> PENDING: a daemon restart lost the shared-memory copy."""

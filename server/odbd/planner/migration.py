@@ -125,16 +125,23 @@ def plan_migration(
     config: PlannerConfig,
     link: LinkModel,
     sample_bytes: Sequence[IntArray] | None = None,
+    *,
+    works: Sequence[np.ndarray] | None = None,
+    ties: Sequence[IntArray] | None = None,
 ) -> MigrationPlan:
     """The round's moves: balance the costliest k cost levels across nodes, k chosen by the
     estimated gain minus the link time (see the module docstring). `sample_bytes[u][i]` is the
-    payload size of offers[u].samples row i (default: length x link.bytes_per_token)."""
+    payload size of offers[u].samples row i (default: length x link.bytes_per_token).
+
+    `works` and `ties` (per unit, per row) replace the cost model's one-sample work and the row
+    as the order's key and its tie-break: migration_digest.py's stand-ins of a bucket share its
+    work and interleave by their index in it, as real samples of equal cost interleave by row."""
     sizes = _sample_bytes(offers, link, sample_bytes)
     offered = int(sum(int(s.sum()) for s in sizes))
     nothing = _unchanged(offers, offered)
     if config.balance is not Balance.NODE or config.num_units < 2:
         return nothing
-    pool = _Pool.of(offers, sizes, config)
+    pool = _Pool.of(offers, sizes, config, works, ties)
     if pool.n == 0:
         return nothing
     before = _estimate(pool.unit, pool, config)
@@ -203,7 +210,13 @@ class _Pool:
         return int(self.unit.shape[0])
 
     @staticmethod
-    def of(offers: Sequence[UnitOffer], sizes: list[IntArray], config: PlannerConfig) -> _Pool:
+    def of(
+        offers: Sequence[UnitOffer],
+        sizes: list[IntArray],
+        config: PlannerConfig,
+        works: Sequence[np.ndarray] | None = None,
+        ties: Sequence[IntArray] | None = None,
+    ) -> _Pool:
         tables = [o.samples for o in offers]
         unit = np.concatenate([np.full(len(o.samples), o.unit, np.int64) for o in offers])
         row = np.concatenate([np.arange(len(t), dtype=np.int64) for t in tables])
@@ -211,13 +224,23 @@ class _Pool:
         ages = np.concatenate([t.ages for t in tables])
         patches = np.concatenate([t.patches for t in tables])
         nbytes = np.concatenate(sizes)
-        work = np.asarray(
-            config.cost.work(lengths.astype(np.float64), lengths.astype(np.float64) ** 2, patches),
-            dtype=np.float64,
-        )
+        if works is None:
+            work = np.asarray(
+                config.cost.work(
+                    lengths.astype(np.float64), lengths.astype(np.float64) ** 2, patches
+                ),
+                dtype=np.float64,
+            )
+        else:
+            work = np.concatenate([np.asarray(w, dtype=np.float64) for w in works])
+        tie = row if ties is None else np.concatenate([np.asarray(t, np.int64) for t in ties])
+        if work.shape != unit.shape or tie.shape != unit.shape:
+            raise InvariantError(
+                f"{work.shape[0]} works, {tie.shape[0]} ties for {unit.shape[0]} samples"
+            )
         # Ties interleave the units (row within its unit, then unit), so equal samples of a
         # level are already spread evenly and do not move back and forth between bins.
-        order = np.lexsort((unit, row, -work))
+        order = np.lexsort((unit, tie, -work))
         unit, row, work, lengths, nbytes, ages = (
             x[order] for x in (unit, row, work, lengths, nbytes, ages)
         )

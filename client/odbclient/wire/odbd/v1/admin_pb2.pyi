@@ -41,7 +41,7 @@ class RankStatus(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., attached: _Optional[bool] = ..., queued_steps: _Optional[int] = ..., delivered_steps: _Optional[int] = ..., wait_s: _Optional[float] = ..., compute_s: _Optional[float] = ..., delivered_samples: _Optional[int] = ..., delivered_loss_tokens: _Optional[int] = ..., delivered_real_tokens: _Optional[int] = ..., delivered_padded_tokens: _Optional[int] = ..., trained_epoch: _Optional[int] = ..., trained_epoch_steps: _Optional[int] = ..., epochs_trained: _Optional[int] = ...) -> None: ...
 
 class StatusReply(_message.Message):
-    __slots__ = ("job_id", "node_rank", "num_nodes", "epoch", "round", "dataset_size", "epoch_emitted_samples", "buffered_samples", "leased_samples", "producers", "shm_used_bytes", "shm_capacity_bytes", "ranks", "rejected_by_reason", "uptime_s", "phase", "last_error", "producers_lane_full", "waiting_for", "cost_model", "ending", "planned_epoch", "planned_epoch_steps", "planned_epoch_steps_exact", "planned_epoch_steps_so_far", "planned_steps", "trained_epoch", "trained_epoch_steps", "trained_epoch_samples", "trained_epoch_planned_steps", "epochs_trained", "trained_samples_per_s", "trained_tokens_per_s", "rate_window_s")
+    __slots__ = ("job_id", "node_rank", "num_nodes", "epoch", "round", "dataset_size", "epoch_emitted_samples", "buffered_samples", "leased_samples", "producers", "shm_used_bytes", "shm_capacity_bytes", "ranks", "rejected_by_reason", "uptime_s", "phase", "last_error", "producers_lane_full", "waiting_for", "cost_model", "ending", "planned_epoch", "planned_epoch_steps", "planned_epoch_steps_exact", "planned_epoch_steps_so_far", "planned_steps", "trained_epoch", "trained_epoch_steps", "trained_epoch_samples", "trained_epoch_planned_steps", "epochs_trained", "trained_samples_per_s", "trained_tokens_per_s", "rate_window_s", "migrate", "migrated_out_samples", "migrated_out_bytes", "migrated_in_samples", "migrated_in_bytes")
     class RejectedByReasonEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -83,6 +83,11 @@ class StatusReply(_message.Message):
     TRAINED_SAMPLES_PER_S_FIELD_NUMBER: _ClassVar[int]
     TRAINED_TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
     RATE_WINDOW_S_FIELD_NUMBER: _ClassVar[int]
+    MIGRATE_FIELD_NUMBER: _ClassVar[int]
+    MIGRATED_OUT_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    MIGRATED_OUT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MIGRATED_IN_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    MIGRATED_IN_BYTES_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     node_rank: int
     num_nodes: int
@@ -117,7 +122,12 @@ class StatusReply(_message.Message):
     trained_samples_per_s: float
     trained_tokens_per_s: float
     rate_window_s: float
-    def __init__(self, job_id: _Optional[str] = ..., node_rank: _Optional[int] = ..., num_nodes: _Optional[int] = ..., epoch: _Optional[int] = ..., round: _Optional[int] = ..., dataset_size: _Optional[int] = ..., epoch_emitted_samples: _Optional[int] = ..., buffered_samples: _Optional[int] = ..., leased_samples: _Optional[int] = ..., producers: _Optional[int] = ..., shm_used_bytes: _Optional[int] = ..., shm_capacity_bytes: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[RankStatus, _Mapping]]] = ..., rejected_by_reason: _Optional[_Mapping[str, int]] = ..., uptime_s: _Optional[float] = ..., phase: _Optional[str] = ..., last_error: _Optional[str] = ..., producers_lane_full: _Optional[int] = ..., waiting_for: _Optional[str] = ..., cost_model: _Optional[_Union[CostModelStatus, _Mapping]] = ..., ending: _Optional[str] = ..., planned_epoch: _Optional[int] = ..., planned_epoch_steps: _Optional[int] = ..., planned_epoch_steps_exact: _Optional[bool] = ..., planned_epoch_steps_so_far: _Optional[int] = ..., planned_steps: _Optional[int] = ..., trained_epoch: _Optional[int] = ..., trained_epoch_steps: _Optional[int] = ..., trained_epoch_samples: _Optional[int] = ..., trained_epoch_planned_steps: _Optional[int] = ..., epochs_trained: _Optional[int] = ..., trained_samples_per_s: _Optional[float] = ..., trained_tokens_per_s: _Optional[float] = ..., rate_window_s: _Optional[float] = ...) -> None: ...
+    migrate: bool
+    migrated_out_samples: int
+    migrated_out_bytes: int
+    migrated_in_samples: int
+    migrated_in_bytes: int
+    def __init__(self, job_id: _Optional[str] = ..., node_rank: _Optional[int] = ..., num_nodes: _Optional[int] = ..., epoch: _Optional[int] = ..., round: _Optional[int] = ..., dataset_size: _Optional[int] = ..., epoch_emitted_samples: _Optional[int] = ..., buffered_samples: _Optional[int] = ..., leased_samples: _Optional[int] = ..., producers: _Optional[int] = ..., shm_used_bytes: _Optional[int] = ..., shm_capacity_bytes: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[RankStatus, _Mapping]]] = ..., rejected_by_reason: _Optional[_Mapping[str, int]] = ..., uptime_s: _Optional[float] = ..., phase: _Optional[str] = ..., last_error: _Optional[str] = ..., producers_lane_full: _Optional[int] = ..., waiting_for: _Optional[str] = ..., cost_model: _Optional[_Union[CostModelStatus, _Mapping]] = ..., ending: _Optional[str] = ..., planned_epoch: _Optional[int] = ..., planned_epoch_steps: _Optional[int] = ..., planned_epoch_steps_exact: _Optional[bool] = ..., planned_epoch_steps_so_far: _Optional[int] = ..., planned_steps: _Optional[int] = ..., trained_epoch: _Optional[int] = ..., trained_epoch_steps: _Optional[int] = ..., trained_epoch_samples: _Optional[int] = ..., trained_epoch_planned_steps: _Optional[int] = ..., epochs_trained: _Optional[int] = ..., trained_samples_per_s: _Optional[float] = ..., trained_tokens_per_s: _Optional[float] = ..., rate_window_s: _Optional[float] = ..., migrate: _Optional[bool] = ..., migrated_out_samples: _Optional[int] = ..., migrated_out_bytes: _Optional[int] = ..., migrated_in_samples: _Optional[int] = ..., migrated_in_bytes: _Optional[int] = ...) -> None: ...
 
 class CostModelStatus(_message.Message):
     __slots__ = ("mode", "state", "learned", "a", "b", "c", "a_seconds", "b_seconds", "c_seconds", "fit_error", "fixed_error", "observations")
