@@ -184,8 +184,9 @@ def daemon_parser() -> flags.OneLineParser:
         default="off",
         metavar="{auto,off}",
         help="auto: move samples between nodes when the link model says it lowers the round's "
-        "time (issue 26; docs/bench/migration.md); off (default until the live path is proven "
-        "in every fault test): every sample trains on the node whose producers made it",
+        "time (issue 26; docs/bench/migration.md; a --state-dir restart stays exact); off "
+        "(default until make test and make soak pass with auto as the default): every sample "
+        "trains on the node whose producers made it",
     )
     plan.add_argument(
         "--link-gbps",

@@ -145,15 +145,6 @@ class DaemonConfig:
                 f"{self.balance.value} keeps per-rank buffers; use --balance node with it, or "
                 "--migrate off"
             )
-        if self.migrate and self.state_dir is not None:
-            # A restart re-leases a view on its home node from that node's journal alone, but
-            # a moved view is journaled by the node that trained it: the restart would train
-            # it twice. Refused until the restart exchanges those views (docs/bench/migration.md).
-            raise ConfigError(
-                "--migrate auto cannot be combined with --state-dir yet: a restart would train "
-                "samples that moved to another node a second time. Use --migrate off for a job "
-                "that must resume, or run without --state-dir"
-            )
         if self.migrate and not self.link_gbps > 0:
             raise ConfigError(
                 f"--link-gbps must be > 0, got {self.link_gbps:g}; pass each node's bandwidth "

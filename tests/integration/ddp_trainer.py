@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import sys
 import time
 from collections.abc import Iterator
@@ -74,6 +75,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "different steps, so a step number does not stop every rank)",
     )
     p.add_argument("--resume", action="store_true", help="continue from DIR/ckpt-rank{r}.pt")
+    p.add_argument(
+        "--checkpoint-every",
+        type=int,
+        default=0,
+        metavar="N",
+        help="checkpoint after every N-th step and carry on (a job killed later resumes there)",
+    )
     p.add_argument("--eval-size", type=int, default=0, help="held-out samples (rank 0)")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--timed", action="store_true", help="time and report each step's compute")
@@ -219,7 +227,10 @@ class Run:
             "optimizer": self.optimizer.state_dict(),
             "client": self.client.state_dict() if self.client is not None else None,
         }
-        torch.save(state, self.checkpoint_path())
+        # Atomic: a rank that dies mid-save (--checkpoint-every) keeps its previous checkpoint.
+        partial = self.checkpoint_path().with_suffix(".tmp")
+        torch.save(state, partial)
+        os.replace(partial, self.checkpoint_path())
 
     def load_checkpoint(self) -> None:
         state = torch.load(self.checkpoint_path(), weights_only=False)
@@ -253,6 +264,12 @@ def train(run: Run) -> dict[str, Any]:
                 if f"{step.epoch}:{step.step}" == run.args.stop_at or stop_update:
                     run.save_checkpoint()
                     return {"stopped": True, "steps": run.steps_done}
+                every = run.args.checkpoint_every
+                if every and run.steps_done % every == 0:
+                    run.save_checkpoint()
+                    point = {"checkpoint": [step.epoch, step.step], "rank": run.rank}
+                    run.report.write(json.dumps(point) + "\n")
+                    run.report.flush()
     dist.barrier()
     loop_s = time.perf_counter() - started
     return {"loop_s": loop_s, "eval_start": eval_start, "eval_end": run.held_out_loss()}

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from odbd.demo.cluster import ClusterSpec, LocalCluster
+from odbd.demo.cluster import ClusterSpec, LocalCluster, wait_all
 from tests.integration.ddp_launch import DATASET, Reports, data_flags, launch_ranks
 from tests.integration.ddp_model import ModelConfig
-from tests.integration.harness import http_get, scaled
+from tests.integration.harness import http_get, poll_until, scaled
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -140,3 +140,128 @@ def test_a_node_killed_while_samples_move_fails_the_job_naming_it() -> None:
             assert error["error"] == "JobFailedError" and "node 1" in error["message"], error
         print(f"\nrank 0 was told: {fc.errors(0)[0]['message'][:300]}")
         _cleanup_dead_node(fc, 1)
+
+
+def test_a_node_killed_at_start_up_fails_the_job_naming_it() -> None:
+    """The start-up neighbour of the kill above: node 1 dies once the job formed, before any
+    trainer attached (its bulk port open, round 0 at most begun): the survivor exits 1 at
+    once naming node 1, as with --migrate off, and leaves no shared memory."""
+    from tests.integration.faults_cluster import FaultCluster, synthetic
+    from tests.integration.test_faults_peer import ROUND_TIMEOUT_S, _cleanup_dead_node
+
+    args = [*synthetic(200, workers=1), "--buffer", "8", "--token-budget", "1024"]
+    args += ["--round-timeout", str(ROUND_TIMEOUT_S), "--migrate", "auto"]
+    with FaultCluster(nodes=2, ranks_per_node=2, daemon_args=args) as fc:
+        fc.daemons[1].kill()
+        killed = time.monotonic()
+        fc.wait_done(ROUND_TIMEOUT_S + 20)
+        exited_s = time.monotonic() - killed
+        assert fc.daemons[0].returncode == 1, fc.describe()
+        assert re.search(r"lost node 1\b", fc.log(0)), fc.log(0)
+        print(f"\nthe survivor exited 1 {exited_s:.1f} s after node 1 was killed at start-up")
+        _cleanup_dead_node(fc, 1)
+
+
+@pytest.mark.soak  # two runs of a 2 x 2 gloo job, ~40-60 s on 2 busy cores: `make soak`
+def test_a_node_killed_with_samples_in_flight_resumes_from_state_dir_exactly(
+    tmp_path: Path,
+) -> None:
+    """Issue 26: with --migrate auto and --state-dir, node 1 is SIGKILLed while samples move
+    (both ways, every round). The survivor fails the job naming node 1; every trainer holds
+    a checkpoint of its last step. Both daemons restart from their journals and the trainers
+    from their checkpoints: node 0 holds the views it moved out, round 0's moves exchange
+    tells it which of them node 1 trained before the resume point, it re-leases only the
+    rest, and every sample of each epoch is trained exactly once over both runs."""
+    from tests.integration.test_faults_peer import ROUND_TIMEOUT_S
+
+    data = {**DATA, "size": 192}
+    dataset = ["--dataset", f"{DATASET}:make", "--workers", "1", "--shm-size", "64M"]
+    dataset += [f"--dataset-arg={k}={v}" for k, v in data.items()]
+    spec = ClusterSpec(
+        nodes=2, ranks_per_node=2, metrics=True,
+        daemon_args=[
+            *dataset, "--token-budget", str(TOKEN_BUDGET), "--buffer", "16",
+            "--epochs", str(EPOCHS), "--no-shuffle", "--migrate", "auto",
+            "--state-dir", str(tmp_path / "state"), "--round-timeout", str(ROUND_TIMEOUT_S),
+            "--drain-timeout", "2",
+            # rounds keep pace with the trainers, so the kill finds moves still to plan and
+            # samples moved in but not trained on node 1
+            "--steps-ahead", "2",
+        ],
+    )  # fmt: skip
+    cluster = LocalCluster(spec)
+    train = [*TRAINER, *data_flags(data)]
+    out = tmp_path / "train"
+    first = second = None
+    try:
+        cluster.start()
+        first = launch_ranks(
+            world=WORLD, nproc_per_node=2, out_dir=out, sockets=cluster.sockets,
+            trainer_args=[*train, "--checkpoint-every", "1"],
+        )  # fmt: skip
+        url = f"http://127.0.0.1:{cluster.metrics_ports[1]}/metrics"
+
+        def moved_and_training() -> bool:
+            try:
+                text = http_get(url)
+            except OSError:  # not listening yet
+                return False
+            steps = [s for s in Reports.read(out, WORLD).steps(0) if s["epoch"] == 0]
+            return counter(text, "odbd_migrated_samples", "in") > 0 and len(steps) >= 3
+
+        poll_until(moved_and_training, "node 1 took moved samples and rank 0 trained 3 steps")
+        cluster.processes[1].kill()
+        cluster.processes[1].wait()
+        codes = first.wait(scaled(120.0))
+        [survivor] = wait_all(cluster.processes[:1], scaled(ROUND_TIMEOUT_S + 30))
+        log0 = cluster.log(0)
+        assert survivor == 1 and re.search(r"node 1\b", log0), f"{survivor}\n{log0}"
+        assert codes != [0] * WORLD, "the trainers finished a job whose node was killed"
+        records = Reports.read(out, WORLD)
+        points = {
+            rank: [r["checkpoint"] for r in records.records[rank] if "checkpoint" in r][-1]
+            for rank in range(WORLD)
+        }
+        assert len({tuple(p) for p in points.values()}) == 1, f"ranks checkpointed {points}"
+        point = tuple(points[0])
+        before = {rank: len(records.records[rank]) for rank in range(WORLD)}
+        # the restart: both daemons from their journals, the trainers from their checkpoints
+        for node in range(2):
+            cluster.start_node(node)
+        second = launch_ranks(
+            world=WORLD, nproc_per_node=2, out_dir=out, sockets=cluster.sockets,
+            trainer_args=[*train, "--resume"],
+        )  # fmt: skip
+        rank_codes = second.wait(scaled(120.0))
+        daemon_codes = cluster.wait(scaled(30.0))
+    finally:
+        for ranks in (first, second):
+            if ranks is not None:
+                ranks.wait(0.01)
+        cluster.stop()
+    logs = f"{cluster.log(0)}\n{cluster.log(1)}"
+    assert rank_codes == [0] * WORLD and daemon_codes == [0, 0], f"{rank_codes}\n{logs}"
+    full = [(cluster.log_dir / f"daemon{n}.log").read_text(errors="replace") for n in range(2)]
+    settled = [line for t in full for line in t.splitlines() if "restart with moves" in line]
+    assert settled, logs
+    records = Reports.read(out, WORLD)
+    kept = {}  # rank -> the steps that count: the first run's to the checkpoint, the second's
+    for rank in range(WORLD):
+        head = [r for r in records.records[rank][: before[rank]] if "step" in r]
+        kept[rank] = [r for r in head if (r["epoch"], r["step"]) <= point]
+        kept[rank] += [r for r in records.records[rank][before[rank] :] if "step" in r]
+    for epoch in range(EPOCHS):
+        ids: list[int] = []
+        for rank in range(WORLD):
+            mine = [r for r in kept[rank] if r["epoch"] == epoch]
+            assert [r["step"] for r in mine] == list(range(len(mine))), (rank, epoch)
+            ids += [i for r in mine for i in r["ids"]]
+        twice = sorted(i for i, n in Counter(ids).items() if n > 1)
+        assert not twice, f"epoch {epoch}: trained twice over both runs: {twice}"
+        assert sorted(ids) == list(range(data["size"])), f"epoch {epoch}: samples never trained"
+    assert len({len(steps) for steps in kept.values()}) == 1, "ranks took different step counts"
+    for index in range(len(kept[0])):
+        scales = [kept[rank][index]["loss_scale"] for rank in range(WORLD)]
+        assert sum(scales) / WORLD == pytest.approx(1.0), (index, scales)
+    print(f"\nkilled node 1 after step {point} (both runs: every sample once per epoch)")
+    print("\n".join(line.split(" INFO ", 1)[-1] for line in settled))

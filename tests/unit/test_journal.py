@@ -62,6 +62,19 @@ def test_a_resume_marker_voids_the_steps_planned_after_it(tmp_path):
     assert state.incarnation == 2
 
 
+def test_moved_records_survive_resume_markers(tmp_path):
+    """--migrate auto: every view a node sent away, whatever run sent it, reaches replay (a
+    restart holds those of them its own ranks did not train, NodeState.restore)."""
+    journal = write_rounds(tmp_path, [[(0, 0, [[1], [2]]), (0, 1, [[3], [4]])]])
+    journal.append_moved(0, np.asarray([11, 12]), target=1)
+    journal.append_resume(0, 1)
+    journal.append_moved(7, np.asarray([13]), target=1)
+    journal.append_round(8, [[0, 1, 2]], np.asarray([5, 6]), np.asarray([[1, 1]]), [], {})
+    state = replay(journal.records(), world_size=2, epoch=0, step=2)
+    assert state.moved_keys == [11, 12, 13]
+    assert [s.keys_by_rank[0].tolist() for s in state.trained_steps] == [[1], [5]]
+
+
 def test_a_resume_point_the_journal_never_saw_is_refused(tmp_path):
     journal = write_rounds(tmp_path, [[(0, 0, [[1], [2]])]])
     with pytest.raises(ConfigError, match="records 1 steps of that epoch"):

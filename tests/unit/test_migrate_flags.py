@@ -29,7 +29,6 @@ def test_migrate_is_off_by_default_and_auto_reaches_the_planner_and_the_fingerpr
     [
         ({"balance": Balance.RANK}, "use --balance node with it"),
         ({"link_gbps": 0.0}, "--link-gbps must be > 0"),
-        ({"state_dir": Path("/tmp/x")}, "Use --migrate off for a job that must resume"),
     ],
 )
 def test_migrate_auto_refuses_what_it_cannot_do_with_the_fix(
@@ -37,3 +36,8 @@ def test_migrate_auto_refuses_what_it_cannot_do_with_the_fix(
 ) -> None:
     with pytest.raises(ConfigError, match=fix):
         config(migrate=True, **fields)
+
+
+def test_migrate_auto_runs_with_a_state_dir() -> None:
+    """A restart with moves is exact (NodeState.release_held), so the pair is no longer refused."""
+    assert config(migrate=True, state_dir=Path("/tmp/x")).migrate

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from odbd.daemon import migration_codec
 from odbd.daemon.migration_codec import (
     decode_digest,
     decode_moves,
@@ -52,3 +53,13 @@ def test_a_digest_of_another_nodes_units_fails_the_job_naming_the_sender() -> No
         InvariantError, match="node 1 sent a round 2 migration digest the hub cannot"
     ):
         hub_migrate([payloads[0], b"garbage bytes!"], config, FREE_LINK, round_index=2)
+
+
+def test_round_zeros_trained_views_ride_beside_the_digest_and_a_short_section_is_refused():
+    keys = np.asarray([3, 7, 1 << 40], dtype=np.int64)
+    got, rest = migration_codec.split_keys(migration_codec.with_keys(keys, b"digest"))
+    assert got.tolist() == keys.tolist() and rest == b"digest"
+    empty, rest = migration_codec.split_keys(migration_codec.with_keys(keys[:0], b""))
+    assert empty.size == 0 and rest == b""
+    with pytest.raises(InvariantError, match="names 3 trained views"):
+        migration_codec.split_keys(migration_codec.with_keys(keys, b"")[:-1])

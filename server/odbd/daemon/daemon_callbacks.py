@@ -7,6 +7,8 @@ from __future__ import annotations
 import logging
 import time
 
+import numpy as np
+
 from odbclient.shm import Allocation
 from odbclient.wire.odbd.v1 import (
     trainer_pb2,
@@ -73,6 +75,20 @@ class DaemonCallbacks(DaemonState):
             self.ingest.pump_leases()
         if locations and self.loop is not None:
             self.loop.trainer_progress()
+
+    def _release_held(self, trained_elsewhere: np.ndarray) -> None:
+        """Round 0's moves exchange named every view the other nodes trained before the
+        resume point: the views this node held back since its restart are settled."""
+        held = self.state.num_held()
+        final, again = self.state.release_held(trained_elsewhere)
+        if held:
+            log.info(
+                "restart with moves: of %d views this node had moved out and not trained, "
+                "%d were trained by other nodes (final) and %d are produced again",
+                held, final, again,
+            )  # fmt: skip
+        if again and self.ingest is not None:
+            self.ingest.pump_leases()
 
     def _read_sample(self, segment: int, offset: int, nbytes: int) -> memoryview:
         assert self.arena is not None

@@ -17,6 +17,8 @@ Records:
                                             + arrays keys (n,), counts (steps * W,),
                                               rejected_keys (this node's, since last round)
     {"kind": "resume", "epoch": e, "step": s}   a restart: steps >= (e, s) before it never ran
+    {"kind": "moved", "round": r, "target": n}  + arrays keys: views this node sent to node n
+                                            (--migrate auto), written before their bytes go
 Each round is appended and fsynced before its steps are queued, so any step a trainer saw is in
 the journal. A crash mid-append leaves a torn last frame: reading stops at the first frame that
 is short or fails its checksum, and `open` cuts the file there before appending, so a later
@@ -77,6 +79,9 @@ class ResumeState:
     rejected_keys: list[int] = field(default_factory=list)  # this node's
     rejected: Counter[str] = field(default_factory=Counter)  # every node's, all rounds
     incarnation: int = 0  # restarts so far, this one included
+    # views this node moved to others, every run (--migrate auto): a restart holds its own
+    # ones it did not train until the others say whether they did (NodeState.release_held)
+    moved_keys: list[int] = field(default_factory=list)
 
 
 Record = tuple[dict, list[np.ndarray]]
@@ -286,6 +291,12 @@ class Journal:
         rejected_arr = np.asarray(rejected_keys, dtype=np.int64)
         self._write(encode_frame(header, [keys, counts.reshape(-1), rejected_arr]), "write")
 
+    def append_moved(self, round_index: int, keys: np.ndarray, target: int) -> None:
+        """Views about to be sent to node `target`: fsynced before any byte goes, so a view a
+        target may train is always in its home node's journal as moved."""
+        header = {"kind": "moved", "round": round_index, "target": target}
+        self._write(encode_frame(header, [keys.astype(np.int64)]), "write")
+
     def append_resume(self, epoch: int, step: int) -> None:
         self._write(encode_frame({"kind": "resume", "epoch": epoch, "step": step}, []), "write")
 
@@ -392,6 +403,8 @@ def replay(
             steps.extend(_round_steps(header, arrays, world_size))
             state.rejected_keys.extend(arrays[2].tolist())
             state.rejected.update(header["rejected"])
+        elif kind == "moved":
+            state.moved_keys.extend(arrays[0].tolist())
     state.trained_steps = [s for s in steps if (s.epoch, s.step) < (epoch, step)]
     recorded = sum(1 for s in state.trained_steps if s.epoch == epoch)
     if recorded != step:

@@ -209,3 +209,32 @@ def _check_prefix(payload: bytes, kind: int) -> None:
             f"{_MAGIC:#x} version {_VERSION} kind {kind}: every daemon of a job must run the "
             "same odbd release"
         )
+
+
+# -- round 0 after a restart: view keys beside the digests and the moves ------------------
+
+_KEYS_HEAD = struct.Struct("<Q")
+
+
+def with_keys(keys: np.ndarray, payload: bytes) -> bytes:
+    """`payload` after a section of view keys (u64 count, int64 keys): round 0's moves
+    exchange carries each node's trained foreign views, its result their union."""
+    return _KEYS_HEAD.pack(len(keys)) + keys.astype("<i8").tobytes() + payload
+
+
+def split_keys(payload: bytes) -> tuple[np.ndarray, bytes]:
+    """(keys, the rest) of a with_keys payload; InvariantError if it cannot hold them."""
+    if len(payload) < _KEYS_HEAD.size:
+        raise InvariantError(
+            "round 0's moves exchange carried no trained-views section; every daemon of a "
+            "job must run the same odbd release"
+        )
+    (n,) = _KEYS_HEAD.unpack_from(payload, 0)
+    end = _KEYS_HEAD.size + 8 * n
+    if end > len(payload):
+        raise InvariantError(
+            f"round 0's moves exchange names {n} trained views in {len(payload)} bytes; "
+            "every daemon of a job must run the same odbd release"
+        )
+    keys = np.frombuffer(payload, dtype="<i8", count=n, offset=_KEYS_HEAD.size)
+    return keys.astype(np.int64), payload[end:]

@@ -14,6 +14,13 @@ So every node plans the round on its buffer after the moves (the same round: det
 and the transfers overlap the trainers' current steps (they run steps_ahead steps behind the
 planner). A transfer that fails (the target is gone, a check refused it) raises BulkError: the
 round loop fails the job as at a lost node.
+
+A restart from --state-dir: a sender journals each move (Journal.append_moved) before any byte
+goes, so a restarted node knows which of its views went elsewhere; those it did not train
+itself are held (NodeState.restore). Round 0's moves exchange carries, beside the digests,
+each node's foreign views its ranks trained before the resume point (the hub returns their
+union, O(moved views) once per restart); then every node makes its held views that another
+trained final and leases the others again (NodeState.release_held): each view trained once.
 """
 
 from __future__ import annotations
@@ -70,6 +77,8 @@ class LiveMigration:
         host: str,
         free: Callable[[list[Locations]], None],
         read: Callable[[int, int, int], memoryview],
+        journal: Callable[[int, np.ndarray, int], None] | None = None,
+        released: Callable[[np.ndarray], None] | None = None,
     ) -> None:
         self.barrier = barrier
         self.node = node
@@ -83,6 +92,8 @@ class LiveMigration:
         self.host = host
         self.free = free
         self.read = read
+        self.journal = journal  # (round, keys, target node): --state-dir's moved record
+        self.released = released  # round 0's union of foreign views trained (restart)
         self.inbox = _Inbox()
         self.address = ""
         self.receiver: BulkReceiver[Allocation] = BulkReceiver(
@@ -118,18 +129,33 @@ class LiveMigration:
         round_index: int,
         offers: Sequence[UnitOffer],
         config: PlannerConfig,
+        trained: np.ndarray | None = None,
     ) -> list[UnitOffer]:
         """This round's moves done: the offers to plan (kept rows plus what arrived).
         `planner_round` names the barrier's rounds (the exchange runs through the same
-        SplitExchange as the round's others); `round_index` (the round's seed) the transfers."""
+        SplitExchange as the round's others); `round_index` (the round's seed) the transfers.
+        `trained` (round 0 of every daemon, empty unless restarted): this node's ranks'
+        trained views of other nodes, whose union goes to `released` on every node."""
         sizes = [self.state.locations_of(o.samples.views).nbytes for o in offers]
         digests = [node_digest(o, config, s, self.link) for o, s in zip(offers, sizes, strict=True)]
         payload = migration_codec.encode_digest(self.node, digests, self.address)
+        if trained is not None:
+            payload = migration_codec.with_keys(trained, payload)
 
         def reduce(payloads: list[bytes]) -> bytes:  # on the hub only
-            return migration_codec.hub_migrate(payloads, config, self.link, round_index)
+            if trained is None:
+                return migration_codec.hub_migrate(payloads, config, self.link, round_index)
+            split = [migration_codec.split_keys(p) for p in payloads]
+            union = np.unique(np.concatenate([k for k, _ in split]))
+            digests = [d for _, d in split]
+            moves = migration_codec.hub_migrate(digests, config, self.link, round_index)
+            return migration_codec.with_keys(union, moves)
 
         result = await exchange.moves(planner_round, payload, reduce)
+        if trained is not None:
+            union, result = migration_codec.split_keys(result)
+            if self.released is not None:
+                self.released(union)
         every_unit = list(range(config.num_units))
         _, moves = migration_codec.decode_moves(result, every_unit)
         addresses = migration_codec.decode_addresses(result)
@@ -147,6 +173,8 @@ class LiveMigration:
                 rows = pick.send_rows[pick.send_targets == target]
                 table = t.take(rows)
                 node = self._node_of(target, config)
+                if self.journal is not None:
+                    self.journal(round_index, table.views, node)
                 where = self.state.move_out(table.views)
                 shipped.append(where)
                 sends.append(asyncio.ensure_future(

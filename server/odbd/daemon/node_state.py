@@ -114,8 +114,9 @@ class NodeState(NodeCommits):
     def _plan_slot(self) -> int:
         return self._slot(self.epoch)
 
-    def dry(self, unit: LocalUnit) -> bool:
-        """No view of the epoch being planned is pending or leased on this unit (join only)."""
+    def dry(self, unit: LocalUnit, *, held: bool = True) -> bool:
+        """No view of the epoch being planned is pending or leased on this unit (join only).
+        `held=False`: as if the views a restart holds back (LocalUnit.held) were done."""
         if not self.config.join:
             return False
         e = self.epoch
@@ -123,13 +124,17 @@ class NodeState(NodeCommits):
         if not exhausted:  # the usual case, checked on every commit: skip the scans below
             return False
         in_flight = unit.leased_in[e] > 0
-        retrying = any(k // max(self.views_per_iteration, 1) == e for k in unit.retry)
-        return not in_flight and not retrying
+        m = max(self.views_per_iteration, 1)
+        retrying = any(k // m == e for k in unit.retry)
+        waiting = held and any(k // m == e for k in unit.held)
+        return not in_flight and not retrying and not waiting
 
     def units_ready(self) -> bool:
+        # Held views do not hold up a round: round 0's moves exchange is what releases them.
         slot = self._plan_slot()
         return all(
-            u.buffered(slot) >= self.planner.unit_capacity or self.dry(u) for u in self._units
+            u.buffered(slot) >= self.planner.unit_capacity or self.dry(u, held=False)
+            for u in self._units
         )
 
     def buffered_now(self) -> int:
@@ -213,14 +218,21 @@ class NodeState(NodeCommits):
             iteration.ledger.move_in(views[~back])
             iteration.store(views, locations if isinstance(mask, slice) else locations.take(mask))
 
-    def restore(self, trained: IntArray, rejected: IntArray, epoch: int) -> None:
+    def restore(
+        self, trained: IntArray, rejected: IntArray, epoch: int, moved: IntArray | None = None
+    ) -> None:
         """After a restart: trained views stay emitted, rejected ones rejected, the rest of every
-        iteration up to the latest one touched is pending again, re-leased in sampler order."""
+        iteration up to the latest one touched is pending again, re-leased in sampler order.
+        `moved`: keys this node's journal says it moved to other nodes (--migrate auto); those
+        of its own views that it did not train itself are held (LocalUnit.held) until
+        release_held() learns which of them another node trained."""
         m = self.views_per_iteration
         self.epoch = epoch
         done = np.concatenate([trained, rejected]).astype(np.int64)
+        moved = np.zeros(0, dtype=np.int64) if moved is None else moved.astype(np.int64)
+        moved = moved[self.is_home(moved)]
         touched = [epoch] if self.config.join else [0]
-        last = max(touched + (done // max(m, 1)).tolist()) if m else 0
+        last = max(touched + (np.concatenate([done, moved]) // max(m, 1)).tolist()) if m else 0
         first = epoch if self.config.join else 0
         for it in range(first, last + 1):
             ledger = self.iteration(it).ledger
@@ -231,15 +243,49 @@ class NodeState(NodeCommits):
             refused = rejected[rejected // m == it] % m
             ledger.lease(refused)
             ledger.reject(refused)
+        foreign = trained[~self.is_home(trained)]
+        self._migrated.update((foreign // max(m, 1)).tolist())  # their ledgers count own views
         done_set = set(done.tolist())
+        held_set = set(moved[moved // max(m, 1) >= first].tolist()) - done_set
         for unit in self._units:
-            unit.retry = deque(
-                k
-                for it in range(first, last + 1)
-                for k in (unit.views + it * m).tolist()
-                if k not in done_set
-            )
+            keys = [k for it in range(first, last + 1) for k in (unit.views + it * m).tolist()]
+            unit.retry = deque(k for k in keys if k not in done_set and k not in held_set)
+            unit.held = [k for k in keys if k in held_set]
             unit.iteration, unit.cursor = last, len(unit.views)
+
+    def is_home(self, keys: IntArray) -> np.ndarray:
+        """Which keys are views of this node's own units (not moved in from another node)."""
+        if not keys.size or not self.views_per_iteration:
+            return np.zeros(keys.shape, dtype=bool)
+        ranks = (keys % self.views_per_iteration) % self.config.world.world_size
+        return ranks // self.config.world.ranks_per_node == self.config.node_rank
+
+    def num_held(self) -> int:
+        return sum(len(u.held) for u in self._units)
+
+    def release_held(self, trained_elsewhere: IntArray) -> tuple[int, int]:
+        """Round 0 after a restart told every node which views the others trained before the
+        resume point: of the held views, those are final here (MOVED, as when they left), the
+        rest are leased again (the node they went to lost them). Returns (final, re-leased)."""
+        elsewhere = set(trained_elsewhere.tolist())
+        final: list[int] = []
+        again = 0
+        for unit in self._units:
+            for key in unit.held:
+                if key in elsewhere:
+                    final.append(key)
+                else:
+                    unit.retry.append(key)
+                    again += 1
+            unit.held = []
+        keys = np.asarray(sorted(final), dtype=np.int64)
+        for it, _, views in by_iteration(keys, self.views_per_iteration):
+            self._migrated.add(it)
+            ledger = self.iteration(it).ledger
+            ledger.lease(views)
+            ledger.buffer(views)
+            ledger.move_out(views)
+        return len(final), again
 
     def local_unit_ids(self) -> list[int]:
         return [u.unit for u in self._units]

@@ -12,6 +12,8 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
+
 from odbd.config import DaemonConfig
 from odbd.daemon.cost_learning import CostLearner
 from odbd.daemon.end_requests import (
@@ -147,6 +149,7 @@ class RoundLoopState:
         )
         # --migrate auto (migration_live.py), set by the daemon once its bulk port listens
         self.migration: LiveMigration | None = None
+        self.foreign_trained = np.zeros(0, dtype=np.int64)  # restore(): see there
         # (samples, loss tokens) every unit's buffer held this round (RoundExtras)
         self.offered = (0, 0)
         self._first_rank = config.local_ranks[0]  # a NodeRoundPlan's columns start here

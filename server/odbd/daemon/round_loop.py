@@ -70,8 +70,9 @@ class RoundLoop(RoundWaiting, RoundApplying):
             seed_round = self.round_seed_base + self.round_index
             offers = self.state.offers()
             if self.migration is not None:
+                restart = self.foreign_trained if self.round_index == 0 else None
                 offers = await self.migration.round(
-                    self.split, self.round_index, seed_round, offers, planner
+                    self.split, self.round_index, seed_round, offers, planner, restart
                 )
             grouped, decided = await self.split.decide(
                 self.round_index, seed_round, side, tuple(offers), planner, self.cost.absorb,

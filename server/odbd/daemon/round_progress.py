@@ -36,11 +36,16 @@ class RoundProgress(RoundLoopState):
         local = set(self.queues)
         trained = [k for s in resume.trained_steps for r, keys in enumerate(s.keys_by_rank)
                    if r in local for k in keys.tolist()]  # fmt: skip
+        trained_keys = np.asarray(trained, dtype=np.int64)
         self.state.restore(
-            np.asarray(trained, dtype=np.int64),
+            trained_keys,
             np.asarray(resume.rejected_keys, dtype=np.int64),
             resume.epoch,
+            np.asarray(resume.moved_keys, dtype=np.int64),
         )
+        # --migrate auto: views of other nodes this node's ranks trained before the resume
+        # point, for round 0's moves exchange (their home nodes hold them back till then)
+        self.foreign_trained = np.unique(trained_keys[~self.state.is_home(trained_keys)])
         for s in resume.trained_steps:
             self.steps_in_epoch[s.epoch] = max(self.steps_in_epoch[s.epoch], s.step + 1)
             self.quota_consumed += s.global_samples

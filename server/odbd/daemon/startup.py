@@ -249,6 +249,8 @@ class DaemonStartup(DaemonServing, DaemonResume, DaemonCallbacks):
             host=host or "127.0.0.1",
             free=lambda locations: self._free(lanes, locations),
             read=self._read_sample,
+            journal=self.journal.append_moved if self.journal is not None else None,
+            released=self._release_held,
         )
         await self.migration.start()
         loop.migration = self.migration

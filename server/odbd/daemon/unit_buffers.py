@@ -43,6 +43,10 @@ class LocalUnit:
     iteration: int = 0  # the iteration `cursor` walks
     cursor: int = 0
     retry: deque[int] = field(default_factory=deque)  # released leases, re-leased first
+    # After a restart with --migrate auto: views this unit moved out before it (the journal's
+    # `moved` records) that its own ranks never trained. Another node may have trained them, so
+    # they are neither leased nor dry until round 0's moves exchange says which (release_held).
+    held: list[int] = field(default_factory=list)
     leased_in: Counter[int] = field(default_factory=Counter)  # iteration -> its keys leased
     buffers: dict[int, list[SampleTable]] = field(default_factory=dict)  # slot -> chunks
     # slot -> samples in its chunks, kept as chunks come and go: readiness is checked on every
