@@ -152,6 +152,9 @@ def test_a_node_killed_at_start_up_fails_the_job_naming_it() -> None:
     args = [*synthetic(200, workers=1), "--buffer", "8", "--token-budget", "1024"]
     args += ["--round-timeout", str(ROUND_TIMEOUT_S), "--migrate", "auto"]
     with FaultCluster(nodes=2, ranks_per_node=2, daemon_args=args) as fc:
+        # A daemon binds its socket before it joins: killed earlier, the survivor waits out
+        # the join deadline instead (a forming fault, test_faults_forming.py).
+        fc.wait_until(lambda: "all 2 nodes joined" in fc.log(0), "the job formed")
         fc.daemons[1].kill()
         killed = time.monotonic()
         fc.wait_done(ROUND_TIMEOUT_S + 20)

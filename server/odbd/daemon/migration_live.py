@@ -145,7 +145,12 @@ class LiveMigration:
         def reduce(payloads: list[bytes]) -> bytes:  # on the hub only
             if trained is None:
                 return migration_codec.hub_migrate(payloads, config, self.link, round_index)
-            split = [migration_codec.split_keys(p) for p in payloads]
+            split = []
+            for n, p in enumerate(payloads):
+                try:
+                    split.append(migration_codec.split_keys(p))
+                except InvariantError as error:
+                    raise InvariantError(f"node {n}'s round 0 digest: {error}") from None
             union = np.unique(np.concatenate([k for k, _ in split]))
             digests = [d for _, d in split]
             moves = migration_codec.hub_migrate(digests, config, self.link, round_index)
