@@ -22,7 +22,8 @@ from collections import Counter
 import numpy as np
 
 from odbd.config import DaemonConfig
-from odbd.daemon.node_state import Locations, NodeState
+from odbd.daemon.locations import Locations
+from odbd.daemon.node_state import NodeState
 from odbd.planner.round import plan_round
 from odbd.world import World
 

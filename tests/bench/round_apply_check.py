@@ -30,7 +30,8 @@ import numpy as np
 
 from odbclient.wire.odbd.v1 import ingest_pb2
 from odbd.config import DaemonConfig
-from odbd.daemon.node_state import Locations, NodeState
+from odbd.daemon.locations import Locations
+from odbd.daemon.node_state import NodeState
 from odbd.daemon.round_loop import RoundLoop
 from odbd.ingest.arena import Arena
 from odbd.ingest.lanes import Lanes

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from odbclient.shm import Allocation
-from odbd.daemon.node_state import Locations
+from odbd.daemon.locations import Locations
 from odbd.ingest.arena import Arena
 from odbd.ingest.lanes import Lanes
 from odbd.round.bulk import BulkError, BulkReceiver, SampleRecord, Transfer, record_of, send_samples

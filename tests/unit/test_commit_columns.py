@@ -13,7 +13,8 @@ import pytest
 from odbclient.producer.lane import LANE_HEADER_BYTES
 from odbclient.wire.odbd.v1 import ingest_pb2
 from odbd.config import DaemonConfig
-from odbd.daemon.node_state import Locations, NodeState
+from odbd.daemon.locations import Locations
+from odbd.daemon.node_state import NodeState
 from odbd.ingest.arena import Arena
 from odbd.ingest.lanes import Lanes
 from odbd.ingest.validate import MalformedMessage, decode_commit

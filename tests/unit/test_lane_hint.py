@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from odbclient.shm import Allocation
-from odbd.daemon.node_state import Locations, common_lane
+from odbd.daemon.locations import Locations, common_lane
 from odbd.ingest.lanes import Lanes
 
 _SAMPLE = 64

@@ -9,7 +9,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from odbd.config import DaemonConfig
-from odbd.daemon.app import is_serving
+from odbd.daemon.serving import is_serving
 from odbd.metrics.collector import KNOWN_REJECT_REASONS, DaemonCollector
 from odbd.metrics.stats import DaemonStats, Histogram
 from odbd.world import World

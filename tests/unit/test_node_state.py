@@ -11,7 +11,9 @@ import numpy as np
 
 from odbclient.wire.odbd.v1 import ingest_pb2
 from odbd.config import DaemonConfig
-from odbd.daemon.node_state import RUN_AHEAD_BUFFERS, Locations, NodeState
+from odbd.daemon.locations import Locations
+from odbd.daemon.node_layout import RUN_AHEAD_BUFFERS
+from odbd.daemon.node_state import NodeState
 from odbd.ingest.arena import Arena
 from odbd.ingest.lanes import Lanes
 from odbd.ingest.service import IngestService, ProducerSession

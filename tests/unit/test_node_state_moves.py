@@ -11,7 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from odbd.config import DaemonConfig
-from odbd.daemon.node_state import Locations, NodeState
+from odbd.daemon.locations import Locations
+from odbd.daemon.node_state import NodeState
 from odbd.planner.ledger import ViewState
 from odbd.planner.types import SampleTable
 from odbd.world import World

@@ -12,7 +12,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from odbclient.wire.odbd.v1 import trainer_pb2
-from odbd.daemon.node_state import Location
+from odbd.daemon.locations import Location
 from odbd.serve.rank_queue import QueuedItem, RankQueue
 from odbd.serve.trainer_service import (
     MAX_EVENT_BYTES,

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from odbclient.wire.odbd.v1 import ingest_pb2
-from odbd.daemon.round_loop import wait_reason
+from odbd.daemon.round_wait import wait_reason
 from odbd.ingest.rejections import (
     PRODUCER_CRASH,
     REJECT_FIXES,

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from odbclient.wire.odbd.v1 import trainer_pb2
-from odbd.daemon.node_state import Locations
+from odbd.daemon.locations import Locations
 from odbd.daemon.remake import REMAKE_ATTEMPTS, Rewinder
 from odbd.daemon.rewind import StepHistory, Verdict, decide_resume, fresh_node_failure
 from odbd.daemon.trained import StepCounts

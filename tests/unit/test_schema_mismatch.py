@@ -13,7 +13,8 @@ import torch
 from odbclient.samples import schema_difference, schema_hash
 from odbclient.shm import SampleMeta, encode_into, encoded_size, read_meta
 from odbd.config import DaemonConfig
-from odbd.daemon.node_state import Locations, NodeState
+from odbd.daemon.locations import Locations
+from odbd.daemon.node_state import NodeState
 from odbd.ingest.schema_vote import SCHEMA_VOTE_WAIT_S
 from odbd.ingest.service import IngestService
 from odbd.world import World

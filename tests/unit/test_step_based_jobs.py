@@ -12,7 +12,7 @@ import pytest
 from odbd import cli
 from odbd.daemon import offer_codec
 from odbd.daemon.end_requests import EndOutcome, end_decision, missing_failure
-from odbd.daemon.node_state import Location
+from odbd.daemon.locations import Location
 from odbd.errors import ConfigError
 from odbd.planner.progress import JobShape, StepFacts, capped_job_progress, step_progress
 from odbd.serve.rank_queue import QueuedItem, RankQueue

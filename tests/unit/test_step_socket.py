@@ -16,7 +16,7 @@ import pytest
 from odbclient.connect import PROTOCOL_VERSION
 from odbclient.framing import FrameBuffer, frame
 from odbclient.wire.odbd.v1 import trainer_pb2
-from odbd.daemon.node_state import Locations
+from odbd.daemon.locations import Locations
 from odbd.serve.rank_queue import QueuedItem, RankQueue
 from odbd.serve.step_socket import StepServer
 from odbd.serve.trainer_service import TrainerService

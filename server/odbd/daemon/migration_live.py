@@ -36,7 +36,8 @@ import numpy as np
 
 from odbclient.shm import Allocation
 from odbd.daemon import migration_codec
-from odbd.daemon.node_state import Locations, NodeState
+from odbd.daemon.locations import Locations
+from odbd.daemon.node_state import NodeState
 from odbd.daemon.split_exchange import SplitExchange
 from odbd.errors import InvariantError
 from odbd.ingest.arena import Arena

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from odbclient.wire.odbd.v1 import trainer_pb2
-from odbd.daemon.node_state import Locations
+from odbd.daemon.locations import Locations
 from odbd.daemon.rewind import HistoryItem, Position
 from odbd.daemon.trained import StepCounts
 

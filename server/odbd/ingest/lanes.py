@@ -21,7 +21,7 @@ import numpy as np
 
 from odbclient.producer.lane import IDLE
 from odbclient.shm import Allocation
-from odbd.daemon.node_state import Location, Locations, common_lane
+from odbd.daemon.locations import Location, Locations, common_lane
 from odbd.errors import InvariantError
 from odbd.ingest.arena import Arena
 

@@ -16,7 +16,9 @@ import numpy as np
 
 from odbclient.connect import PROTOCOL_VERSION
 from odbclient.wire.odbd.v1 import ingest_pb2, ingest_pb2_grpc
-from odbd.daemon.node_state import Locations, NodeState, Rejected
+from odbd.daemon.locations import Locations
+from odbd.daemon.node_commits import Rejected
+from odbd.daemon.node_state import NodeState
 from odbd.daemon.remake import Rewinder
 from odbd.ingest.hung import InFlight, hung, track
 from odbd.ingest.lanes import Lane, Lanes

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from odbclient.wire.odbd.v1 import trainer_pb2
-from odbd.daemon.node_state import Locations
+from odbd.daemon.locations import Locations
 from odbd.daemon.rewind import DEFAULT_REWIND_STEPS, StepHistory
 from odbd.daemon.trained import RankTrained, StepCounts
 

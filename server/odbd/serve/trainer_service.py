@@ -13,7 +13,7 @@ import grpc
 
 from odbclient.connect import DEFAULT_PREFETCH, PROTOCOL_VERSION
 from odbclient.wire.odbd.v1 import trainer_pb2, trainer_pb2_grpc
-from odbd.daemon.node_state import Locations
+from odbd.daemon.locations import Locations
 from odbd.daemon.remake import Rewinder
 from odbd.daemon.rewind import ResumeDecision, Verdict, decide_resume
 from odbd.serve.hello import Refusal, hello_refusal
