@@ -53,6 +53,7 @@ def execute(setup: Setup) -> Outcome:
         patches=setup.patches,
         trace=trace,
         migration=setup.migration,
+        digest=setup.digest,
     )
     ours = summarize_config(result, setup.config)
     planning = planning_report(trace, setup.config) if trace is not None else None
