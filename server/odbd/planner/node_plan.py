@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from odbd.planner import alignment, assignment, company, dealing, selection
-from odbd.planner.config import Collate, Grouping, LossScaling, PlannerConfig
+from odbd.planner import alignment, assignment, company, selection
+from odbd.planner.config import Grouping, LossScaling, PlannerConfig
 from odbd.planner.grouping import sort_longest_first
 from odbd.planner.loss_scaling import step_weights
 from odbd.planner.summary import GroupedUnit, SortedBuffer, range_max
@@ -60,9 +60,6 @@ def plan_node(
                 slot_stats["padded_tokens"], slot_stats["sum_sq"], slot_stats["patches"]
             )
             group_of_slot = assignment.slots_by_cost(work, g, decision.step_order)
-            if _deals(config):
-                fitted, buffer, group_of_slot = _even(unit, fitted, group_of_slot, config)
-                slot_stats = buffer.range_stats(fitted.starts, fitted.ends)
         plans.append(_unit_plan(unit.offer.unit, unit.offer.samples, fitted, group_of_slot))
         parts.append({k: v[group_of_slot].reshape(num_steps, g) for k, v in slot_stats.items()})
     columns = {
@@ -74,39 +71,6 @@ def plan_node(
     mean_tokens = np.repeat([_mean_tokens(u.offer.samples) for u in units], g).astype(np.float64)
     totals = _step_totals(node, columns, mean_tokens, plans, config)
     return NodeDraft(node, tuple(plans), columns, mean_tokens, totals)
-
-
-def _deals(config: PlannerConfig) -> bool:
-    """dealing.py's trades: padded batches without a patch budget (its cost is longest x size
-    plus squares; packed bins and patch budgets are filled by packing.py instead)."""
-    return EVEN_STEPS and config.collate is Collate.PADDED and config.max_patches == 0
-
-
-# Off only to measure what dealing.py's trades gain (docs/bench/migration.md).
-EVEN_STEPS = True
-
-
-def _even(
-    unit: GroupedUnit,
-    fitted: alignment.FittedGroups,
-    group_of_slot: IntArray,
-    config: PlannerConfig,
-) -> tuple[alignment.FittedGroups, SortedBuffer, IntArray]:
-    """The unit's slots after dealing.py's trades, one range per slot in slot order."""
-    samples = unit.offer.samples
-    order, starts, ends = dealing.even_steps(
-        fitted.order,
-        fitted.starts,
-        fitted.ends,
-        group_of_slot,
-        samples.lengths,
-        config.ranks_per_unit,
-        config.token_budget,
-        config.cost,
-    )
-    evened = alignment.FittedGroups(order, starts, ends, fitted.leftover_rows, fitted.num_splits)
-    slots = np.arange(len(starts), dtype=np.int64)
-    return evened, SortedBuffer.of(samples, order, packed=False), slots
 
 
 def _step_totals(
