@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from odbd.planner.config import Balance, Grouping
+from odbd.planner.epoch import simulate
 from odbd.simulate import add_arguments, main, run
 
 SMALL = ["--world", "4", "--nproc-per-node", "2", "--buffer", "32", "--num-samples", "600"]
@@ -168,6 +169,29 @@ def test_migrate_auto_reports_bytes_moved_and_the_node_local_oracle(
     assert main(argv) == 0
     text = capsys.readouterr().out
     assert "migrate auto: link 1e+06 Gb/s" in text and "samples moved between nodes" in text
+
+
+def test_migrate_decision_picks_the_digest_or_the_pooled_moves(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # The default is the live daemons' decision (digests); pooled is the reference. Each run
+    # must report the moves of its own decision, as simulate() makes them.
+    from odbd.simulate.command import build_setup
+
+    argv = ["--dist", "longtail", *SMALL, "--migrate", "auto", "--link-gbps", "1e6"]
+    moved = {}
+    for decision in ("digest", "pooled"):
+        assert main([*argv, "--migrate-decision", decision, "--json"]) == 0
+        moved[decision] = json.loads(capsys.readouterr().out)["migration"]["samples_moved"]
+        parser = argparse.ArgumentParser()
+        add_arguments(parser)
+        setup = build_setup(parser.parse_args([*argv, "--migrate-decision", decision]))
+        result = simulate(
+            setup.lengths, setup.config, migration=setup.migration, digest=decision == "digest"
+        )
+        assert moved[decision] == int(result.moved_samples.sum()) > 0
+    assert main(argv) == 0
+    assert "decided from digests (as live daemons do)" in capsys.readouterr().out
 
 
 def test_migrate_off_reports_no_moves(capsys: pytest.CaptureFixture[str]) -> None:

@@ -113,6 +113,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="B",
         help="a sample's bytes per token (prices a move on the link)",
     )
+    move.add_argument(
+        "--migrate-decision",
+        choices=["digest", "pooled"],
+        default="digest",
+        help="digest (default): the moves decided as the live daemons decide them, by the hub "
+        "from every node's bucketed digest (planner/migration_digest.py); pooled: from every "
+        "node's samples pooled (planner/migration.py alone, the reference)",
+    )
     model = parser.add_argument_group("cost model (token-equivalents)")
     model.add_argument(
         "--cost-a", type=flags.number, metavar="A", default=cost.a, help="per padded token"
@@ -213,6 +221,7 @@ def build_setup(args: argparse.Namespace) -> Setup:
         plan_out=args.plan_out,
         planning_time=args.planning_time,
         migration=migration,
+        digest=args.migrate_decision == "digest",
     )
 
 
@@ -340,7 +349,8 @@ def _header(setup: Setup, num_rejected: int) -> str:
         m = setup.migration
         lines.append(
             f"migrate auto: link {m.bytes_per_s * 8 / 1e9:g} Gb/s per node, "
-            f"{m.seconds_per_work:g} s per token-equivalent, {m.bytes_per_token:g} bytes/token"
+            f"{m.seconds_per_work:g} s per token-equivalent, {m.bytes_per_token:g} bytes/token, "
+            f"decided from {'digests (as live daemons do)' if setup.digest else 'pooled offers'}"
         )
     if num_rejected:
         lines.append(f"{num_rejected} zero-length sample(s) were rejected by the planner")

@@ -55,6 +55,7 @@ def execute(setup: Setup) -> Outcome:
         patches=setup.patches,
         trace=trace,
         migration=setup.migration,
+        digest=setup.digest,
     )
     ours = summarize_config(result, config)
     align = None

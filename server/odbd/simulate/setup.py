@@ -25,3 +25,5 @@ class Setup:
     plan_out: str | None
     planning_time: bool = False  # report per-daemon planning time and payload bytes
     migration: LinkModel | None = None  # --migrate auto: planner/migration.py's link model
+    # --migrate-decision: digest (the live daemons' decision, migration_digest.py) or pooled
+    digest: bool = True
