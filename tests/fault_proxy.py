@@ -252,13 +252,15 @@ class FaultProxy:
                 if writer.can_write_eof():
                     writer.write_eof()
                 return
-            writer.write(chunk)
+            # Counted before the write: the write can reach the far end at once, and a reader
+            # that got every byte must find them counted.
             with self._lock:
                 traffic = self._traffic.setdefault(host, Traffic())
                 if way == "up":
                     traffic.up += len(chunk)
                 else:
                     traffic.down += len(chunk)
+            writer.write(chunk)
             await writer.drain()
 
     async def _shutdown(self) -> None:
