@@ -180,7 +180,19 @@ def test_adapters_report_compute_so_the_auto_cost_model_fits(
     and Accelerate jobs; without the reports the daemon never logs a fit."""
     data = {**DATA, "size": 64}
     codes, logs = launch(
-        framework, tmp_path, data=data, daemon_args=("--cost-model", "auto", "--cost-warmup", "8")
+        framework,
+        tmp_path,
+        data=data,
+        daemon_args=(
+            "--cost-model",
+            "auto",
+            "--cost-warmup",
+            "8",
+            "--steps-ahead",
+            "2",
+            "--epochs",
+            "2",
+        ),
     )
     assert codes == [0] * WORLD, f"{codes}\n{logs}"
     reports = Reports.read(tmp_path, WORLD)
