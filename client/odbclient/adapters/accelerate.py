@@ -172,7 +172,7 @@ class ODBAccelerate:
 
     def _report_compute(self, batch: Batch) -> None:
         """The step the loop just finished, timed by odb.backward (no report without it)."""
-        if self._backward is None or batch.is_idle:
+        if self._backward is None or batch.is_idle or self.client.job_ended:
             return
         began, ended = self._backward
         alone = self.accelerator.num_processes == 1 or self._no_sync_batch is batch

@@ -374,8 +374,9 @@ class ODBProgress(TrainerCallback):
         update's batches before training them, so only the last can be reported) with its
         own compute (odbclient.adapters.step_time), for --cost-model auto."""
         timed, self.trainer.odb_step_time = self.trainer.odb_step_time, None
-        if timed is not None and self.trainer.odb_batches.last is not None:
-            self.trainer.odb_batches.client.report_compute(timed.own_seconds)
+        client = self.trainer.odb_batches.client
+        if timed is not None and self.trainer.odb_batches.last is not None and not client.job_ended:
+            client.report_compute(timed.own_seconds)
 
     def on_step_end(
         self,
