@@ -1,17 +1,22 @@
 """odbd --collate packed vs transformers' DataCollatorWithFlattening on a CPU Llama (issue 27).
 
-    .venv/bin/python -m tests.bench.packed_kernel_ab [--reps 3] [--size 1024] ...
+    .venv/bin/python -m tests.bench.packed_kernel_ab [--reps 5] [--size 512] \
+        [--config LOADER:KERNEL[:ATTENTION]] ...
 
-Runs `tests.bench.packed_kernel_rank` on 2 gloo ranks, alternating the loaders run by run
-(flatten, odbd --attention A for each A asked, then again), and prints the median samples/s
-of each and the ratios. Same data (every sample once), same model, same loop; only the rows
-differ. Nothing asserts: the numbers go to docs/bench/training.md by hand.
+Runs `tests.bench.packed_kernel_rank` on 2 gloo ranks, alternating the configurations run by
+run (by default: flatten under sdpa, flatten under odbclient's segment attention, odbd
+`--attention auto` under segments, odbd under sdpa; then again), and prints the median
+samples/s of each, its ratio to the first and the median of the per-rep ratios; every run's
+line carries the load average before and after. Same data (every sample once), same model,
+same loop; only the rows (and the attention kernel) differ. Nothing asserts: the numbers go
+to docs/bench/training.md by hand.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import tempfile
 from pathlib import Path
@@ -21,9 +26,12 @@ from tests.integration.ddp_launch import data_flags, launch_ranks, odbd_cluster
 WORLD = 2
 
 
-def run(loader: str, out: Path, data: dict, args: argparse.Namespace, attention: str) -> dict:
-    model = ["--dim", str(args.dim), "--layers", str(args.layers)]
-    trainer = ["--loader", loader, "--batch", str(args.batch), *model, *data_flags(data)]
+def run(  # noqa: PLR0913 - one bench run's knobs
+    loader: str, out: Path, data: dict, args: argparse.Namespace, attention: str, kernel: str
+) -> dict:
+    model = ["--dim", str(args.dim), "--layers", str(args.layers), "--kernel", kernel]
+    trainer = ["--loader", loader, "--batch", str(args.batch), *model, *data_flags(data),
+               "--report", args.report]  # fmt: skip
     cluster = None
     if loader == "odbd":
         cluster = odbd_cluster(
@@ -53,10 +61,13 @@ def run(loader: str, out: Path, data: dict, args: argparse.Namespace, attention:
     return result
 
 
+DEFAULT_CONFIGS = ("flatten:sdpa", "flatten:segments", "odbd:segments:auto", "odbd:sdpa:auto")
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--reps", type=int, default=3)
-    p.add_argument("--size", type=int, default=1024)
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--size", type=int, default=512)
     p.add_argument("--median-len", type=float, default=160.0)
     p.add_argument("--max-len", type=int, default=1024)
     p.add_argument("--batch", type=int, default=4)
@@ -64,38 +75,52 @@ def main() -> None:
     p.add_argument("--buffer", type=int, default=64)
     p.add_argument("--dim", type=int, default=256)
     p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--attention", action="append", default=[])
+    p.add_argument(
+        "--config", action="append", default=[],
+        help="LOADER:KERNEL[:ATTENTION], e.g. flatten:sdpa, odbd:segments:auto (repeatable; "
+        f"default {' '.join(DEFAULT_CONFIGS)}); ratios are to the first",
+    )  # fmt: skip
+    p.add_argument("--report", choices=["step", "forward-backward"], default="step")
     p.add_argument("--cost-warmup", type=int, default=16)
     p.add_argument("--steps-ahead", type=int, default=8)
     args = p.parse_args()
-    attentions = args.attention or ["varlen", "dense"]
+    names = args.config or list(DEFAULT_CONFIGS)
     data = {"size": args.size, "seed": 0, "vocab": 256, "median_len": args.median_len,
             "max_len": args.max_len}  # fmt: skip
-    names = ["flatten", *(f"odbd-{a}" for a in attentions)]
     results: dict[str, list[dict]] = {n: [] for n in names}
     with tempfile.TemporaryDirectory() as tmp:
         for rep in range(args.reps):
             for name in names:
-                loader, _, attention = name.partition("-")
-                out = Path(tmp) / f"{name}-{rep}"
+                loader, kernel, attention = ([*name.split(":"), "auto"])[:3]
+                out = Path(tmp) / f"{name.replace(':', '-')}-{rep}"
+                load = os.getloadavg()[0]
                 try:
-                    r = run(loader, out, data, args, attention)
+                    r = run(loader, out, data, args, attention, kernel)
                 except SystemExit as failed:  # a gloo rank aborted under load: once more
                     print(f"retrying {name} rep {rep}: {str(failed)[:200]}", flush=True)
-                    out = Path(tmp) / f"{name}-{rep}-retry"
-                    r = run(loader, out, data, args, attention)
+                    out = Path(tmp) / f"{name.replace(':', '-')}-{rep}-retry"
+                    r = run(loader, out, data, args, attention, kernel)
+                r["load_before"], r["load_after"] = load, os.getloadavg()[0]
                 if loader == "odbd":
                     fits = [ln for ln in (out / "daemon.log").read_text().splitlines()
                             if "cost model fitted" in ln]  # fmt: skip
                     r["last_fit"] = fits[-1].split("fitted", 1)[1] if fits else "none"
                 results[name].append(r)
                 print(json.dumps({"rep": rep, "name": name, **r}), flush=True)
-    base = statistics.median(r["samples_per_s"] for r in results["flatten"])
+    first = names[0]
+    base = statistics.median(r["samples_per_s"] for r in results[first])
     for name in names:
-        med = statistics.median(r["samples_per_s"] for r in results[name])
-        steps = statistics.median(r["steps"] for r in results[name])
-        print(f"{name}: median {med:.1f} samples/s over {args.reps} runs, {steps:.0f} steps/rank, "
-              f"{med / base:.3f}x flatten")  # fmt: skip
+        runs = results[name]
+        med = statistics.median(r["samples_per_s"] for r in runs)
+        steps = statistics.median(r["steps"] for r in runs)
+        pairs = statistics.median(
+            r["samples_per_s"] / b["samples_per_s"]
+            for r, b in zip(runs, results[first], strict=True)
+        )
+        print(
+            f"{name}: median {med:.2f} samples/s over {len(runs)} runs, {steps:.0f} steps/rank, "
+            f"{med / base:.3f}x {first} (median of pair ratios {pairs:.3f}x)"
+        )
 
 
 if __name__ == "__main__":

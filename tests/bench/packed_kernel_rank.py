@@ -30,13 +30,18 @@ import torch.distributed as dist
 from tests.integration.ddp_data import LongTailTokens
 
 
-def build_llama(dim: int, layers: int, vocab: int) -> Any:
+def build_llama(dim: int, layers: int, vocab: int, kernel: str = "sdpa") -> Any:
     from transformers import LlamaConfig, LlamaForCausalLM
+
+    if kernel == "segments":
+        from odbclient.trainer.segment_attention import register_segment_attention
+
+        kernel = register_segment_attention()
 
     config = LlamaConfig(
         vocab_size=vocab, hidden_size=dim, intermediate_size=2 * dim, num_hidden_layers=layers,
         num_attention_heads=max(dim // 64, 1), num_key_value_heads=max(dim // 64, 1),
-        max_position_embeddings=8192, attn_implementation="sdpa", use_cache=False,
+        max_position_embeddings=8192, attn_implementation=kernel, use_cache=False,
     )  # fmt: skip
     torch.manual_seed(0)
     return LlamaForCausalLM(config).train()
@@ -61,6 +66,19 @@ def odbd_rows(client: Any) -> Any:
         yield batch.tensors, batch.loss_scale, batch
 
 
+def allreduce_cost(numel: int) -> float:
+    """Seconds of one all-reduce of `numel` float32 without waiting for a late rank: each of
+    5 tries starts right after a barrier, and the fastest counts."""
+    flat = torch.zeros(numel)
+    best = float("inf")
+    for _ in range(5):
+        dist.barrier()
+        began = time.perf_counter()
+        dist.all_reduce(flat)
+        best = min(best, time.perf_counter() - began)
+    return best
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="packed_kernel_rank")
     p.add_argument("--loader", choices=["odbd", "flatten"], required=True)
@@ -69,6 +87,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dim", type=int, default=256)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--data-arg", action="append", default=[])
+    p.add_argument(
+        "--kernel",
+        choices=["sdpa", "segments"],
+        default="sdpa",
+        help="attention: transformers' sdpa, or odbclient's per-sample segments",
+    )
+    p.add_argument(
+        "--report",
+        choices=["step", "forward-backward"],
+        default="step",
+        help="what report_compute times: the rank's whole own step (forward, "
+        "backward, optimizer, the all-reduce's own cost) or forward/backward only",
+    )
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     data = {k: int(v) if v.lstrip("-").isdigit() else float(v)
@@ -77,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     dataset = LongTailTokens(**data)  # type: ignore[arg-type]
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     dist.init_process_group("gloo")
-    model = build_llama(args.dim, args.layers, dataset.vocab)
+    model = build_llama(args.dim, args.layers, dataset.vocab, args.kernel)
     params = [q for q in model.parameters() if q.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=1e-3)
     client = None
@@ -89,6 +120,10 @@ def main(argv: list[str] | None = None) -> int:
         rows = odbd_rows(client)
     else:
         rows = flatten_rows(dataset, args.batch, rank, world)
+    # The all-reduce's own cost, without waits: measured once, after a barrier, best of 5.
+    allreduce_s = 0.0
+    if args.report == "step":
+        allreduce_s = allreduce_cost(sum(q.numel() for q in params))
     steps = samples = tokens = 0
     compute = 0.0
     dist.barrier()
@@ -100,8 +135,6 @@ def main(argv: list[str] | None = None) -> int:
             (loss * scale).backward()
         spent = time.perf_counter() - began
         compute += spent
-        if client is not None:
-            client.report_compute(spent)
         flat = torch.cat(
             [(q.grad if q.grad is not None else torch.zeros_like(q)).reshape(-1) for q in params]
         )
@@ -111,8 +144,17 @@ def main(argv: list[str] | None = None) -> int:
             n = q.numel()
             q.grad = flat[offset : offset + n].view_as(q) / world  # DDP's average
             offset += n
+        stepped = time.perf_counter()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        if client is not None:
+            # The rank's own work in this step, no waits: forward/backward, the optimizer
+            # step, and the all-reduce's own cost (measured once): the per-step constant
+            # the planner weighs against more, shorter rows.
+            own = spent
+            if args.report == "step":
+                own += time.perf_counter() - stepped + allreduce_s
+            client.report_compute(own)
         steps += 1
         ids = inputs["input_ids"]
         tokens += int(ids.shape[-1]) if (batch is None or not batch.is_idle) else 0
@@ -126,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     if rank == 0:
         result = {
             "loader": args.loader, "loop_s": loop_s, "steps": steps, "samples": int(counts[0]),
-            "tokens": int(counts[1]), "compute_s": compute,
+            "tokens": int(counts[1]), "compute_s": compute, "allreduce_s": allreduce_s,
         }  # fmt: skip
         (args.out_dir / "result.json").write_text(json.dumps(result))
     if client is not None:

@@ -10,6 +10,7 @@ DDP gradient is one process's per-token mean gradient over both ranks' samples.
 from __future__ import annotations
 
 import math
+import re
 import subprocess
 import sys
 from collections import Counter
@@ -168,6 +169,37 @@ def test_adapters_accept_packed_batches_into_a_model_that_keeps_samples_apart(
     assert Counter(reports.ids(0)) == Counter(range(DATA["size"])), "identities lost or repeated"
     logs = "\n".join(p.read_text() for p in tmp_path.glob("trainer*.log"))
     assert "PackedAttentionError" not in logs
+
+
+@pytest.mark.parametrize("framework", ["hf", "accelerate"])
+def test_adapters_report_compute_so_the_auto_cost_model_fits(
+    tmp_path: Path, framework: str
+) -> None:
+    """Issue 27: the adapters time each step's own compute (forward, backward without the
+    all-reduce's waits, optimizer) and report it, so `--cost-model auto` fits on HF Trainer
+    and Accelerate jobs; without the reports the daemon never logs a fit."""
+    data = {**DATA, "size": 64}
+    codes, logs = launch(
+        framework,
+        tmp_path,
+        data=data,
+        daemon_args=(
+            "--cost-model",
+            "auto",
+            "--cost-warmup",
+            "8",
+            "--steps-ahead",
+            "2",
+            "--epochs",
+            "2",
+        ),
+    )
+    assert codes == [0] * WORLD, f"{codes}\n{logs}"
+    reports = Reports.read(tmp_path, WORLD)
+    assert Counter(reports.ids(0)) == Counter(range(64)), "identities lost or repeated"
+    fits = re.findall(r"cost model fitted to (\d+) rank-steps: (\S+) s/padded token", logs)
+    assert fits, f"no cost model fit: the adapter reported no compute\n{logs[-3000:]}"
+    assert int(fits[-1][0]) >= 8 and float(fits[-1][1]) > 0
 
 
 def test_importing_odbclient_and_its_adapters_package_loads_no_framework() -> None:

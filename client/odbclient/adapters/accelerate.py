@@ -27,6 +27,14 @@ per update (`update_end` is then the rank's own last): DDP and DeepSpeed ZeRO-1/
 DeepSpeed ZeRO-3 and Megatron run collectives in every micro-step and are refused at the first
 batch (`ProtocolError`).
 
+`--cost-model auto`: with `odb.backward(loss, step)` the loop's steps are timed and each is
+reported as the rank's own compute (`ODBClient.report_compute`, before the next batch is asked
+for): the forward (from the batch's hand-over to `odb.backward`), the backward (2x the forward
+where it ran the DDP all-reduce: waits for other ranks are never counted) and what the loop does
+after it until it asks for the next batch (the optimizer step), `odbclient.adapters.step_time`.
+Keep collectives of your own (e.g. `accelerator.gather` for logging) out of that stretch, or
+log every N steps: their waits would count as this rank's work.
+
 Do not also use Accelerate's own `gradient_accumulation_steps` (it divides the loss by its
 count, on top of odbd's update-wide scale).
 
@@ -62,6 +70,7 @@ odbd update (save after `optimizer.step()` on a batch with `update_end`). docs/t
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -77,6 +86,7 @@ from odbclient.adapters.hf_checkpoint import (
     load_client_state,
     write_client_state,
 )
+from odbclient.adapters.step_time import StepTime
 from odbclient.errors import JobMismatchError, RankRefusedError, StateDictError
 from odbclient.trainer.batch import Batch
 from odbclient.trainer.client import ODBClient, launcher_world
@@ -130,6 +140,11 @@ class ODBAccelerate:
         self.resumed_from: Path | None = None  # this rank's file that load_state() loaded
         self._align_checked = False  # --align updates: the distributed type was checked
         self._models_checked: list[torch.nn.Module] = []
+        # report_compute: when the batch was handed over, odb.backward's start and end, and
+        # whether that backward ran under no_sync (it then waited for no rank).
+        self._handed_at = 0.0
+        self._backward: tuple[float, float] | None = None
+        self._no_sync_batch: Batch | None = None
         accelerator.register_save_state_pre_hook(self._save_client_state)
         accelerator.register_load_state_pre_hook(self._load_client_state)
 
@@ -142,7 +157,31 @@ class ODBAccelerate:
             if not self._packed_checked and is_packed_batch(inputs):
                 check_packed_model(self.model, inputs.keys())
                 self._packed_checked = True
+            self._backward = None
+            self._handed_at = self._clock()
             yield StepInputs(inputs=inputs, batch=batch)
+            self._report_compute(batch)
+
+    def _clock(self) -> float:
+        """perf_counter after this rank's queued device work (a CUDA synchronize waits for
+        this GPU only, never for another rank)."""
+        device = self.accelerator.device
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return time.perf_counter()
+
+    def _report_compute(self, batch: Batch) -> None:
+        """The step the loop just finished, timed by odb.backward (no report without it)."""
+        if self._backward is None or batch.is_idle or self.client.job_ended:
+            return
+        began, ended = self._backward
+        alone = self.accelerator.num_processes == 1 or self._no_sync_batch is batch
+        timed = StepTime(
+            forward=began - self._handed_at,
+            backward=ended - began if alone else None,
+            optimizer=self._clock() - ended,
+        )
+        self.client.report_compute(timed.own_seconds)
 
     def _refuse_sharded_parameters(self) -> None:
         """odbd --align updates: ranks run different micro-step counts per update, which FSDP
@@ -226,8 +265,12 @@ class ODBAccelerate:
             self._models_checked.append(model)
         if step.batch.update_end:
             return contextlib.nullcontext()
+        self._no_sync_batch = step.batch
         return self.accelerator.no_sync(model)
 
     def backward(self, loss: torch.Tensor, step: StepInputs) -> None:
-        """`accelerator.backward(loss * loss_scale)`; idle fillers backpropagate a zero."""
+        """`accelerator.backward(loss * loss_scale)`; idle fillers backpropagate a zero. Timed
+        for --cost-model auto (see the module docstring)."""
+        began = self._clock()
         self.accelerator.backward(loss * step.batch.loss_scale)
+        self._backward = (began, self._clock())

@@ -5,7 +5,7 @@
     trainer = ODBTrainer(model=model, args=args, odb_client=client)
     trainer.train()
 
-`ODBTrainer` is a `Trainer` subclass that changes five things and patches nothing:
+`ODBTrainer` is a `Trainer` subclass that changes six things and patches nothing:
 - `get_train_dataloader()` returns the rank's odbd batches (`ODBBatches`), not a sharded
   DataLoader: the daemons already decided which samples every rank trains in every step.
 - `compute_loss()` multiplies the model's loss (the rank's per-token mean, as HF causal LMs
@@ -19,6 +19,10 @@
 - A callback keeps `state.max_steps` (the progress bar's total) at odbd's estimate of the job's
   steps, ends each epoch on its last step, and ends training on the job's last step, so no
   empty epoch is ever started.
+- `--cost-model auto`: after every optimizer step the rank reports its own compute of the
+  step's last batch (`ODBClient.report_compute`): forward, backward (2x the forward where it
+  ran the DDP all-reduce: waits for other ranks are never counted) and the optimizer step
+  (over `gradient_accumulation_steps`), `odbclient.adapters.step_time`.
 - Checkpoints: every rank writes `odbd_client_rank{R}.json` (its `ODBClient.state_dict()`, world,
   rank, job id; `odbclient.adapters.hf_checkpoint`) into each `checkpoint-N` before the Trainer
   writes `trainer_state.json`. `train(resume_from_checkpoint=True or PATH)` loads it before the
@@ -50,6 +54,7 @@ samples and loss tokens trained over every rank, and the optimizer steps, in thi
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -66,6 +71,7 @@ from odbclient.adapters.hf_checkpoint import (
     write_client_state,
 )
 from odbclient.adapters.schedule import Schedule, lr_factor
+from odbclient.adapters.step_time import StepTime
 from odbclient.errors import JobMismatchError, RankRefusedError
 from odbclient.trainer.client import ODBClient
 from odbclient.trainer.packed_check import check_packed_model, is_packed_batch
@@ -101,6 +107,11 @@ class ODBTrainer(Trainer):
         self._odb_taken_at_train: tuple[int, int] = (0, 0)  # (samples, tokens) at train()
         self.odb_resume_epoch = 0  # odbd's epoch at the checkpoint train() resumes from
         self._odb_packed_checked = False  # packed_check ran on this model (first packed batch)
+        # report_compute: the forward compute_loss timed, the last training_step's parts, and
+        # when the optimizer step began (ODBProgress).
+        self._odb_forward_s: float | None = None
+        self.odb_step_time: StepTime | None = None
+        self.odb_optimizer_began = 0.0
         if self.odb_max_steps is None:
             self.args.max_steps = _NO_CAP
         # Loss scales assume the daemon's --world: the Trainer's own world is checked.
@@ -204,6 +215,30 @@ class ODBTrainer(Trainer):
         write_client_state(Path(self._get_output_dir(trial)) / folder, state)
         super()._save_checkpoint(model, trial)
 
+    def odb_clock(self) -> float:
+        """perf_counter after this rank's queued device work (CUDA runs asynchronously): a
+        synchronize waits for this GPU only, never for another rank."""
+        if self.args.device.type == "cuda":
+            torch.cuda.synchronize(self.args.device)
+        return time.perf_counter()
+
+    def training_step(
+        self, model: torch.nn.Module, inputs: dict[str, Any], num_items_in_batch: Any = None
+    ) -> torch.Tensor:
+        self._odb_forward_s = None
+        began = self.odb_clock()
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        spent = self.odb_clock() - began
+        forward = self._odb_forward_s
+        if forward is not None:  # an odbd batch: compute_loss timed its forward
+            # The backward all-reduced nothing (and so waited for no rank): one process, or
+            # a micro-step before the update's last (the Trainer runs those under no_sync).
+            alone = self.args.world_size == 1 or not self.accelerator.sync_gradients
+            self.odb_step_time = StepTime(
+                forward=forward, backward=spent - forward if alone else None
+            )
+        return loss
+
     def get_train_dataloader(self) -> ODBBatches:  # type: ignore[override]
         return self.odb_batches
 
@@ -276,7 +311,9 @@ class ODBTrainer(Trainer):
         # already carries the exact one, so the model returns its plain per-rank mean.
         inputs = dict(inputs)
         scale = inputs.pop(LOSS_SCALE_KEY)
+        began = self.odb_clock()
         outputs = model(**inputs)
+        self._odb_forward_s = self.odb_clock() - began
         loss = outputs["loss"] if isinstance(outputs, dict) else outputs[0]
         loss = loss * scale.to(device=loss.device, dtype=loss.dtype)
         return (loss, outputs) if return_outputs else loss
@@ -316,6 +353,31 @@ class ODBProgress(TrainerCallback):
     def __init__(self, trainer: ODBTrainer) -> None:
         self.trainer = trainer
 
+    def on_pre_optimizer_step(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **_: Any
+    ) -> None:
+        self.trainer.odb_optimizer_began = self.trainer.odb_clock()
+
+    def on_optimizer_step(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **_: Any
+    ) -> None:
+        timed = self.trainer.odb_step_time
+        if timed is not None:
+            # Every micro-step of the update shares the optimizer step.
+            spent = self.trainer.odb_clock() - self.trainer.odb_optimizer_began
+            self.trainer.odb_step_time = StepTime(
+                timed.forward, timed.backward, spent / self.trainer.odb_accumulate
+            )
+
+    def _report_compute(self) -> None:
+        """The update's last batch (the one the client handed out last: the Trainer fetches an
+        update's batches before training them, so only the last can be reported) with its
+        own compute (odbclient.adapters.step_time), for --cost-model auto."""
+        timed, self.trainer.odb_step_time = self.trainer.odb_step_time, None
+        client = self.trainer.odb_batches.client
+        if timed is not None and self.trainer.odb_batches.last is not None and not client.job_ended:
+            client.report_compute(timed.own_seconds)
+
     def on_step_end(
         self,
         args: TrainingArguments,
@@ -323,6 +385,7 @@ class ODBProgress(TrainerCallback):
         control: TrainerControl,
         **kwargs: Any,
     ) -> None:
+        self._report_compute()
         batches = self.trainer.odb_batches
         batch = batches.last
         if batch is None:

@@ -444,9 +444,11 @@ class ODBClient:
         the time between next() calls includes the gradient all-reduce, where every rank waits
         for the slowest, so it says nothing about this rank's batch. E.g. run forward/backward
         under `model.no_sync()` and all-reduce the gradients after timing, or time up to the
-        backward pass with CUDA events. With `--cost-model auto` the daemons fit the planner's
-        cost model to these reports; without reports it keeps the fixed model. Cheap: the time
-        rides along with the next Delivered report.
+        backward pass with CUDA events. Do include per-step work that waits for nobody, the
+        optimizer step (call this after it, before the next next()): it is the fit's per-step
+        constant, which tells the planner what one more step costs. With `--cost-model auto`
+        the daemons fit the planner's cost model to these reports; without reports it keeps
+        the fixed model. Cheap: the time rides along with the next Delivered report.
         """
         if self._last_batch is None or self._stream is None:
             raise RuntimeError("report_compute() before next() returned a batch: nothing to time")

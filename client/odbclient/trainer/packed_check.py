@@ -81,7 +81,9 @@ class PackedVerdict:
             fixes.append(
                 "run odbd with --collate padded, or use a model and kernel that honour packed "
                 "position_ids or cu_seq_lens (e.g. Llama/Qwen2/GPT-2 with sdpa, eager or "
-                "flash_attention_2; docs/training.md lists the tested ones)"
+                "flash_attention_2, or odbclient.trainer.segment_attention's 'odbd_segments', "
+                "which also costs only the samples' squares on CPU; docs/training.md lists the "
+                "tested ones)"
             )
         fix = "; and ".join(fixes)
         return (

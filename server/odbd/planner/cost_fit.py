@@ -34,6 +34,11 @@ from odbd.planner.types import FloatArray
 HUBER_K = 1.345  # 95 % efficiency under Gaussian noise; residuals beyond k sigma weigh less
 MAD_TO_SIGMA = 1.4826
 A_FLOOR = 0.01  # a >= 1 % of the average seconds per padded token (see the module docstring)
+# --attention auto keeps varlen only if its error is below this fraction of dense's: on a tie
+# (both fit equally badly, or one sample per row where the features agree) dense wins, the
+# shape that cannot blow up: wrongly dense only shortens rows (more steps), wrongly varlen
+# fills them to the budget under a kernel that pays the row's square (0.13x in issue 27).
+VARLEN_MARGIN = 0.9
 # Columns of an observation array (n, 3): float64.
 PADDED, SUM_SQ, SECONDS = 0, 1, 2
 
@@ -136,8 +141,7 @@ def fit_cost_model(
             model=fixed, state=FitState.ILL_CONDITIONED, fixed_error=fixed_error,
             num_observations=n,
         )  # fmt: skip
-    # Ties (e.g. one sample per row, where both features agree) keep varlen: listed first.
-    error, dense, (a, b, c) = min(candidates, key=lambda cand: cand[0])
+    error, dense, (a, b, c) = choose_shape(candidates)
     return CostFit(
         # The patch term is not observed apart from tokens: it keeps its fixed weight.
         model=CostModel(a=1.0, b=b / a, c=c / a, p=fixed.p, dense_rows=dense),
@@ -148,6 +152,18 @@ def fit_cost_model(
         num_observations=n,
         errors={("dense" if d else "varlen"): e for e, d, _ in candidates},
     )
+
+
+def choose_shape(
+    candidates: list[tuple[float, bool, tuple[float, float, float]]],
+) -> tuple[float, bool, tuple[float, float, float]]:
+    """The fit kept among (error, dense, theta) candidates: the smaller error, except that
+    varlen must beat dense by VARLEN_MARGIN (ties go to dense, see VARLEN_MARGIN)."""
+    by_shape = {dense: cand for cand in candidates for dense in (cand[1],)}
+    if len(by_shape) < 2:
+        return candidates[0]
+    varlen, dense = by_shape[False], by_shape[True]
+    return varlen if varlen[0] < VARLEN_MARGIN * dense[0] else dense
 
 
 def row_feature(config: PlannerConfig) -> RowFeature:
