@@ -86,8 +86,10 @@ def test_digested_moves_conserve_samples(nodes: int, data: st.DataObject) -> Non
     for view, (unit, length) in after.items():
         assert length == before[view][1]
         assert unit == moved.get(view, before[view][0])
+    giant = any(length > config.token_budget for _, length in before.values())
+    assert giant or not waiting  # only a round with a giant holds, and only groups of one
     for view, (unit, length) in waiting.items():
-        assert before[view] == (unit, length) and length > config.token_budget
+        assert before[view] == (unit, length) and length > config.token_budget // 2
     # Each unit's sends per bucket are its cheapest there: nothing it keeps in the bucket is
     # cheaper than what it sent.
     for o in offers:

@@ -114,8 +114,11 @@ def test_moves_conserve_samples_and_balance_each_level(nodes: int, data: st.Data
     # No loss, no duplication: every sample is offered once or waits once, on one unit.
     assert sorted(before) == sorted([*after, *waiting])
     assert sum(len(o.samples) for o in plan.offers) + len(waiting) == len(before)
+    # Only groups of one wait (samples over L/2), and only in a round with a giant (over L).
+    giant = any(length > config.token_budget for _, length in before.values())
+    assert giant or not waiting
     for view, (unit, length) in waiting.items():
-        assert before[view] == (unit, length) and length > config.token_budget  # never moved
+        assert before[view] == (unit, length) and length > config.token_budget // 2  # not moved
         assert view not in plan.views.tolist()
     moved = dict(zip(plan.views.tolist(), plan.targets.tolist(), strict=True))
     for view, (unit, length) in after.items():
@@ -161,6 +164,20 @@ def test_samples_over_the_budget_of_mixed_cost_wait_for_company_and_run_by_the_f
     # Every unit dry: the epoch flushes, nothing may wait.
     flush = plan_migration(offers_of(spread, dry=True), config, FREE_LINK)
     assert sum(len(t) for t in flush.held) == 0
+
+
+def test_in_a_round_with_a_giant_groups_of_one_within_the_budget_wait_for_company_too() -> None:
+    # 2 nodes x 2 ranks, budget 1000: four equal giants run as one block; the four groups of
+    # one within the budget (over L/2) spread 900 vs 520, so the costliest waits, and the
+    # last partial block waits as well, only the cheapest few of them running with groups of
+    # two. Without a giant in the round nothing waits, however wide the spread.
+    config = make_config(world=4, per_node=2, budget=1000, buffer=16)
+    with_giant = [[4000, 4000, 900, 700, 100], [4000, 4000, 600, 520, 100]]
+    plan = plan_migration(offers_of(with_giant), config, FREE_LINK)
+    waiting = sorted(int(n) for t in plan.held for n in t.lengths)
+    assert waiting == [520, 600, 700, 900]
+    without = [[900, 700, 100], [600, 520, 100]]
+    assert sum(len(t) for t in plan_migration(offers_of(without), config, FREE_LINK).held) == 0
 
 
 def test_a_heavy_tail_reaches_the_global_oracle_only_with_migration() -> None:
