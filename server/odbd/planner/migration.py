@@ -18,9 +18,9 @@ remainder stays with the nodes holding the most). A node over its target sends i
 samples of the level to the nodes under it. Levels are balanced costliest first, and
 `plan_migration` takes the number whose estimated round-time gain beats the time the bytes
 take on the link by the most (nothing moves when none does). In a round with a sample over
-the budget, groups of one whose block of W spreads wider than HOLD_SPREAD (and a last partial
-block) wait for a later round (_holds), where more of them meet: the steps that run them are
-the ones a round plan loses most to (docs/bench/migration.md).
+the budget, groups of one whose block of W spreads wider than HOLD_SPREAD wait for a later
+round (_holds), where more of them meet: the steps that run them are the ones a round plan
+loses most to (docs/bench/migration.md).
 Every daemon computes the same moves from the same inputs: this module is pure.
 
 The link model: `bytes_per_s` per node and direction (a node sends and receives at once); the
@@ -278,15 +278,16 @@ def _holds(
     """Which groups of one wait a round, in a round holding a sample over the budget: walking
     them costliest first, a block of the next `block` whose cheapest is within HOLD_SPREAD of its
     costliest runs (one step's worth); otherwise the costliest waits, unless it has waited
-    HOLD_ROUNDS already. The last partial block waits too (those under HOLD_ROUNDS).
+    HOLD_ROUNDS already. The last partial block runs: holding it too gained 0.0002 on the heavy
+    tail at W=128 but broke DESIGN.md section 3.3's bound on rounds (test_planner_properties).
 
     Why every group of one and not only those over the budget: the oracle's steps of groups of
-    one hold W of nearly equal cost world-wide; a round's walk over the giants alone let their
-    last partial block run beside cheaper groups (a step as long as its giant on one node, the
-    other nodes' ranks idle) and ran the samples in (L/2, L] in blocks of any spread. Heavy
-    tail W = 16 / 128: 0.9908 / 0.9866 -> 0.9927 / 0.9901 of the global oracle
-    (docs/bench/migration.md, "How it got there"). Rounds without a giant hold nothing: there
-    holding the groups of one lost sharegpt4o 0.0001 at W = 128 and gained nothing."""
+    one hold W of nearly equal cost world-wide; a round's walk over the giants alone ran the
+    samples in (L/2, L] in blocks of any spread, and the giants' last partial block beside
+    them. Heavy tail W = 16 / 128 / 1024: 0.9908 / 0.9866 / 0.9845 -> 0.9924 / 0.9899 / 0.9883
+    of the global oracle (docs/bench/migration.md, "How it got there"). Rounds without a giant
+    hold nothing: there holding the groups of one lost sharegpt4o 0.0001 at W = 128 and gained
+    nothing."""
     held = np.zeros(work.shape, dtype=bool)
     if flush or not bool(outsized.any()):
         return held
@@ -299,8 +300,6 @@ def _holds(
         else:
             held[big[p]] = True
             p += 1
-    tail = big[p:]
-    held[tail] = ages[tail] < HOLD_ROUNDS
     return held
 
 
