@@ -29,7 +29,12 @@ from odbd.round.admission import (
     names_of,
 )
 from odbd.round.config import PROTOCOL_VERSION, RoundConfig, max_payload_bytes
-from odbd.round.errors import HandshakeError, PeerLostError, RoundTimeoutError
+from odbd.round.errors import (
+    HandshakeError,
+    ParentClosedError,
+    PeerLostError,
+    RoundTimeoutError,
+)
 from odbd.round.log_budget import LogBudget
 from odbd.round.spoke import grace_s
 from odbd.round.stall import TICK_S, StallWatch
@@ -413,8 +418,22 @@ class Hub(Admission):
 
     def fail_from_parent(self, error: OdbdError, abort: peer_pb2.Abort | None) -> None:
         """A relay: the job failed above it (the hub's Abort, or the parent's stream broke);
-        its children get the same Abort, or one naming the parent."""
+        its children get the same Abort, or one naming the parent. A parent that ended the
+        stream normally (it shut down) ends the children's streams normally too: each of them
+        decides, as this relay does, whether its job still needed a round (a spoke after its
+        last round must not read the hub's normal end as a failure)."""
         if self._failure is not None:
+            return
+        if isinstance(error, ParentClosedError):
+            if self._verdict_timer is not None:
+                self._verdict_timer.cancel()
+            self._failure = ParentClosedError(str(error))
+            for spoke in self._spokes.values():
+                if spoke.state == "active":
+                    spoke.outbox.put_nowait(OutboxEnd(grpc.StatusCode.OK))
+                    spoke.state = "ending"
+            self._fail_local(ParentClosedError, str(error))
+            self._on_serving(False)
             return
         if abort is None:
             abort = peer_pb2.Abort(kind=peer_pb2.ABORT_KIND_PEER_LOST, reason=str(error), round=0)
@@ -546,6 +565,11 @@ class Hub(Admission):
     def raise_failure(self) -> None:
         if self._failure is not None:
             raise type(self._failure)(str(self._failure))
+
+    @property
+    def failure(self) -> OdbdError | None:
+        """The job's failure as this daemon's hub side knows it (None while it goes on)."""
+        return self._failure
 
     def close(self) -> None:
         """Ends every stream normally after what is already queued (results of past rounds)."""
