@@ -198,6 +198,17 @@ class RoundBarrier:
         if self._spoke is not None:
             self._spoke.raise_failure()
 
+    async def fail_job(self, reason: str) -> None:
+        """This daemon failed the job itself (say an end_job() deadline): its reason goes to
+        the hub, whose Abort fails every daemon with it, so every log and trainer names the
+        cause instead of "node N shut down". Best effort, within a second; nothing if the job
+        already failed here (then the reason came from the barrier, and everyone has it)."""
+        if self._hub is not None:  # the hub aborts; a relay reports up (Hub._abort)
+            self._hub.abort_job(reason)
+        elif self._spoke is not None and self._spoke.failure is None:
+            abort = peer_pb2.Abort(kind=peer_pb2.ABORT_KIND_JOB_FAILED, reason=reason)
+            await self._spoke.send_up(peer_pb2.PeerMessage(abort=abort))
+
     def raise_loss(self) -> None:
         """After this daemon planned its last round: raises the job's failure if a peer was lost
         or the hub aborted the job, but not for the parent's normal end of the stream (a daemon

@@ -19,6 +19,10 @@ class ParentClosedError(PeerLostError):
     parent's normal end (RoundBarrier.raise_loss ignores it)."""
 
 
+class PeerFailedError(OdbdError):
+    """Another daemon failed the job itself (ABORT_KIND_JOB_FAILED); the message is its reason."""
+
+
 class HandshakeError(OdbdError):
     """The job could not form: a daemon was refused at the handshake or never joined in time."""
 

@@ -32,6 +32,7 @@ from odbd.round.config import PROTOCOL_VERSION, RoundConfig, max_payload_bytes
 from odbd.round.errors import (
     HandshakeError,
     ParentClosedError,
+    PeerFailedError,
     PeerLostError,
     RoundTimeoutError,
 )
@@ -206,6 +207,8 @@ class Hub(Admission):
         """A relay below failed its subtree: the job fails everywhere with its reason."""
         missing = [self._of_subtree(spoke, ref.node_rank, "Abort") for ref in abort.missing]
         error = _ABORT_ERRORS.get(abort.kind, PeerLostError)
+        if abort.kind == peer_pb2.ABORT_KIND_JOB_FAILED and self._failure is None:
+            log.error("%s failed the job; every node stops with its reason", spoke.name)
         self._abort(abort.kind, abort.round, abort.reason[:_MAX_ABORT_CHARS], missing, error)
 
     def _refuse_stream(self, spoke: SpokeStream, why: str) -> None:
@@ -497,6 +500,12 @@ class Hub(Admission):
         self._fail_local(error, reason)
         self._on_serving(False)
 
+    def abort_job(self, reason: str) -> None:
+        """This daemon failed the job itself: every node fails with `reason` (the hub aborts
+        everyone; a relay reports it up, as its subtree's failures, and the hub's Abort comes
+        back down). Nothing if the job already failed here."""
+        self._abort(peer_pb2.ABORT_KIND_JOB_FAILED, 0, reason, [], PeerFailedError)
+
     def _report_missing(self, round_index: int) -> None:
         """A relay, half a deadline into a round its subtree has not completed: why it has not
         sent the round up, for the hub to quote should the round time out (a node stopped
@@ -611,4 +620,5 @@ _ABORT_ERRORS: dict[int, type[OdbdError]] = {
     peer_pb2.ABORT_KIND_PEER_LOST: PeerLostError,
     peer_pb2.ABORT_KIND_JOIN_TIMEOUT: HandshakeError,
     peer_pb2.ABORT_KIND_REFUSED: HandshakeError,
+    peer_pb2.ABORT_KIND_JOB_FAILED: PeerFailedError,
 }

@@ -25,6 +25,7 @@ from odbd.round.config import CHANNEL_OPTIONS, PROTOCOL_VERSION, RoundConfig
 from odbd.round.errors import (
     HandshakeError,
     ParentClosedError,
+    PeerFailedError,
     PeerLostError,
     RoundTimeoutError,
 )
@@ -38,6 +39,7 @@ _ABORT_ERRORS: dict[int, type[OdbdError]] = {
     peer_pb2.ABORT_KIND_PEER_LOST: PeerLostError,
     peer_pb2.ABORT_KIND_JOIN_TIMEOUT: HandshakeError,
     peer_pb2.ABORT_KIND_REFUSED: HandshakeError,
+    peer_pb2.ABORT_KIND_JOB_FAILED: PeerFailedError,
 }
 # Reconnect quickly while the hub is still starting, instead of gRPC's 1 s..120 s backoff.
 _CONNECT_OPTIONS = (
