@@ -22,7 +22,13 @@ from odbclient.wire.odbd.v1 import peer_pb2
 from odbd.errors import OdbdError
 from odbd.round import auth
 from odbd.round.config import CHANNEL_OPTIONS, PROTOCOL_VERSION, RoundConfig
-from odbd.round.errors import HandshakeError, PeerLostError, RoundTimeoutError
+from odbd.round.errors import (
+    HandshakeError,
+    ParentClosedError,
+    PeerFailedError,
+    PeerLostError,
+    RoundTimeoutError,
+)
 from odbd.round.server import JOIN_METHOD
 from odbd.round.stall import TICK_S, StallWatch, frozen_past_deadline
 from odbd.round.table import CompletedRound
@@ -33,6 +39,7 @@ _ABORT_ERRORS: dict[int, type[OdbdError]] = {
     peer_pb2.ABORT_KIND_PEER_LOST: PeerLostError,
     peer_pb2.ABORT_KIND_JOIN_TIMEOUT: HandshakeError,
     peer_pb2.ABORT_KIND_REFUSED: HandshakeError,
+    peer_pb2.ABORT_KIND_JOB_FAILED: PeerFailedError,
 }
 # Reconnect quickly while the hub is still starting, instead of gRPC's 1 s..120 s backoff.
 _CONNECT_OPTIONS = (
@@ -219,7 +226,7 @@ class Spoke:
                 elif kind == "abort":
                     self._fail(error_of_abort(msg.abort), msg.abort)
                     return
-            self._fail(PeerLostError(f"{self._hub} ended the round stream (it shut down)"))
+            self._fail(ParentClosedError(f"{self._hub} ended the round stream (it shut down)"))
         except grpc.aio.AioRpcError as exc:
             self._fail(
                 PeerLostError(
@@ -252,6 +259,11 @@ class Spoke:
     def raise_failure(self) -> None:
         if self._failure is not None:
             raise type(self._failure)(str(self._failure))
+
+    @property
+    def failure(self) -> OdbdError | None:
+        """The job's failure as this stream knows it (None while it goes on)."""
+        return self._failure
 
     async def exchange(
         self, round_index: int, payload: bytes, subtree: Sequence[bytes] = ()
