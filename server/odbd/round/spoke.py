@@ -41,6 +41,7 @@ _ABORT_ERRORS: dict[int, type[OdbdError]] = {
     peer_pb2.ABORT_KIND_REFUSED: HandshakeError,
     peer_pb2.ABORT_KIND_JOB_FAILED: PeerFailedError,
 }
+_LEAVE_WRITE_S = 5.0
 # Reconnect quickly while the hub is still starting, instead of gRPC's 1 s..120 s backoff.
 _CONNECT_OPTIONS = (
     ("grpc.initial_reconnect_backoff_ms", 100),
@@ -339,8 +340,10 @@ class Spoke:
             await self._channel.close()
             return
         leave = peer_pb2.PeerMessage(leave=peer_pb2.Leave(reason="shutdown"))
+        # A Leave that does not reach the parent reads there as a lost node, which fails a job
+        # still waiting for its end: give the write room on a loaded machine.
         with contextlib.suppress(Exception):
-            async with self._write_lock, asyncio.timeout(1.0):
+            async with self._write_lock, asyncio.timeout(_LEAVE_WRITE_S):
                 await self._call.write(leave)
                 await self._call.done_writing()
         if self._reader is not None:
