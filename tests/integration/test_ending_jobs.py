@@ -193,17 +193,14 @@ def test_end_job_on_every_rank_ends_an_endless_job_with_exit_0(nodes: int, reade
     assert "lost" not in logs and "undelivered" not in logs, logs
 
 
-# soak until understood. Two CI runs (f61fe01 and before) saw rank 0's end_job() raise
-# something other than JobFailedError 0.02 s after the call (one node once, two nodes once);
-# not reproduced in 10 local runs of both cases (load 12-17, 2 of them under 2 more CPU
-# hogs). A second failure was reproduced (2 of those 10 two-node runs): node 0 fails the
-# job at its --end-timeout and shuts down before node 1's own deadline, which starts a
-# round later (when it hears rank 0's point); node 1 then fails with "the hub node 0 ...
-# ended the round stream (it shut down)", so rank 1 and node 1's log never name the
-# missing rank (a product gap: the reason does not travel to the peers). The assertions
-# print each rank's error with its traceback and each daemon's failure lines, so the next
-# failure names its cause. `make soak` runs it.
-@pytest.mark.soak
+# Two CI runs (f61fe01 and before) saw rank 0's end_job() raise something other than
+# JobFailedError 0.02 s after the call; never reproduced since (10 + 5 runs, some under 2 CPU
+# hogs). A second failure was reproduced and fixed: node 0 failed the job at its --end-timeout
+# and shut down before node 1's own deadline (which starts a round later), so node 1 failed
+# with "the hub node 0 ... ended the round stream" and never named the missing rank; now a
+# daemon that fails the job sends its reason to the hub, which aborts every node with it
+# (RoundBarrier.fail_job). The assertions print each rank's error with its traceback and each
+# daemon's failure lines, so a next failure names its cause.
 @pytest.mark.parametrize("nodes", [1, 2], ids=["one-node", "two-nodes"])
 def test_end_job_on_one_rank_only_fails_naming_the_other_after_the_deadline(nodes: int) -> None:
     def body(rank: int, client: ODBClient) -> object:
@@ -235,6 +232,41 @@ def test_end_job_on_one_rank_only_fails_naming_the_other_after_the_deadline(node
     assert re.search(r"rank 0 calling it at epoch \d+ step \d+", message), why
     # every daemon says why, the missing rank's too
     assert message.split(": ", 1)[1] in logs[nodes - 1], why
+
+
+@pytest.mark.parametrize("caller", [0, 1], ids=["hub-fails", "spoke-fails"])
+def test_end_job_deadline_on_one_node_fails_the_other_with_its_reason(caller: int) -> None:
+    """Only the caller's node has a short --end-timeout; the other node's is far off, so only
+    the reason the failing daemon sends (up to the hub, then the hub's Abort down) can tell
+    the other rank and daemon which rank did not call end_job(); without it they fail with
+    "node N ... ended the round stream" or "shut down (said Leave)"."""
+
+    def body(rank: int, client: ODBClient) -> object:
+        taken = 0
+        while not client.job_ended:
+            for _ in client:
+                taken += 1
+                if rank == caller and taken == 3:
+                    client.end_job()
+                time.sleep(0.01)
+        return None
+
+    other = 1 - caller
+    spec = _spec(2, 1, "--epochs", "0")
+    timeouts = {caller: "2", other: "600"}
+    spec.per_node_args = [["--end-timeout", timeouts[n]] for n in range(2)]
+    with LocalCluster(spec) as cluster:
+        cluster.wait_sockets()
+        _, errors = run_ranks(cluster, body)
+        assert cluster.wait(scaled(10)) == [1, 1], cluster.log(other)
+        logs = [cluster.log(n) for n in range(2)]
+    why = _errors_and_logs(errors, logs)
+    assert all(isinstance(e, JobFailedError) for e in errors.values()) and len(errors) == 2, why
+    missing = f"rank {other} (node {other})"
+    reason = f"{missing} did not call ODBClient.end_job() within --end-timeout 2 s"
+    for rank in (0, 1):
+        assert reason in str(errors[rank]) and reason in logs[rank], why
+    assert "ended the round stream" not in logs[other] and "said Leave" not in logs[other], why
 
 
 def _errors_and_logs(errors: dict[int, BaseException], logs: list[str]) -> str:

@@ -117,6 +117,35 @@ def test_killed_relay_fails_every_daemon_naming_it_and_the_node_it_cut_off():
         assert daemon_s < ROUND_TIMEOUT_S
 
 
+def test_peer_killed_after_the_last_round_was_planned_fails_the_survivor_at_once():
+    """A small epoch is planned whole at start-up, so the kill lands while the survivor only
+    waits for its trainers to take the job's end: it must fail at once naming the lost node,
+    as mid-epoch, not train on alone (its ranks' collectives would hang) nor wait out
+    --attach-timeout."""
+    args = [*synthetic(48), "--buffer", "8", "--token-budget", "1024", "--steps-ahead", "1000"]
+    args += ["--round-timeout", str(ROUND_TIMEOUT_S), "--attach-timeout", "120"]
+    with FaultCluster(nodes=2, ranks_per_node=1, daemon_args=args) as fc:
+        fc.wait_until(
+            lambda: all("epoch 0 planned" in fc.log(n) for n in (0, 1)), "both nodes planned"
+        )
+        fc.start_trainer([0], "--step-sleep-s", "1.0")  # steps take longer than the deadline
+        fc.wait_until(lambda: fc.steps_seen(0) >= 1, "rank 0 trained a step")
+        killed = time.monotonic()
+        fc.daemons[1].kill()
+        deadline = killed + scaled(10)
+        while fc.daemons[0].poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        waited_s = time.monotonic() - killed
+        assert fc.daemons[0].returncode == 1, f"after {waited_s:.1f} s\n{fc.describe()}"
+        name = f"node 1 (127.0.0.1:{fc.cluster.peer_ports[1]})"
+        assert f"lost {name}" in fc.log(0), fc.log(0)
+        fc.wait_done(30)
+        [error] = fc.errors(0)
+        assert error["error"] == "JobFailedError" and name in error["message"], error
+        _cleanup_dead_node(fc, 1)
+        print(f"\nFAULT peer-kill after the last round: the survivor failed after {waited_s:.2f} s")
+
+
 def test_slow_peer_is_the_straggler_and_the_round_completes():
     stop_s = 3.0
     with FaultCluster(nodes=3, ranks_per_node=1, daemon_args=_args(), metrics=True) as fc:

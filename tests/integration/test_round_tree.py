@@ -5,6 +5,7 @@ node gets the same result; a relay that dies fails the job naming it and the nod
 from __future__ import annotations
 
 import asyncio
+import re
 from typing import Any
 
 import grpc
@@ -12,6 +13,7 @@ import pytest
 
 from odbd.demo.cluster import free_ports
 from odbd.round import HandshakeError, PeerLostError, RoundBarrier, RoundTimeoutError
+from odbd.round.errors import PeerFailedError
 from tests.integration.test_round_barrier import (
     close_all,
     make_config,
@@ -98,6 +100,66 @@ def test_a_lost_relay_fails_the_job_naming_it_and_the_nodes_it_cut_off() -> None
                 assert "node 1 (127.0.0.1:" in str(error), (n, error)
             hub_error = str(results[0])
             assert "the nodes it relays for (3, 4)" in hub_error, hub_error
+        finally:
+            await close_all(barriers)
+
+    run(scenario())
+
+
+async def _until(predicate: Any, what: str, timeout_s: float = 10.0) -> None:
+    """Polls `predicate` on the event loop (streams run on it); fails naming `what`."""
+    async with asyncio.timeout(timeout_s):
+        while not predicate():
+            await asyncio.sleep(0.01)
+    assert predicate(), what
+
+
+def test_the_hubs_normal_end_after_the_last_round_is_no_loss_down_a_chain() -> None:
+    """A chain 0 - 1 - 2: the hub's trainers finish first and it shuts down. The relay and the
+    leaf below it must not read that as a lost peer (raise_loss), or a job would fail at its
+    end whenever node 0 finishes first; later rounds still fail."""
+
+    async def scenario() -> None:
+        barriers = await start_tree(3, fanout=1)
+        try:
+            await asyncio.gather(*(b.exchange(0, payload(n, 0)) for n, b in enumerate(barriers)))
+            await barriers[0].close()
+            leaf = barriers[2]._spoke
+            assert leaf is not None
+            await _until(lambda: leaf.failure is not None, "the leaf saw its stream end")
+            for barrier in barriers[1:]:
+                barrier.raise_loss()  # no loss: the parent ended normally
+            with pytest.raises(PeerLostError):
+                barriers[2].raise_failure()  # but no round can be exchanged any more
+        finally:
+            await close_all(barriers[1:])
+
+    run(scenario())
+
+
+@pytest.mark.parametrize("failing", [0, 1, 2], ids=["hub", "relay", "leaf"])
+def test_a_daemon_that_fails_the_job_fails_every_node_with_its_reason(failing: int) -> None:
+    """A chain 0 - 1 - 2: whichever daemon fails the job itself (say an end_job() deadline),
+    its reason goes up to the hub and the hub's Abort brings it to every node."""
+
+    async def scenario() -> None:
+        barriers = await start_tree(3, fanout=1)
+        reason = f"rank 5 did not call ODBClient.end_job() (node {failing} decided)"
+        try:
+            await asyncio.gather(*(b.exchange(0, payload(n, 0)) for n, b in enumerate(barriers)))
+            await barriers[failing].fail_job(reason)
+
+            def failed(barrier: RoundBarrier) -> bool:
+                try:
+                    barrier.raise_loss()
+                except PeerFailedError:
+                    return True
+                return False
+
+            await _until(lambda: all(failed(b) for b in barriers), "every node failed")
+            for barrier in barriers:
+                with pytest.raises(PeerFailedError, match=re.escape(reason)):
+                    barrier.raise_loss()
         finally:
             await close_all(barriers)
 

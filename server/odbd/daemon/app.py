@@ -164,6 +164,10 @@ class Daemon(DaemonStartup, DaemonStopping):
                 stop_overdue=now_s > self._stop_deadline_s,
             )
             self._check_end_requests()  # every step was planned: this node decides alone
+            if self.barrier is not None and not self._stop.is_set():
+                # A node lost after the last round fails the job now, as one lost mid-epoch
+                # does: its ranks' collectives would hang ours (a stop drains regardless).
+                self.barrier.raise_loss()
             if verdict.outcome is Outcome.DONE:
                 if not self._stop.is_set():
                     self.phase = "done"

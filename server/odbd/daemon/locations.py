@@ -20,15 +20,6 @@ class Location:
 
 
 @dataclass(frozen=True, slots=True)
-class Rejected:
-    view_key: int
-    identity: int
-    reason: str
-    detail: str
-    location: Location | None  # to free, when the bytes were already written
-
-
-@dataclass(frozen=True, slots=True)
 class Locations:
     """Where committed samples' bytes lie, as columns: row i is one sample (a Location).
 

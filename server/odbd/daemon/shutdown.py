@@ -56,6 +56,8 @@ class DaemonStopping(DaemonState):
         start_up = isinstance(error, ConfigError) and not self._job_formed
         self.exit_code = EXIT_USAGE if start_up else 1
         try:
+            if self.barrier is not None and self._job_formed:
+                await self.barrier.fail_job(reason)  # every daemon fails with this reason
             if self.rewinder is not None:  # a gated queue would hold back the failed JobEnd
                 self.rewinder.cancel_all()
             self._tell_trainers(reason)

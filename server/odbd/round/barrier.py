@@ -28,7 +28,7 @@ import grpc
 from odbclient.wire.odbd.v1 import peer_pb2
 from odbd.errors import InvariantError, OdbdError
 from odbd.round.config import RoundConfig, max_payload_bytes
-from odbd.round.errors import PayloadTooLargeError
+from odbd.round.errors import ParentClosedError, PayloadTooLargeError
 from odbd.round.hub import Hub
 from odbd.round.server import PeerHealth, join_handler, not_the_hub_handler, serve
 from odbd.round.spoke import Spoke
@@ -197,6 +197,30 @@ class RoundBarrier:
             self._hub.raise_failure()
         if self._spoke is not None:
             self._spoke.raise_failure()
+
+    async def fail_job(self, reason: str) -> None:
+        """This daemon failed the job itself (say an end_job() deadline): its reason goes to
+        the hub, whose Abort fails every daemon with it, so every log and trainer names the
+        cause instead of "node N shut down". Best effort, within a second; nothing if the job
+        already failed here (then the reason came from the barrier, and everyone has it)."""
+        if self._hub is not None:  # the hub aborts; a relay reports up (Hub._abort)
+            self._hub.abort_job(reason)
+        elif self._spoke is not None and self._spoke.failure is None:
+            abort = peer_pb2.Abort(kind=peer_pb2.ABORT_KIND_JOB_FAILED, reason=reason)
+            await self._spoke.send_up(peer_pb2.PeerMessage(abort=abort))
+
+    def raise_loss(self) -> None:
+        """After this daemon planned its last round: raises the job's failure if a peer was lost
+        or the hub aborted the job, but not for the parent's normal end of the stream (a daemon
+        whose trainers finished first shuts down; nobody needs a round from it any more).
+
+        The job-end wait calls this so a node lost after the last round fails the survivors
+        at once (its ranks cannot finish the job's steps with them) instead of after
+        --attach-timeout."""
+        for side in (self._hub, self._spoke):
+            failure = side.failure if side is not None else None
+            if failure is not None and not isinstance(failure, ParentClosedError):
+                raise type(failure)(str(failure))
 
     def _check_round(self, round_index: int, payload: bytes) -> None:
         if not self._started:

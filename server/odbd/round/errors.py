@@ -13,6 +13,16 @@ class PeerLostError(OdbdError):
     """A daemon's stream broke or closed while the job still needed it; the job cannot go on."""
 
 
+class ParentClosedError(PeerLostError):
+    """The parent (hub or relay) ended this node's stream normally: it shut down. Mid-job that
+    fails every later round as a lost peer; once this daemon planned every round it is the
+    parent's normal end (RoundBarrier.raise_loss ignores it)."""
+
+
+class PeerFailedError(OdbdError):
+    """Another daemon failed the job itself (ABORT_KIND_JOB_FAILED); the message is its reason."""
+
+
 class HandshakeError(OdbdError):
     """The job could not form: a daemon was refused at the handshake or never joined in time."""
 

@@ -29,7 +29,13 @@ from odbd.round.admission import (
     names_of,
 )
 from odbd.round.config import PROTOCOL_VERSION, RoundConfig, max_payload_bytes
-from odbd.round.errors import HandshakeError, PeerLostError, RoundTimeoutError
+from odbd.round.errors import (
+    HandshakeError,
+    ParentClosedError,
+    PeerFailedError,
+    PeerLostError,
+    RoundTimeoutError,
+)
 from odbd.round.log_budget import LogBudget
 from odbd.round.spoke import grace_s
 from odbd.round.stall import TICK_S, StallWatch
@@ -201,6 +207,8 @@ class Hub(Admission):
         """A relay below failed its subtree: the job fails everywhere with its reason."""
         missing = [self._of_subtree(spoke, ref.node_rank, "Abort") for ref in abort.missing]
         error = _ABORT_ERRORS.get(abort.kind, PeerLostError)
+        if abort.kind == peer_pb2.ABORT_KIND_JOB_FAILED and self._failure is None:
+            log.error("%s failed the job; every node stops with its reason", spoke.name)
         self._abort(abort.kind, abort.round, abort.reason[:_MAX_ABORT_CHARS], missing, error)
 
     def _refuse_stream(self, spoke: SpokeStream, why: str) -> None:
@@ -413,8 +421,22 @@ class Hub(Admission):
 
     def fail_from_parent(self, error: OdbdError, abort: peer_pb2.Abort | None) -> None:
         """A relay: the job failed above it (the hub's Abort, or the parent's stream broke);
-        its children get the same Abort, or one naming the parent."""
+        its children get the same Abort, or one naming the parent. A parent that ended the
+        stream normally (it shut down) ends the children's streams normally too: each of them
+        decides, as this relay does, whether its job still needed a round (a spoke after its
+        last round must not read the hub's normal end as a failure)."""
         if self._failure is not None:
+            return
+        if isinstance(error, ParentClosedError):
+            if self._verdict_timer is not None:
+                self._verdict_timer.cancel()
+            self._failure = ParentClosedError(str(error))
+            for spoke in self._spokes.values():
+                if spoke.state == "active":
+                    spoke.outbox.put_nowait(OutboxEnd(grpc.StatusCode.OK))
+                    spoke.state = "ending"
+            self._fail_local(ParentClosedError, str(error))
+            self._on_serving(False)
             return
         if abort is None:
             abort = peer_pb2.Abort(kind=peer_pb2.ABORT_KIND_PEER_LOST, reason=str(error), round=0)
@@ -477,6 +499,12 @@ class Hub(Admission):
         self._end_children(peer_pb2.HubMessage(abort=abort).SerializeToString(), reason)
         self._fail_local(error, reason)
         self._on_serving(False)
+
+    def abort_job(self, reason: str) -> None:
+        """This daemon failed the job itself: every node fails with `reason` (the hub aborts
+        everyone; a relay reports it up, as its subtree's failures, and the hub's Abort comes
+        back down). Nothing if the job already failed here."""
+        self._abort(peer_pb2.ABORT_KIND_JOB_FAILED, 0, reason, [], PeerFailedError)
 
     def _report_missing(self, round_index: int) -> None:
         """A relay, half a deadline into a round its subtree has not completed: why it has not
@@ -547,6 +575,11 @@ class Hub(Admission):
         if self._failure is not None:
             raise type(self._failure)(str(self._failure))
 
+    @property
+    def failure(self) -> OdbdError | None:
+        """The job's failure as this daemon's hub side knows it (None while it goes on)."""
+        return self._failure
+
     def close(self) -> None:
         """Ends every stream normally after what is already queued (results of past rounds)."""
         self._ticker.cancel()
@@ -587,4 +620,5 @@ _ABORT_ERRORS: dict[int, type[OdbdError]] = {
     peer_pb2.ABORT_KIND_PEER_LOST: PeerLostError,
     peer_pb2.ABORT_KIND_JOIN_TIMEOUT: HandshakeError,
     peer_pb2.ABORT_KIND_REFUSED: HandshakeError,
+    peer_pb2.ABORT_KIND_JOB_FAILED: PeerFailedError,
 }

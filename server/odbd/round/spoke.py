@@ -22,7 +22,13 @@ from odbclient.wire.odbd.v1 import peer_pb2
 from odbd.errors import OdbdError
 from odbd.round import auth
 from odbd.round.config import CHANNEL_OPTIONS, PROTOCOL_VERSION, RoundConfig
-from odbd.round.errors import HandshakeError, PeerLostError, RoundTimeoutError
+from odbd.round.errors import (
+    HandshakeError,
+    ParentClosedError,
+    PeerFailedError,
+    PeerLostError,
+    RoundTimeoutError,
+)
 from odbd.round.server import JOIN_METHOD
 from odbd.round.stall import TICK_S, StallWatch, frozen_past_deadline
 from odbd.round.table import CompletedRound
@@ -33,7 +39,9 @@ _ABORT_ERRORS: dict[int, type[OdbdError]] = {
     peer_pb2.ABORT_KIND_PEER_LOST: PeerLostError,
     peer_pb2.ABORT_KIND_JOIN_TIMEOUT: HandshakeError,
     peer_pb2.ABORT_KIND_REFUSED: HandshakeError,
+    peer_pb2.ABORT_KIND_JOB_FAILED: PeerFailedError,
 }
+_LEAVE_WRITE_S = 5.0
 # Reconnect quickly while the hub is still starting, instead of gRPC's 1 s..120 s backoff.
 _CONNECT_OPTIONS = (
     ("grpc.initial_reconnect_backoff_ms", 100),
@@ -219,7 +227,7 @@ class Spoke:
                 elif kind == "abort":
                     self._fail(error_of_abort(msg.abort), msg.abort)
                     return
-            self._fail(PeerLostError(f"{self._hub} ended the round stream (it shut down)"))
+            self._fail(ParentClosedError(f"{self._hub} ended the round stream (it shut down)"))
         except grpc.aio.AioRpcError as exc:
             self._fail(
                 PeerLostError(
@@ -252,6 +260,11 @@ class Spoke:
     def raise_failure(self) -> None:
         if self._failure is not None:
             raise type(self._failure)(str(self._failure))
+
+    @property
+    def failure(self) -> OdbdError | None:
+        """The job's failure as this stream knows it (None while it goes on)."""
+        return self._failure
 
     async def exchange(
         self, round_index: int, payload: bytes, subtree: Sequence[bytes] = ()
@@ -327,8 +340,10 @@ class Spoke:
             await self._channel.close()
             return
         leave = peer_pb2.PeerMessage(leave=peer_pb2.Leave(reason="shutdown"))
+        # A Leave that does not reach the parent reads there as a lost node, which fails a job
+        # still waiting for its end: give the write room on a loaded machine.
         with contextlib.suppress(Exception):
-            async with self._write_lock, asyncio.timeout(1.0):
+            async with self._write_lock, asyncio.timeout(_LEAVE_WRITE_S):
                 await self._call.write(leave)
                 await self._call.done_writing()
         if self._reader is not None:

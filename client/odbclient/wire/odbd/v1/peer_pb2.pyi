@@ -15,11 +15,13 @@ class AbortKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     ABORT_KIND_PEER_LOST: _ClassVar[AbortKind]
     ABORT_KIND_JOIN_TIMEOUT: _ClassVar[AbortKind]
     ABORT_KIND_REFUSED: _ClassVar[AbortKind]
+    ABORT_KIND_JOB_FAILED: _ClassVar[AbortKind]
 ABORT_KIND_UNSPECIFIED: AbortKind
 ABORT_KIND_ROUND_TIMEOUT: AbortKind
 ABORT_KIND_PEER_LOST: AbortKind
 ABORT_KIND_JOIN_TIMEOUT: AbortKind
 ABORT_KIND_REFUSED: AbortKind
+ABORT_KIND_JOB_FAILED: AbortKind
 
 class Hello(_message.Message):
     __slots__ = ("protocol_version", "job_id", "node_rank", "fingerprint", "listen_address", "nonce")
