@@ -9,6 +9,7 @@ every daemon, so the pure planner computes the same RoundPlan everywhere.
     table.py        per-round contributions at the hub, or at a relay of its subtree (pure)
     tree.py         the relay tree: parent, children and subtree of a node (pure)
     admission.py    the hub's handshake of a Join stream: challenge, refusals, join deadline
+    missing.py      why a round is incomplete, node by node, for its timeout's Abort (pure)
     hub.py          node 0 and relays: their children's Join streams, results, deadlines, aborts
     spoke.py        other nodes: one Join stream to the parent (the hub or a relay)
     server.py       the peer listener: Peer service and grpc.health.v1

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from odbclient.wire.odbd.v1 import peer_pb2
 from odbd.errors import OdbdError
 
 
@@ -29,3 +30,13 @@ class HandshakeError(OdbdError):
 
 class PayloadTooLargeError(OdbdError, ValueError):
     """A node's round payload exceeds its share of the 64 MiB round message."""
+
+
+# The error an Abort of each kind raises, on the hub (a relay's report) and on a spoke alike.
+ERROR_OF_ABORT_KIND: dict[int, type[OdbdError]] = {
+    peer_pb2.ABORT_KIND_ROUND_TIMEOUT: RoundTimeoutError,
+    peer_pb2.ABORT_KIND_PEER_LOST: PeerLostError,
+    peer_pb2.ABORT_KIND_JOIN_TIMEOUT: HandshakeError,
+    peer_pb2.ABORT_KIND_REFUSED: HandshakeError,
+    peer_pb2.ABORT_KIND_JOB_FAILED: PeerFailedError,
+}

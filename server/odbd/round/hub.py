@@ -30,6 +30,7 @@ from odbd.round.admission import (
 )
 from odbd.round.config import PROTOCOL_VERSION, RoundConfig, max_payload_bytes
 from odbd.round.errors import (
+    ERROR_OF_ABORT_KIND,
     HandshakeError,
     ParentClosedError,
     PeerFailedError,
@@ -37,6 +38,7 @@ from odbd.round.errors import (
     RoundTimeoutError,
 )
 from odbd.round.log_budget import LogBudget
+from odbd.round.missing import why_all_missing
 from odbd.round.spoke import grace_s
 from odbd.round.stall import TICK_S, StallWatch
 from odbd.round.table import CompletedRound, ProtocolViolation, RoundTable
@@ -206,7 +208,7 @@ class Hub(Admission):
     def _abort_from_child(self, spoke: SpokeStream, abort: peer_pb2.Abort) -> None:
         """A relay below failed its subtree: the job fails everywhere with its reason."""
         missing = [self._of_subtree(spoke, ref.node_rank, "Abort") for ref in abort.missing]
-        error = _ABORT_ERRORS.get(abort.kind, PeerLostError)
+        error = ERROR_OF_ABORT_KIND.get(abort.kind, PeerLostError)
         if abort.kind == peer_pb2.ABORT_KIND_JOB_FAILED and self._failure is None:
             log.error("%s failed the job; every node stops with its reason", spoke.name)
         self._abort(abort.kind, abort.round, abort.reason[:_MAX_ABORT_CHARS], missing, error)
@@ -299,38 +301,6 @@ class Hub(Admission):
                 round=round_index, reason=reason[:_MAX_REASON_CHARS], node_rank=node
             )
             self._report_up(peer_pb2.PeerMessage(waiting=waiting))
-
-    def _why_missing(self, node: int, round_index: int) -> str:
-        waiting = self._waiting.get(node)
-        if waiting is None or waiting[0] != round_index:
-            return f"{self._name(node)} did not contribute"
-        return f"{self._name(node)} did not contribute: it waits because {waiting[1]}"
-
-    def _why_all_missing(self, missing: list[int], round_index: int) -> str:
-        """Each missing node's reason; a child relay's subtree arrives in one piece, so what
-        this daemon knows is that the relay did not send it, and why nodes below it wait."""
-        parts = []
-        for node in missing:
-            relay = next((c for c in self._children if node in self._layout.subtree(c)), node)
-            if node in self._children and len(self._layout.subtree(node)) > 1:
-                below = ", ".join(str(n) for n in self._layout.subtree(node)[1:])
-                waiting = self._waiting.get(node)
-                why = (
-                    f": it waits because {waiting[1]}"
-                    if waiting and waiting[0] == round_index
-                    else ""
-                )
-                parts.append(
-                    f"{self._name(node)} did not send its own and its subtree's contributions "
-                    f"(it relays for nodes {below}; one of them may be the one that stalled){why}"
-                )
-            elif relay != node:
-                waiting = self._waiting.get(node)
-                if waiting is not None and waiting[0] == round_index:
-                    parts.append(f"{self._why_missing(node, round_index)} (below node {relay})")
-            else:
-                parts.append(self._why_missing(node, round_index))
-        return "; ".join(parts) or "no node"
 
     def _contribute(self, node: int, round_index: int, payload: bytes) -> None:
         if self._failure is not None:
@@ -431,10 +401,7 @@ class Hub(Admission):
             if self._verdict_timer is not None:
                 self._verdict_timer.cancel()
             self._failure = ParentClosedError(str(error))
-            for spoke in self._spokes.values():
-                if spoke.state == "active":
-                    spoke.outbox.put_nowait(OutboxEnd(grpc.StatusCode.OK))
-                    spoke.state = "ending"
+            self._end_streams()
             self._fail_local(ParentClosedError, str(error))
             self._on_serving(False)
             return
@@ -451,11 +418,14 @@ class Hub(Admission):
     def _round_expired(self, round_index: int) -> None:
         self._timers.pop(round_index, None)
         missing = self._table.missing(round_index)
+        why = why_all_missing(
+            missing, round_index, self._waiting, self._layout, self._children, self._name
+        )
         reason = (
             f"round {self._config.round_name(round_index)} did not complete within the "
             f"{self._config.round_timeout_s:g} s round deadline"
             f"{'' if not self._relay else f' at node {self._config.node_rank}, a relay'}: "
-            f"{self._why_all_missing(missing, round_index)}. "
+            f"{why}. "
             "Every daemon stops this job; check why that daemon stalled (its log, producers and "
             "trainers) or raise the round timeout"
         )
@@ -580,13 +550,17 @@ class Hub(Admission):
         """The job's failure as this daemon's hub side knows it (None while it goes on)."""
         return self._failure
 
-    def close(self) -> None:
-        """Ends every stream normally after what is already queued (results of past rounds)."""
-        self._ticker.cancel()
+    def _end_streams(self) -> None:
+        """Ends every active child's stream normally, after what is already queued for it."""
         for spoke in self._spokes.values():
             if spoke.state == "active":
                 spoke.outbox.put_nowait(OutboxEnd(grpc.StatusCode.OK))
                 spoke.state = "ending"
+
+    def close(self) -> None:
+        """Ends every stream normally after what is already queued (results of past rounds)."""
+        self._ticker.cancel()
+        self._end_streams()
         if self._failure is None:
             reason = (
                 f"the round barrier of node {self._config.node_rank} was closed; no more rounds "
@@ -615,10 +589,3 @@ class Hub(Admission):
 
 _MAX_REASON_CHARS = 1024
 _MAX_ABORT_CHARS = 16 * 1024  # a relay's abort reason quotes a few nodes' waiting reasons
-_ABORT_ERRORS: dict[int, type[OdbdError]] = {
-    peer_pb2.ABORT_KIND_ROUND_TIMEOUT: RoundTimeoutError,
-    peer_pb2.ABORT_KIND_PEER_LOST: PeerLostError,
-    peer_pb2.ABORT_KIND_JOIN_TIMEOUT: HandshakeError,
-    peer_pb2.ABORT_KIND_REFUSED: HandshakeError,
-    peer_pb2.ABORT_KIND_JOB_FAILED: PeerFailedError,
-}

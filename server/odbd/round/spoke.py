@@ -23,9 +23,9 @@ from odbd.errors import OdbdError
 from odbd.round import auth
 from odbd.round.config import CHANNEL_OPTIONS, PROTOCOL_VERSION, RoundConfig
 from odbd.round.errors import (
+    ERROR_OF_ABORT_KIND,
     HandshakeError,
     ParentClosedError,
-    PeerFailedError,
     PeerLostError,
     RoundTimeoutError,
 )
@@ -34,13 +34,6 @@ from odbd.round.stall import TICK_S, StallWatch, frozen_past_deadline
 from odbd.round.table import CompletedRound
 from odbd.round.traffic import RoundTraffic
 
-_ABORT_ERRORS: dict[int, type[OdbdError]] = {
-    peer_pb2.ABORT_KIND_ROUND_TIMEOUT: RoundTimeoutError,
-    peer_pb2.ABORT_KIND_PEER_LOST: PeerLostError,
-    peer_pb2.ABORT_KIND_JOIN_TIMEOUT: HandshakeError,
-    peer_pb2.ABORT_KIND_REFUSED: HandshakeError,
-    peer_pb2.ABORT_KIND_JOB_FAILED: PeerFailedError,
-}
 _LEAVE_WRITE_S = 5.0
 # Reconnect quickly while the hub is still starting, instead of gRPC's 1 s..120 s backoff.
 _CONNECT_OPTIONS = (
@@ -64,7 +57,7 @@ async def _tick(watch: StallWatch, loop: asyncio.AbstractEventLoop) -> None:
 
 
 def error_of_abort(abort: peer_pb2.Abort) -> OdbdError:
-    return _ABORT_ERRORS.get(abort.kind, PeerLostError)(abort.reason)
+    return ERROR_OF_ABORT_KIND.get(abort.kind, PeerLostError)(abort.reason)
 
 
 class Spoke:
