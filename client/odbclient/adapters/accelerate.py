@@ -70,7 +70,6 @@ odbd update (save after `optimizer.step()` on a batch with `update_end`). docs/t
 from __future__ import annotations
 
 import contextlib
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -86,7 +85,7 @@ from odbclient.adapters.hf_checkpoint import (
     load_client_state,
     write_client_state,
 )
-from odbclient.adapters.step_time import StepTime
+from odbclient.adapters.step_time import StepTime, own_clock
 from odbclient.errors import JobMismatchError, RankRefusedError, StateDictError
 from odbclient.trainer.batch import Batch
 from odbclient.trainer.client import ODBClient, launcher_world
@@ -163,12 +162,7 @@ class ODBAccelerate:
             self._report_compute(batch)
 
     def _clock(self) -> float:
-        """perf_counter after this rank's queued device work (a CUDA synchronize waits for
-        this GPU only, never for another rank)."""
-        device = self.accelerator.device
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        return time.perf_counter()
+        return own_clock(self.accelerator.device)
 
     def _report_compute(self, batch: Batch) -> None:
         """The step the loop just finished, timed by odb.backward (no report without it)."""

@@ -54,7 +54,6 @@ samples and loss tokens trained over every rank, and the optimizer steps, in thi
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 from typing import Any
 
@@ -71,7 +70,7 @@ from odbclient.adapters.hf_checkpoint import (
     write_client_state,
 )
 from odbclient.adapters.schedule import Schedule, lr_factor
-from odbclient.adapters.step_time import StepTime
+from odbclient.adapters.step_time import StepTime, own_clock
 from odbclient.errors import JobMismatchError, RankRefusedError
 from odbclient.trainer.client import ODBClient
 from odbclient.trainer.packed_check import check_packed_model, is_packed_batch
@@ -216,11 +215,7 @@ class ODBTrainer(Trainer):
         super()._save_checkpoint(model, trial)
 
     def odb_clock(self) -> float:
-        """perf_counter after this rank's queued device work (CUDA runs asynchronously): a
-        synchronize waits for this GPU only, never for another rank."""
-        if self.args.device.type == "cuda":
-            torch.cuda.synchronize(self.args.device)
-        return time.perf_counter()
+        return own_clock(self.args.device)
 
     def training_step(
         self, model: torch.nn.Module, inputs: dict[str, Any], num_items_in_batch: Any = None

@@ -19,9 +19,20 @@ optimizer's constant weighs against the rest.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
+import torch
+
 BACKWARD_PER_FORWARD = 2.0
+
+
+def own_clock(device: torch.device) -> float:
+    """perf_counter after this rank's queued device work (CUDA runs asynchronously): a
+    synchronize waits for this GPU only, never for another rank."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
 
 
 @dataclass(frozen=True, slots=True)
