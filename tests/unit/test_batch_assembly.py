@@ -242,3 +242,54 @@ def test_the_batch_owns_its_memory(
     expected = torch.arange(100, 100 + ROWS).unsqueeze(1).expand(ROWS, TOKENS)
     segment[:] = 0xAB  # the daemon recycles the step's shared memory once it is delivered
     assert torch.equal(rows, expected)
+
+
+# --- steps past this rank's end_job() point are never read ------------------------------------
+
+
+def _event(step: trainer_pb2.StepBatch, at: int) -> trainer_pb2.TrainerEvent:
+    event = trainer_pb2.TrainerEvent()
+    event.steps.steps.add().CopyFrom(step)
+    event.steps.steps[0].step = at
+    return event
+
+
+def test_steps_from_the_end_job_point_on_are_dropped_unread(
+    stream: tuple[TrainerStream, np.ndarray, trainer_pb2.StepBatch],
+) -> None:
+    """Once the EndJob left, the daemon gives those steps' memory back to its producers: a
+    step read from it then is garbage or, as CI saw, a ShmLayoutError out of end_job()."""
+    trainer, segment, step = stream
+    before = list(trainer._handle(_event(step, 8)))
+    trainer.send_end_job(2, 9)
+    segment[:] = 0  # a producer reuses the regions
+    assert [b.step for b in before] == [8]
+    assert list(trainer._handle(_event(step, 9))) == []
+    assert list(trainer._handle(_event(step, 10))) == []
+
+
+def test_a_step_being_read_when_end_job_is_called_is_dropped(
+    stream: tuple[TrainerStream, np.ndarray, trainer_pb2.StepBatch],
+) -> None:
+    """The trainer thread sends end_job() while the reader thread reads a later step, and the
+    daemon reuses its memory at once: whatever the read raised or returned, it is dropped."""
+    trainer, segment, step = stream
+    read = trainer._batch
+
+    def read_during_end_job(s: trainer_pb2.StepBatch) -> Batch:
+        trainer.send_end_job(2, 9)
+        segment[:] = 0
+        return read(s)
+
+    trainer._batch = read_during_end_job  # type: ignore[method-assign]
+    assert list(trainer._handle(_event(step, 9))) == []
+
+
+def test_a_bad_step_before_the_end_job_point_still_raises(
+    stream: tuple[TrainerStream, np.ndarray, trainer_pb2.StepBatch],
+) -> None:
+    trainer, segment, step = stream
+    trainer.send_end_job(2, 9)
+    segment[:] = 0
+    with pytest.raises(ProtocolError, match="step 8"):
+        list(trainer._handle(_event(step, 8)))

@@ -20,7 +20,7 @@ import select
 import socket as socketlib
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Literal
 
@@ -240,6 +240,8 @@ class TrainerStream:
         self._form = BatchForm()  # from the welcome
         self._last_schema: tuple[KeySchema, ...] = ()  # of the last real batch: idle fillers
         self._reader: threading.Thread | None = None
+        # Set by send_end_job before the EndJob leaves: steps from it on are never read.
+        self._end_point: tuple[int, int] | None = None
 
     @classmethod
     def open(
@@ -311,8 +313,13 @@ class TrainerStream:
             self._reader.join(timeout=timeout_s)
 
     def send_end_job(self, epoch: int, step: int) -> None:
-        """ODBClient.end_job: every Delivered report first, then the EndJob (trainer.proto)."""
+        """ODBClient.end_job: every Delivered report first, then the EndJob (trainer.proto).
+
+        The end point is set before the EndJob leaves: once the daemon has it, it gives the
+        shared memory of every step from there on back to its producers (sent or not), so the
+        reader must not read those steps any more (`_steps`)."""
         self.reports.flush()
+        self._end_point = (epoch, step)
         self._send(trainer_pb2.TrainerMessage(end_job=trainer_pb2.EndJob(epoch=epoch, step=step)))
 
     def _send(self, message: trainer_pb2.TrainerMessage) -> None:
@@ -439,10 +446,9 @@ class TrainerStream:
         """The inbox items of one event."""
         kind = event.WhichOneof("kind")
         if kind == "step":
-            yield self._batch(event.step)
+            yield from self._steps([event.step])
         elif kind == "steps":
-            for step in event.steps.steps:
-                yield self._batch(step)
+            yield from self._steps(event.steps.steps)
         elif kind == "welcome":
             yield self._on_welcome(event.welcome)
         elif kind == "epoch_end":
@@ -482,6 +488,27 @@ class TrainerStream:
             loss_scaling=welcome.loss_scaling,
         )
         return self.welcome
+
+    def _steps(self, steps: Iterable[trainer_pb2.StepBatch]) -> Iterator[Batch]:
+        """The Batches of the steps this rank may still train: none from its end_job() point
+        on. The trainer thread may set that point while a step is being read here, and the
+        daemon may hand the step's memory to a producer as soon as it hears of it, so a step
+        past the point after reading is dropped too, whatever reading it raised or returned."""
+        for step in steps:
+            if self._past_end(step):
+                continue
+            try:
+                batch = self._batch(step)
+            except Exception:
+                if self._past_end(step):
+                    continue
+                raise
+            if not self._past_end(step):
+                yield batch
+
+    def _past_end(self, step: trainer_pb2.StepBatch) -> bool:
+        end = self._end_point
+        return end is not None and (step.epoch, step.step) >= end
 
     def _batch(self, step: trainer_pb2.StepBatch) -> Batch:
         sample_ids: tuple[int, ...]
