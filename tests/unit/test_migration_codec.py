@@ -12,6 +12,7 @@ from odbd.daemon.migration_codec import (
     encode_digest,
     hub_migrate,
 )
+from odbd.daemon.payload_checks import BadPayloadError
 from odbd.errors import InvariantError
 from odbd.planner.migration_digest import hub_moves, node_digest, pick_moves, plan_digested
 from tests.unit.planner_factories import make_config
@@ -47,10 +48,11 @@ def test_a_digest_of_another_nodes_units_fails_the_job_naming_the_sender() -> No
     offers = offers_of(skewed())
     d0 = node_digest(offers[0], config)
     payloads = [encode_digest(0, [d0]), encode_digest(1, [d0])]  # node 1 sends unit 0
-    with pytest.raises(InvariantError, match="node 1 sent a round 2 migration digest out of range"):
+    out_of_range = "node 1 sent a round 2 migration digest with a value out of range"
+    with pytest.raises(BadPayloadError, match=out_of_range):
         hub_migrate(payloads, config, FREE_LINK, round_index=2)
     with pytest.raises(
-        InvariantError, match="node 1 sent a round 2 migration digest the hub cannot"
+        InvariantError, match="node 1 sent a round 2 payload that is not an odbd migration digest"
     ):
         hub_migrate([payloads[0], b"garbage bytes!"], config, FREE_LINK, round_index=2)
 

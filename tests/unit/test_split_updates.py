@@ -88,7 +88,9 @@ def test_deals_and_grids_survive_their_bytes():
 def test_a_bad_deal_fails_the_round_naming_its_node():
     good = split_updates.encode_deals([a_deal()])
     windows = [plan_round(*_small_round()).windows]
-    with pytest.raises(InvariantError, match="node 1 sent a round payload the hub cannot read"):
+    with pytest.raises(
+        InvariantError, match="node 1 sent a round payload that is not an odbd update deals"
+    ):
         split_updates.hub_grid([good, good[:-5]], windows)
     bad_time = split_updates.encode_deals([a_deal(times=(1.0, float("nan")))])
     with pytest.raises(InvariantError, match="node 1 .*not finite"):

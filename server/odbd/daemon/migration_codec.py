@@ -25,6 +25,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from odbd.daemon.payload_checks import decoded, refuse_out_of_range
 from odbd.errors import InvariantError
 from odbd.planner.config import PlannerConfig
 from odbd.planner.migration import LinkModel
@@ -119,19 +120,11 @@ def hub_migrate(
     digests: list[UnitDigest] = []
     addresses: list[str] = []
     for n, p in enumerate(payloads):
-        try:
-            node, mine, address = decode_digest_addressed(p)
-        except (InvariantError, struct.error, ValueError) as error:
-            raise InvariantError(
-                f"node {n} sent a round {round_index} migration digest the hub cannot read "
-                f"({error}); every daemon of a job must run the same odbd release"
-            ) from None
+        node, mine, address = decoded(
+            decode_digest_addressed, p, "migration digest", n, round_index
+        )
         problem = digest_problem(n, mine, config) if node == n else f"it claims node {node}"
-        if problem is not None:
-            raise InvariantError(
-                f"node {n} sent a round {round_index} migration digest out of range: {problem}; "
-                "every daemon stops this job (same odbd release and job token everywhere)"
-            )
+        refuse_out_of_range(problem, "migration digest", n, round_index)
         digests += mine
         addresses.append(address)
     return encode_moves(hub_moves(digests, config, link), round_index, addresses)

@@ -38,6 +38,7 @@ from odbclient.shm import Allocation
 from odbd.daemon import migration_codec
 from odbd.daemon.locations import Locations
 from odbd.daemon.node_state import NodeState
+from odbd.daemon.payload_checks import decoded
 from odbd.daemon.split_exchange import SplitExchange
 from odbd.errors import InvariantError
 from odbd.ingest.arena import Arena
@@ -145,12 +146,10 @@ class LiveMigration:
         def reduce(payloads: list[bytes]) -> bytes:  # on the hub only
             if trained is None:
                 return migration_codec.hub_migrate(payloads, config, self.link, round_index)
-            split = []
-            for n, p in enumerate(payloads):
-                try:
-                    split.append(migration_codec.split_keys(p))
-                except InvariantError as error:
-                    raise InvariantError(f"node {n}'s round 0 digest: {error}") from None
+            split = [
+                decoded(migration_codec.split_keys, p, "digest with trained views", n, round_index)
+                for n, p in enumerate(payloads)
+            ]
             union = np.unique(np.concatenate([k for k, _ in split]))
             digests = [d for _, d in split]
             moves = migration_codec.hub_migrate(digests, config, self.link, round_index)

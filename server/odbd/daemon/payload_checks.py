@@ -64,15 +64,17 @@ def decode_offer(payload: bytes, node: int, round_index: int, limits: OfferLimit
 
 
 def decoded(
-    decode: Callable[[bytes], T], payload: bytes, kind: str, node: int, round_index: int
+    decode: Callable[[bytes], T], payload: bytes, kind: str, node: int, round_index: int | None
 ) -> T:
     """`decode(payload)`, node `node`'s round payload of `kind` (offer, summary...); any parse
-    failure raises InvariantError naming the node: the peer sent something else."""
+    failure raises InvariantError naming the node: the peer sent something else. (The hub's
+    later reductions do not know the round's index: None.)"""
     try:
         return decode(payload)
     except Exception as error:  # any parse failure: the peer sent something else
+        which = "round" if round_index is None else f"round {round_index}"
         raise InvariantError(
-            f"node {node} sent a round {round_index} payload that is not an odbd "
+            f"node {node} sent a {which} payload that is not an odbd "
             f"{kind} ({type(error).__name__}: {str(error)[:200]}); every daemon of a job must "
             "run the same odbd release, and only this job's daemons may hold its token"
         ) from None

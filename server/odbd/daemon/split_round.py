@@ -41,7 +41,7 @@ import struct
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any
 
 import numpy as np
 
@@ -70,7 +70,6 @@ _TOTALS_HEAD = struct.Struct("<IBBH")
 _NO_CAP = 0xFFFF
 _EXTRAS_HEAD = struct.Struct("<qqq")
 _COUNT = struct.Struct("<I")
-_T = TypeVar("_T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -218,7 +217,10 @@ def merge_facts(summaries: Sequence[summary_codec.NodeSummary]) -> RoundFacts:
 
 def hub_combine(payloads: Sequence[bytes], num_steps: int) -> bytes:
     """Exchange 2 at the hub: every node's totals in node order -> the round's totals."""
-    parts = [_decoded(decode_node_totals, p, n) for n, p in enumerate(payloads)]
+    parts = [
+        payload_checks.decoded(decode_node_totals, p, "round totals", n, None)
+        for n, p in enumerate(payloads)
+    ]
     bad = [n for n, (_, e) in enumerate(parts) if e.step_max_work.shape != (num_steps,)]
     if bad:
         raise InvariantError(f"nodes {bad} sent step costs for other than {num_steps} steps")
@@ -235,18 +237,6 @@ def hub_combine(payloads: Sequence[bytes], num_steps: int) -> bytes:
         identities=unite([e.step_identities() for e in extras], num_steps),
     )
     return encode_round_totals(totals, merged)
-
-
-def _decoded(decode: Callable[[bytes], _T], payload: bytes, node: int) -> _T:
-    """A payload decoded, or an InvariantError naming the node that sent it (the hub then
-    fails the job with it: a daemon of another release, or a stranger, sent it)."""
-    try:
-        return decode(payload)
-    except (InvariantError, struct.error, ValueError, KeyError, TypeError, IndexError) as exc:
-        raise InvariantError(
-            f"node {node} sent a round payload the hub cannot read ({exc}); every daemon of a "
-            "job must run the same odbd release"
-        ) from None
 
 
 # -- one node's three local phases -----------------------------------------------------------

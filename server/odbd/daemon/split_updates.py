@@ -39,6 +39,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from odbd.daemon import split_round
+from odbd.daemon.payload_checks import decoded
 from odbd.errors import InvariantError
 from odbd.planner.config import Align, PlannerConfig
 from odbd.planner.identities import IdentitySource, StepIdentities
@@ -135,7 +136,7 @@ def node_deals(
 def hub_grid(payloads: Sequence[bytes], windows: Sequence[Windows]) -> bytes:
     """Exchange 3 at the hub: every node's deals -> the round's grid (`windows`: each
     alternative's updates, the same on every node)."""
-    per_node = [split_round._decoded(decode_deals, p, n) for n, p in enumerate(payloads)]
+    per_node = [decoded(decode_deals, p, "update deals", n, None) for n, p in enumerate(payloads)]
     for n, deals in enumerate(per_node):
         sizes = [len(d.lengths) for d in deals]
         if sizes != [len(w) for w in windows]:
@@ -225,7 +226,7 @@ def _unpack(payload: bytes, kind: int) -> list[bytes]:
 
 
 def _decoded_alternatives(payload: bytes, node: int, kind: int) -> list[bytes]:
-    return split_round._decoded(lambda p: _unpack(p, kind), payload, node)
+    return decoded(lambda p: _unpack(p, kind), payload, "update alternatives", node, None)
 
 
 def encode_deals(deals: Sequence[NodeDeal]) -> bytes:
