@@ -124,7 +124,7 @@ def test_accumulate_3_gives_the_per_token_mean_gradient_of_each_update(tmp_path:
 
 
 def test_tokens_per_update_closes_updates_at_t_tokens_exactly(tmp_path: Path) -> None:
-    data = {"size": 800, "seed": 5, "median_len": 20, "max_len": 120}
+    data = {"size": 480, "seed": 5, "median_len": 20, "max_len": 120}
     target = 2500
     updates, grads = run_updates(
         ["--token-budget", "128", "--buffer", "128", "--tokens-per-update", str(target)],
