@@ -200,6 +200,21 @@ def test_a_last_partial_block_of_groups_of_one_waits_only_beside_a_whole_block()
     assert sum(len(t) for t in aged.held) == 0
 
 
+def test_a_group_of_one_aged_out_of_waiting_runs_with_its_block() -> None:
+    # W = 4, budget 1000, groups of one 4000 (waited HOLD_ROUNDS), 3000, 2900, 2800, 2700. The
+    # aged one takes its block (4000-2800) along, so step 1 cuts whole blocks below it; the
+    # last partial block (2700) waits beside it. Run alone, it left the block 3000-2700 to
+    # spread 10 %: 3000 waited and 2900, 2800, 2700 ran as a ragged partial block.
+    config = make_config(world=4, per_node=2, budget=1000, buffer=16)
+    offers = offers_of([[4000, 2900, 2700, 100], [3000, 2800, 100]])
+    t = offers[0].samples
+    ages = np.zeros(len(t), dtype=np.int64)
+    ages[0] = HOLD_ROUNDS
+    offers[0] = UnitOffer(0, SampleTable(t.views, t.lengths, t.tokens, ages, t.patches), False)
+    plan = plan_migration(offers, config, FREE_LINK)
+    assert sorted(int(n) for t in plan.held for n in t.lengths) == [2700]
+
+
 def test_waiting_partial_blocks_keep_the_round_bound() -> None:
     # DESIGN.md section 3.3 (test_planner_properties's envelope: ceil(views per node / rate) +
     # 2 x buffer + 2 rounds): 24 ranks in 12 nodes of buffer 1, 4 groups of one among 153
