@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 
 import numpy as np
@@ -12,7 +13,8 @@ from hypothesis import strategies as st
 from odbd.errors import ConfigError
 from odbd.planner.config import Balance
 from odbd.planner.epoch import simulate
-from odbd.planner.migration import LinkModel, plan_migration
+from odbd.planner.migration import HOLD_ROUNDS, LinkModel, plan_migration
+from odbd.planner.sampler import num_views
 from odbd.planner.types import SampleTable, UnitOffer
 from odbd.simulate.report import summarize
 from tests.unit.planner_factories import make_config
@@ -168,16 +170,62 @@ def test_samples_over_the_budget_of_mixed_cost_wait_for_company_and_run_by_the_f
 
 def test_in_a_round_with_a_giant_groups_of_one_within_the_budget_wait_for_company_too() -> None:
     # 2 nodes x 2 ranks, budget 1000: four equal giants run as one block; the four groups of
-    # one within the budget (over L/2) spread 900 vs 520, so the costliest waits and the last
-    # partial block (700, 600, 520) runs. Without a giant in the round nothing waits, however
-    # wide the spread.
+    # one within the budget (over L/2) spread 900 vs 520, so the costliest waits, and the last
+    # partial block (700, 600, 520) waits too since a whole block ran beside it. Without a giant
+    # in the round nothing waits, however wide the spread.
     config = make_config(world=4, per_node=2, budget=1000, buffer=16)
     with_giant = [[4000, 4000, 900, 700, 100], [4000, 4000, 600, 520, 100]]
     plan = plan_migration(offers_of(with_giant), config, FREE_LINK)
     waiting = sorted(int(n) for t in plan.held for n in t.lengths)
-    assert waiting == [900]
+    assert waiting == [520, 600, 700, 900]
     without = [[900, 700, 100], [600, 520, 100]]
     assert sum(len(t) for t in plan_migration(offers_of(without), config, FREE_LINK).held) == 0
+
+
+def test_a_last_partial_block_of_groups_of_one_waits_only_beside_a_whole_block() -> None:
+    # 2 nodes x 2 ranks (W = 4), budget 1000. Four giants of equal cost run as a block, so the
+    # three left (900, 700, 600; fewer than W) wait for next round's company. With no whole
+    # block in the round, the same partial block runs: a round never holds all it was offered.
+    config = make_config(world=4, per_node=2, budget=1000, buffer=16)
+    beside = [[4000, 4000, 900, 700, 100], [4000, 4000, 600, 100]]
+    plan = plan_migration(offers_of(beside), config, FREE_LINK)
+    assert sorted(int(n) for t in plan.held for n in t.lengths) == [600, 700, 900]
+    alone = [[4000, 900, 100], [600, 100]]
+    assert sum(len(t) for t in plan_migration(offers_of(alone), config, FREE_LINK).held) == 0
+    # Aged HOLD_ROUNDS, the partial block runs beside a whole block too.
+    old = offers_of(beside)
+    for _ in range(HOLD_ROUNDS):
+        old = [UnitOffer(o.unit, o.samples.aged(), o.dry) for o in old]
+    aged = plan_migration(old, config, FREE_LINK)
+    assert sum(len(t) for t in aged.held) == 0
+
+
+def test_a_group_of_one_aged_out_of_waiting_runs_with_its_block() -> None:
+    # W = 4, budget 1000, groups of one 4000 (waited HOLD_ROUNDS), 3000, 2900, 2800, 2700. The
+    # aged one takes its block (4000-2800) along, so step 1 cuts whole blocks below it; the
+    # last partial block (2700) waits beside it. Run alone, it left the block 3000-2700 to
+    # spread 10 %: 3000 waited and 2900, 2800, 2700 ran as a ragged partial block.
+    config = make_config(world=4, per_node=2, budget=1000, buffer=16)
+    offers = offers_of([[4000, 2900, 2700, 100], [3000, 2800, 100]])
+    t = offers[0].samples
+    ages = np.zeros(len(t), dtype=np.int64)
+    ages[0] = HOLD_ROUNDS
+    offers[0] = UnitOffer(0, SampleTable(t.views, t.lengths, t.tokens, ages, t.patches), False)
+    plan = plan_migration(offers, config, FREE_LINK)
+    assert sorted(int(n) for t in plan.held for n in t.lengths) == [2700]
+
+
+def test_waiting_partial_blocks_keep_the_round_bound() -> None:
+    # DESIGN.md section 3.3 (test_planner_properties's envelope: ceil(views per node / rate) +
+    # 2 x buffer + 2 rounds): 24 ranks in 12 nodes of buffer 1, 4 groups of one among 153
+    # samples, so never a whole block of W = 24. A partial block held unconditionally waited
+    # round after round while a node's one-sample buffer held nothing else: 13 rounds here.
+    config = make_config(world=24, per_node=2, budget=1000, buffer=1, seed=0)
+    rng = np.random.default_rng(0)
+    lengths = np.concatenate([[1500, 1500, 1500, 700], rng.integers(1, 120, 149)])
+    result = simulate(lengths.astype(np.int64), config, migration=FREE_LINK)
+    per_node = num_views(len(lengths), 24) // config.num_units
+    assert len(result.rounds) <= math.ceil(per_node / config.ranks_per_unit) + 2 * 1 + 2
 
 
 def test_a_heavy_tail_reaches_the_global_oracle_only_with_migration() -> None:

@@ -22,7 +22,7 @@ plan_migration does, so `simulate` can measure what the live decision costs agai
 one (docs/bench/migration.md).
 
 The approximation: stand-ins of a bucket share one work (its mean length's), so a level's edge
-and a block's spread are known to FINE_STEP (0.5 %, below HOLD_SPREAD's 2 %). The hub still
+and a block's spread are known to FINE_STEP (0.5 %, as wide as HOLD_SPREAD). The hub still
 expands to one stand-in per buffered sample (its CPU is O(samples of the world) per round, as
 the pooled decision's was on every daemon); the wire is O(buckets) per node and O(moves) back.
 """
@@ -40,7 +40,7 @@ from odbd.planner.config import PlannerConfig
 from odbd.planner.migration import LinkModel, MigrationPlan, plan_migration
 from odbd.planner.types import IntArray, SampleTable, UnitOffer
 
-# Buckets of one-sample work FINE_STEP apart on a log scale, well under the hold spread (2 %).
+# Buckets of one-sample work FINE_STEP apart on a log scale, the hold spread's width (0.5 %).
 # Measured against the pooled decision (docs/bench/migration.md): at 1 % longtail W=128 fell
 # to 0.9896x the oracle (pooled 0.9913), at 0.5 % 0.9912. A buffer of lengths 1..3 L under
 # the default model spans ~3,000 possible buckets, of which a node's buffer fills a few
