@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 BENCH := $(PY) -m pytest -q -m bench -s
 
-.PHONY: venv demo test test-under-load test-fast test-netns bench bench-planner bench-round bench-scale bench-shm bench-datapath \
+.PHONY: venv demo test test-under-load test-fast test-netns bench bench-migration bench-planner bench-round bench-scale bench-shm bench-datapath \
 	bench-metrics bench-training bench-cost-model soak lint format proto proto-check clean
 
 $(STAMP): pyproject.toml
@@ -32,6 +32,9 @@ test-netns: $(STAMP)  # daemons in network namespaces behind a fault proxy (root
 
 bench: $(STAMP)  # every benchmark; results land in docs/bench/
 	$(BENCH) tests/bench
+
+bench-migration: $(STAMP)  # --migrate auto vs the offline oracles (W=1024 alone ~40 min: ODBD_BENCH_ORACLE_WORLDS=16,128 for a quick run); docs/bench/migration.md
+	$(BENCH) tests/bench/test_bench_migration.py
 
 bench-planner: $(STAMP)
 	$(BENCH) tests/bench/test_bench_planner.py tests/bench/test_bench_packed.py
