@@ -96,3 +96,51 @@ def test_paper_split_keeps_singletons_right_after_their_group():
         for s, e in zip(fitted.starts, fitted.ends, strict=True)
     ]
     assert lengths == [[100], [200], [500], [800]]
+
+
+def _piece_lengths(table, fitted):
+    return [
+        table.lengths[fitted.order[s:e]].tolist()
+        for s, e in zip(fitted.starts, fitted.ends, strict=True)
+    ]
+
+
+def test_the_flush_cuts_a_unit_short_of_groups_into_groups_of_least_largest_work():
+    # Two nodes of one rank, every unit dry (the flush): unit 1's 16 samples of 250 are four
+    # full groups, so T = 4 and unit 0's 12 samples (three full groups) need a fourth. Halving a
+    # full group left pieces of 2 beside groups of 4 (a step as long as 4 samples, the other
+    # rank running 2); cut into four groups of 3, unit 0's costliest runs 3.
+    config = make_config(world=2, per_node=1, budget=1000)
+    offers = make_offers(config, [[250] * 12, [250] * 16], dry=True)
+    plan = plan_round(offers, config, round_index=0)
+    assert plan.num_steps == 4
+    assert plan.stats.num_samples[:, 0].tolist() == [3, 3, 3, 3]
+    assert sorted(plan.units[0].emitted.views.tolist()) == list(range(12))
+    assert len(plan.units[0].leftover) == 0
+
+
+def test_flush_cuts_keep_the_budget_and_every_sample_and_never_cost_more_than_halving():
+    rng = np.random.default_rng(7)
+    config = make_config(budget=4096)
+    cost = config.cost
+    for _ in range(20):
+        table = make_table(rng.integers(30, 3000, size=int(rng.integers(20, 120))).tolist())
+        groups = group_buffer(table, config.token_budget, Grouping.MIN_TIME)
+        slots = len(groups) + int(rng.integers(1, 6))
+        lengths = table.lengths[groups.order]
+        row_work = cost.work(0.0, lengths.astype(np.float64) ** 2)
+
+        def work(s, e, lengths=lengths, row_work=row_work):
+            return cost.a * lengths[s:e].max() * (e - s) + row_work[s:e].sum()
+
+        cuts = alignment.flush_cuts(lengths, row_work, cost.a, config.token_budget, slots)
+        assert cuts is not None
+        starts, ends, _ = cuts
+        assert len(starts) == slots
+        rows = np.concatenate([np.arange(s, e) for s, e in zip(starts, ends, strict=True)])
+        assert sorted(rows.tolist()) == list(range(len(lengths)))
+        busy = [(s, e) for s, e in zip(starts, ends, strict=True) if e > s]
+        assert all(lengths[s:e].max() * (e - s) <= config.token_budget for s, e in busy)
+        halved = alignment.fit_groups(groups, slots, np.zeros(len(groups)))
+        pieces = [(s, e) for s, e in zip(halved.starts, halved.ends, strict=True) if e > s]
+        assert max(work(s, e) for s, e in busy) <= max(work(s, e) for s, e in pieces) * 1.001

@@ -15,7 +15,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from odbd.planner.types import Groups, IntArray
+from odbd.planner.types import FloatArray, Groups, IntArray
+
+# flush_cuts' bisection on the largest group's work: at most this many halvings, stopping once
+# the bracket is within FLUSH_TOLERANCE of the threshold (a thousandth of a group's work)
+FLUSH_BISECTIONS = 30
+FLUSH_TOLERANCE = 1e-3
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,6 +101,93 @@ def fit_groups(
         )  # fmt: skip
     starts, ends, num_splits = _split_to(groups, num_slots)
     return FittedGroups(groups.order, starts, ends, np.zeros(0, dtype=np.int64), num_splits)
+
+
+def flush_cuts(
+    lengths: IntArray, row_work: FloatArray, a: float, budget: int, num_slots: int
+) -> tuple[IntArray, IntArray, int] | None:
+    """A flushing unit's samples (in its grouping order, `lengths` nearly longest first) cut
+    into exactly `num_slots` contiguous ranges whose costliest costs least, within the budget
+    (longest x size <= L); a range's work is a x its longest x its size + its rows' `row_work`
+    (the cost model's b x l^2 + p x patches). Idle fillers for slots still missing once every
+    range is one sample; None when even the greedy fill needs more than `num_slots` ranges.
+
+    Why: in the flush every unit runs all it holds in T steps, T set by the unit with the most
+    greedy groups, so the others had to split; halving their largest groups by count left
+    pieces of half a step beside other nodes' full groups (longtail W = 1024: one of the
+    flush's 19 steps ran at 0.44 of the budget on average, 0.88 at its slowest rank). Cut into
+    T x G ranges of least largest work, each node's steps sit near its own mean
+    (docs/bench/migration.md). The order is the unit's jittered one (grouping.py), not the
+    exact sort, so a buffer holding the whole dataset still cuts new groups every epoch.
+
+    Bisection on the largest work: a cut of at most `num_slots` ranges under a threshold is
+    found greedily (each range takes the longest run under it and the budget; greedy gives
+    the fewest ranges of any contiguous cut, as grouping._fill_cuts does for the budget
+    alone); the few missing ranges are then the costliest ones halved at their balanced
+    point."""
+    n = int(lengths.shape[0])
+    if n == 0 or num_slots < 1:
+        return None
+    csum = np.concatenate([[0.0], np.cumsum(row_work)])
+    window = min(n, max(budget // max(int(lengths.min()), 1), 1))
+
+    def works(s: int, width: int) -> tuple[FloatArray, IntArray]:
+        """Work and padded tokens of [s, s + k) for k = 1..width."""
+        sizes = np.arange(1, width + 1)
+        padded = np.maximum.accumulate(lengths[s : s + width]) * sizes
+        return a * padded + csum[s + 1 : s + width + 1] - csum[s], padded
+
+    def greedy(cap: float) -> list[int] | None:
+        starts: list[int] = []
+        s = 0
+        while s < n:
+            starts.append(s)
+            if len(starts) > num_slots:
+                return None
+            work, padded = works(s, min(window, n - s))
+            fits = int(np.searchsorted(padded, budget, side="right"))
+            s += max(min(fits, int(np.searchsorted(work, cap, side="right"))), 1)
+        return starts
+
+    def work(s: int, e: int) -> float:
+        return float(works(s, e - s)[0][-1])
+
+    best = greedy(math.inf)
+    if best is None:
+        return None
+    lo, hi = 0.0, max(work(s, e) for s, e in _ranges(best, n))
+    for _ in range(FLUSH_BISECTIONS):
+        if hi - lo <= FLUSH_TOLERANCE * hi:
+            break
+        mid = (lo + hi) / 2
+        cut = greedy(mid)
+        if cut is None:
+            lo = mid
+        else:
+            hi, best = mid, cut
+    pieces = [(-work(s, e), s, e) for s, e in _ranges(best, n)]
+    heapq.heapify(pieces)
+    singles: list[tuple[float, int, int]] = []  # costliest pieces that cannot split
+    num_splits = 0
+    while len(pieces) + len(singles) < num_slots and pieces:
+        piece = heapq.heappop(pieces)
+        _, s, e = piece
+        if e - s < 2:
+            singles.append(piece)
+            continue
+        left = works(s, e - s - 1)[0]
+        right = np.asarray([work(m, e) for m in range(s + 1, e)])
+        mid = s + 1 + int(np.argmin(np.maximum(left, right)))
+        heapq.heappush(pieces, (-work(s, mid), s, mid))
+        heapq.heappush(pieces, (-work(mid, e), mid, e))
+        num_splits += 1
+    ranges = sorted((s, e) for _, s, e in pieces + singles)
+    starts, ends = _pad_idle([s for s, _ in ranges], [e for _, e in ranges], num_slots)
+    return np.asarray(starts, np.int64), np.asarray(ends, np.int64), num_splits
+
+
+def _ranges(starts: list[int], n: int) -> list[tuple[int, int]]:
+    return list(zip(starts, starts[1:] + [n], strict=True))
 
 
 def fit_groups_paper(groups: Groups, num_slots: int) -> FittedGroups:

@@ -32,6 +32,7 @@ is made only when it pays even without the overlap.
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
@@ -71,7 +72,11 @@ LEVELS = 64  # equal-work bins of the pooled round's samples that can share a gr
 # 1 % / 0.5 % / 0.25 % (2 %: 0.9901), over-budget 0.9938 / 0.9940 / 0.9945 (2 %: 0.9925).
 HOLD_SPREAD = 0.005
 HOLD_ROUNDS = 32
-WORK_CANDIDATES = (2, 4, 8, 16, 32)  # bins balanced (costliest first) besides every bin
+WORK_CANDIDATES = (2, 4, 8, 16, 32)
+# The flush (every unit dry): after the levels, nodes over the mean total work send their
+# cheapest samples that share groups (this share of them) to nodes under it (_equalize)
+FLUSH_EQUALIZE = True
+EQUALIZE_SHARE = 0.25  # bins balanced (costliest first) besides every bin
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -160,6 +165,13 @@ def plan_migration(
         move_s = _move_seconds(pool, unit, config.num_units, link)
         if gain - move_s > best_net:
             best_k, best_net, best = k, gain - move_s, (unit.copy(), gain, move_s)
+    if FLUSH_EQUALIZE and all(o.dry for o in offers):
+        even = best[0].copy()
+        _equalize(pool, even, config.num_units)
+        gain = (before - _estimate(even, pool, config)) * link.seconds_per_work
+        move_s = _move_seconds(pool, even, config.num_units, link)
+        if gain - move_s > best_net:
+            best_k, best = max(best_k, 1), (even, gain, move_s)
     if best_k == 0 and not pool.held.any():
         return nothing
     unit, gain, move_s = best
@@ -379,6 +391,40 @@ def _balance_levels(pool: _Pool, unit: IntArray, levels: range, num_units: int) 
         if len(slots) != len(outgoing):
             raise InvariantError(f"level {lv}: {len(outgoing)} samples for {len(slots)} places")
         unit[np.asarray(outgoing, np.int64)] = slots
+
+
+def _equalize(pool: _Pool, unit: IntArray, num_units: int) -> None:
+    """The flush's every-node work made equal (in `unit`, in place): nodes over the mean send
+    their cheapest samples that share groups (the pool's cheapest EQUALIZE_SHARE of them) to
+    the nodes furthest under it, while a move brings both nearer the mean.
+
+    Why: in the flush every node runs all it holds in the same T steps, so the busiest node's
+    total sets them all; balancing each cost level's count left nodes' totals 0.99-1.012 of
+    the mean at longtail W = 1024 (a level's samples differ in work, its remainder goes to the
+    nodes holding most). Earlier rounds run T full steps and recirculate the rest, so their
+    totals matter less and nothing is equalized there."""
+    live = ~pool.held
+    totals = np.bincount(unit[live], weights=pool.work[live], minlength=num_units)
+    mean = float(totals.mean())
+    shared = np.flatnonzero(live & ~pool.singleton)
+    cheap = shared[int(shared.size * (1 - EQUALIZE_SHARE)) :][::-1]  # cheapest first
+    if cheap.size == 0:
+        return
+    short = [(float(totals[v]) - mean, v) for v in range(num_units) if totals[v] < mean]
+    heapq.heapify(short)  # the node furthest under the mean first
+    for u in np.argsort(-totals, kind="stable").tolist():
+        if totals[u] <= mean:
+            break
+        for p in cheap[unit[cheap] == u].tolist():
+            w = float(pool.work[p])
+            if not short or totals[u] - mean < w / 2 or -short[0][0] < w / 2:
+                break
+            _, v = heapq.heappop(short)
+            unit[p] = v
+            totals[u] -= w
+            totals[v] += w
+            if totals[v] < mean:
+                heapq.heappush(short, (float(totals[v]) - mean, v))
 
 
 def _estimate(unit: IntArray, pool: _Pool, config: PlannerConfig) -> float:

@@ -29,6 +29,10 @@ from odbd.planner.types import (
     UnitPlan,
 )
 
+# The flush cuts a unit short of groups into T x G groups of least largest work instead of
+# halving its largest groups (_flush_cut); with migration._equalize longtail W = 1024 went
+# 0.9877 -> 0.9891 of the global oracle (docs/bench/migration.md)
+FLUSH_CUTS = True
 COLUMNS = ("num_samples", "num_tokens", "real_tokens", "padded_tokens", "sum_sq", "patches")
 
 
@@ -114,7 +118,44 @@ def _fit(
     # --align updates: a unit short of groups leaves slots idle (its ranks skip them) rather
     # than split groups into more micro-steps, each costing the per-step constant
     split = config.align is Align.STEPS
+    if split and decision.all_dry and len(unit.groups) < num_slots and FLUSH_CUTS:
+        flushed = _flush_cut(unit, num_slots, config)
+        if flushed is not None:
+            return flushed
     return alignment.fit_groups(unit.groups, num_slots, priority, split), unit.buffer
+
+
+def _flush_cut(
+    unit: GroupedUnit, num_slots: int, config: PlannerConfig
+) -> tuple[alignment.FittedGroups, SortedBuffer] | None:
+    """The epoch's flush: a unit short of groups for T x G slots runs all it holds cut into
+    exactly that many groups of least largest work (alignment.flush_cuts) over its grouping
+    order, each group then longest first; None (split as before) under --collate packed, a
+    patch budget or dense rows, whose groups are not priced as ranges of one order, and for a
+    unit holding a group of one (a sample over L/2): its ordinary groups would all sit at the
+    unit's own least largest work, which differs from node to node with each node's groups of
+    one (heavy tail W = 1024: 0.9898 -> 0.9896 of the global oracle with them cut too)."""
+    samples, order = unit.offer.samples, unit.groups.order
+    if (
+        len(samples) == 0
+        or unit.buffer.packed
+        or config.max_patches > 0
+        or config.cost.dense_rows
+        or 2 * int(samples.lengths.max()) > config.token_budget
+    ):
+        return None
+    lengths = samples.lengths[order]
+    squares = lengths.astype(np.float64) ** 2
+    row_work = np.asarray(config.cost.work(0.0, squares, samples.patches[order]), np.float64)
+    cuts = alignment.flush_cuts(lengths, row_work, config.cost.a, config.token_budget, num_slots)
+    if cuts is None:
+        return None
+    starts, ends, num_splits = cuts
+    group = np.repeat(np.arange(len(starts)), ends - starts)
+    order = order[np.lexsort((-lengths, group))]  # every group longest first
+    buffer = SortedBuffer.of(samples, order, packed=False)
+    empty = np.zeros(0, dtype=np.int64)
+    return alignment.FittedGroups(order, starts, ends, empty, num_splits), buffer
 
 
 def _fullest(
