@@ -72,11 +72,11 @@ LEVELS = 64  # equal-work bins of the pooled round's samples that can share a gr
 # 1 % / 0.5 % / 0.25 % (2 %: 0.9901), over-budget 0.9938 / 0.9940 / 0.9945 (2 %: 0.9925).
 HOLD_SPREAD = 0.005
 HOLD_ROUNDS = 32
-WORK_CANDIDATES = (2, 4, 8, 16, 32)
+WORK_CANDIDATES = (2, 4, 8, 16, 32)  # bins balanced (costliest first) besides every bin
 # The flush (every unit dry): after the levels, nodes over the mean total work send their
 # cheapest samples that share groups (this share of them) to nodes under it (_equalize)
 FLUSH_EQUALIZE = True
-EQUALIZE_SHARE = 0.25  # bins balanced (costliest first) besides every bin
+EQUALIZE_SHARE = 0.25
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
