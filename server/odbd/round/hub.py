@@ -397,21 +397,18 @@ class Hub(Admission):
         last round must not read the hub's normal end as a failure)."""
         if self._failure is not None:
             return
-        if isinstance(error, ParentClosedError):
-            if self._verdict_timer is not None:
-                self._verdict_timer.cancel()
-            self._failure = ParentClosedError(str(error))
-            self._end_streams()
-            self._fail_local(ParentClosedError, str(error))
-            self._on_serving(False)
-            return
-        if abort is None:
-            abort = peer_pb2.Abort(kind=peer_pb2.ABORT_KIND_PEER_LOST, reason=str(error), round=0)
         if self._verdict_timer is not None:
             self._verdict_timer.cancel()
-        log.error("%s", error)
         self._failure = type(error)(str(error))
-        self._end_children(peer_pb2.HubMessage(abort=abort).SerializeToString(), str(error))
+        if isinstance(error, ParentClosedError):
+            self._end_streams()
+        else:
+            log.error("%s", error)
+            if abort is None:
+                abort = peer_pb2.Abort(
+                    kind=peer_pb2.ABORT_KIND_PEER_LOST, reason=str(error), round=0
+                )
+            self._end_children(peer_pb2.HubMessage(abort=abort).SerializeToString(), str(error))
         self._fail_local(type(error), str(error))
         self._on_serving(False)
 

@@ -11,10 +11,10 @@ Waiting = dict[int, tuple[int, str]]  # node -> (round, why it has not sent it)
 
 
 def why_missing(node: int, round_index: int, waiting: Waiting, name: Callable[[int], str]) -> str:
-    said = waiting.get(node)
-    if said is None or said[0] != round_index:
+    said = _waits_because(node, round_index, waiting)
+    if said is None:
         return f"{name(node)} did not contribute"
-    return f"{name(node)} did not contribute: it waits because {said[1]}"
+    return f"{name(node)} did not contribute: it waits because {said}"
 
 
 def why_all_missing(
@@ -30,20 +30,25 @@ def why_all_missing(
     parts = []
     for node in missing:
         relay = next((c for c in children if node in layout.subtree(c)), node)
+        said = _waits_because(node, round_index, waiting)
         if node in children and len(layout.subtree(node)) > 1:
             below = ", ".join(str(n) for n in layout.subtree(node)[1:])
-            said = waiting.get(node)
-            why = f": it waits because {said[1]}" if said and said[0] == round_index else ""
+            why = f": it waits because {said}" if said is not None else ""
             parts.append(
                 f"{name(node)} did not send its own and its subtree's contributions "
                 f"(it relays for nodes {below}; one of them may be the one that stalled){why}"
             )
         elif relay != node:
-            said = waiting.get(node)
-            if said is not None and said[0] == round_index:
+            if said is not None:
                 parts.append(
                     f"{why_missing(node, round_index, waiting, name)} (below node {relay})"
                 )
         else:
             parts.append(why_missing(node, round_index, waiting, name))
     return "; ".join(parts) or "no node"
+
+
+def _waits_because(node: int, round_index: int, waiting: Waiting) -> str | None:
+    """Why `node` said it waits in this round, if it said so for this round."""
+    said = waiting.get(node)
+    return said[1] if said is not None and said[0] == round_index else None
