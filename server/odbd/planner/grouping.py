@@ -129,9 +129,9 @@ def _jittered_cuts(
         i = end
     start_arr = np.asarray(starts, dtype=np.int64)
     end_arr = np.append(start_arr[1:], n) if starts else start_arr
-    group_of_row = np.repeat(np.arange(len(starts)), end_arr - start_arr)
-    order = order[np.lexsort((-sorted_lengths, group_of_row))]  # longest first in each group
-    return Groups(order, start_arr, end_arr)
+    return Groups(
+        longest_first_in_each(order, sorted_lengths, start_arr, end_arr), start_arr, end_arr
+    )
 
 
 def _swap_across_cuts(
@@ -160,9 +160,18 @@ def _swap_across_cuts(
     swap = fits_a & fits_b
     a, b = last_a[swap], first_b[swap]
     order[a], order[b] = groups.order[b], groups.order[a]
-    group_of_row = np.repeat(np.arange(len(groups)), groups.ends - groups.starts)
-    order = order[np.lexsort((-lengths[order], group_of_row))]  # longest first in each group
+    order = longest_first_in_each(order, lengths[order], groups.starts, groups.ends)
     return Groups(order, groups.starts, groups.ends)
+
+
+def longest_first_in_each(
+    order: np.ndarray, lengths_in_order: np.ndarray, starts: np.ndarray, ends: np.ndarray
+) -> np.ndarray:
+    """`order` with each group's rows [starts[g], ends[g]) longest first (ties keep their
+    place), as the rest of the planner assumes of a group; `lengths_in_order[i]` is the length
+    of row `order[i]`, and the groups cover `order` in turn."""
+    group_of_row = np.repeat(np.arange(len(starts)), ends - starts)
+    return order[np.lexsort((-lengths_in_order, group_of_row))]
 
 
 def _grow(sorted_lengths: list[int], start: int, end: int, budget: int) -> int:

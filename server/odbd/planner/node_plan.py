@@ -16,7 +16,7 @@ import numpy as np
 
 from odbd.planner import alignment, assignment, company, selection
 from odbd.planner.config import Align, Grouping, LossScaling, PlannerConfig
-from odbd.planner.grouping import sort_longest_first
+from odbd.planner.grouping import longest_first_in_each, sort_longest_first
 from odbd.planner.loss_scaling import step_weights
 from odbd.planner.summary import GroupedUnit, SortedBuffer, range_max
 from odbd.planner.types import (
@@ -151,8 +151,7 @@ def _flush_cut(
     if cuts is None:
         return None
     starts, ends, num_splits = cuts
-    group = np.repeat(np.arange(len(starts)), ends - starts)
-    order = order[np.lexsort((-lengths, group))]  # every group longest first
+    order = longest_first_in_each(order, lengths, starts, ends)
     buffer = SortedBuffer.of(samples, order, packed=False)
     empty = np.zeros(0, dtype=np.int64)
     return alignment.FittedGroups(order, starts, ends, empty, num_splits), buffer
