@@ -14,6 +14,7 @@ import pytest
 from odbd.demo.cluster import free_ports
 from odbd.round import HandshakeError, PeerLostError, RoundBarrier, RoundTimeoutError
 from odbd.round.errors import PeerFailedError
+from tests.aio_wait import until
 from tests.integration.test_round_barrier import (
     close_all,
     make_config,
@@ -106,14 +107,6 @@ def test_a_lost_relay_fails_the_job_naming_it_and_the_nodes_it_cut_off() -> None
     run(scenario())
 
 
-async def _until(predicate: Any, what: str, timeout_s: float = 10.0) -> None:
-    """Polls `predicate` on the event loop (streams run on it); fails naming `what`."""
-    async with asyncio.timeout(timeout_s):
-        while not predicate():
-            await asyncio.sleep(0.01)
-    assert predicate(), what
-
-
 def test_the_hubs_normal_end_after_the_last_round_is_no_loss_down_a_chain() -> None:
     """A chain 0 - 1 - 2: the hub's trainers finish first and it shuts down. The relay and the
     leaf below it must not read that as a lost peer (raise_loss), or a job would fail at its
@@ -126,7 +119,7 @@ def test_the_hubs_normal_end_after_the_last_round_is_no_loss_down_a_chain() -> N
             await barriers[0].close()
             leaf = barriers[2]._spoke
             assert leaf is not None
-            await _until(lambda: leaf.failure is not None, "the leaf saw its stream end")
+            await until(lambda: leaf.failure is not None, "the leaf saw its stream end")
             for barrier in barriers[1:]:
                 barrier.raise_loss()  # no loss: the parent ended normally
             with pytest.raises(PeerLostError):
@@ -156,7 +149,7 @@ def test_a_daemon_that_fails_the_job_fails_every_node_with_its_reason(failing: i
                     return True
                 return False
 
-            await _until(lambda: all(failed(b) for b in barriers), "every node failed")
+            await until(lambda: all(failed(b) for b in barriers), "every node failed")
             for barrier in barriers:
                 with pytest.raises(PeerFailedError, match=re.escape(reason)):
                     barrier.raise_loss()

@@ -29,6 +29,7 @@ from odbd.ingest.lanes import Lanes
 from odbd.ingest.service import IngestService
 from odbd.metrics.stats import DaemonStats
 from odbd.world import World
+from tests.aio_wait import until
 
 _WAIT_S = 10.0  # every read and state change has this deadline
 _DATASET = 64
@@ -108,13 +109,6 @@ def commit(key: int, offset: int, nbytes: int) -> ingest_pb2.ProducerMessage:
     return ingest_pb2.ProducerMessage(commit=batch)
 
 
-async def until(condition: object, what: str) -> None:
-    deadline_s = asyncio.get_running_loop().time() + _WAIT_S
-    while not condition():  # type: ignore[operator]
-        assert asyncio.get_running_loop().time() < deadline_s, f"timed out waiting for {what}"
-        await asyncio.sleep(0.005)
-
-
 async def attached(daemon: Daemon, path: str) -> tuple[Producer, ingest_pb2.IngestWelcome]:
     producer = await Producer.connect(path)
     producer.send(hello())
@@ -141,7 +135,7 @@ def test_a_producer_leases_commits_gets_frees_and_its_leases_return_at_eof(
         keys = np.frombuffer(grant.lease.view_keys, "<i8")
         assert len(keys) == 4 and len(daemon.state.leases_of(0)) == 4
         producer.send(commit(int(keys[0]), LANE_HEADER_BYTES, 256))
-        await until(lambda: len(daemon.state.leases_of(0)) == 3, "the commit to be booked")
+        await until(lambda: len(daemon.state.leases_of(0)) == 3, "the commit to be booked", _WAIT_S)
         lane = daemon.service.sessions[0].lane
         assert lane.live == {LANE_HEADER_BYTES}
         daemon.service.give_back({0: np.array([LANE_HEADER_BYTES])})  # a trainer consumed it
@@ -150,7 +144,7 @@ def test_a_producer_leases_commits_gets_frees_and_its_leases_return_at_eof(
         assert np.frombuffer(free.free.offsets, "<u8").tolist() == [LANE_HEADER_BYTES]
         producer.writer.write_eof()  # the producer is gone
         assert await producer.message() is None  # the daemon closes its side too
-        await until(lambda: not daemon.service.sessions, "the detach")
+        await until(lambda: not daemon.service.sessions, "the detach", _WAIT_S)
         assert daemon.state.leases_of(0) == []  # the 3 uncommitted ids are back in the pool
         producer.writer.close()
         await server.close()
@@ -172,7 +166,7 @@ def test_shutdown_ends_the_stream_and_a_late_producer_is_told_the_same(
         message = await producer.message()
         assert message is not None and message.shutdown.reason == "job over", message
         assert await producer.message() is None  # the stream ends after Shutdown
-        await until(lambda: not daemon.service.sessions, "the detach")
+        await until(lambda: not daemon.service.sessions, "the detach", _WAIT_S)
         late = await Producer.connect(server.path)
         late.send(hello())
         message = await late.message()
@@ -262,7 +256,7 @@ def test_a_malformed_commit_is_refused_and_the_leases_return(tmp_path: Path, are
         assert message is not None and message.refusal.code == "INVALID_ARGUMENT", message
         assert "does not lie inside the producer's" in message.refusal.message
         assert await producer.message() is None
-        await until(lambda: not daemon.service.sessions, "the detach")
+        await until(lambda: not daemon.service.sessions, "the detach", _WAIT_S)
         assert daemon.state.leases_of(0) == []
         producer.writer.close()
         await server.close()
@@ -283,7 +277,7 @@ def test_close_ends_open_connections_and_releases_their_leases(
         assert (await producer.message()) is not None
         await server.close()
         assert await producer.message() is None  # EOF: the producer sees the stream end
-        await until(lambda: not daemon.service.sessions, "the detach at close")
+        await until(lambda: not daemon.service.sessions, "the detach at close", _WAIT_S)
         assert daemon.state.leases_of(0) == []
         producer.writer.close()
         probe = socketlib.socket(socketlib.AF_UNIX, socketlib.SOCK_STREAM)

@@ -20,6 +20,7 @@ from odbd.daemon.locations import Locations
 from odbd.serve.rank_queue import QueuedItem, RankQueue
 from odbd.serve.step_socket import StepServer
 from odbd.serve.trainer_service import TrainerService
+from tests.aio_wait import until
 
 _WAIT_S = 10.0  # every read and state change has this deadline
 
@@ -77,13 +78,6 @@ def one_rank_service(
     )
 
 
-async def until(condition: object, what: str) -> None:
-    deadline_s = asyncio.get_running_loop().time() + _WAIT_S
-    while not condition():  # type: ignore[operator]
-        assert asyncio.get_running_loop().time() < deadline_s, f"timed out waiting for {what}"
-        await asyncio.sleep(0.005)
-
-
 @pytest.mark.timeout(60)
 def test_a_trainer_attaches_gets_steps_within_prefetch_and_detaches_at_eof(tmp_path: Path) -> None:
     freed: list[object] = []
@@ -116,10 +110,12 @@ def test_a_trainer_attaches_gets_steps_within_prefetch_and_detaches_at_eof(tmp_p
         trainer.send(trainer_pb2.TrainerMessage(delivered=trainer_pb2.Delivered(epoch=0, step=1)))
         event = await trainer.event()  # room for two more
         assert event is not None
-        await until(lambda: freed == ["loc0", "loc1"], "the Delivered to free steps 0 and 1")
+        await until(
+            lambda: freed == ["loc0", "loc1"], "the Delivered to free steps 0 and 1", _WAIT_S
+        )
         assert delivered == [(0, 1)]
         trainer.writer.write_eof()  # detach
-        await until(lambda: not queue.attached, "the detach")
+        await until(lambda: not queue.attached, "the detach", _WAIT_S)
         while await trainer.event() is not None:  # steps sent before the detach, then EOF
             pass
         trainer.writer.close()
@@ -182,7 +178,7 @@ def test_close_ends_open_connections(tmp_path: Path) -> None:
         assert (await trainer.event()).HasField("welcome")  # type: ignore[union-attr]
         await server.close()
         assert await trainer.event() is None  # EOF: the trainer sees the stream end
-        await until(lambda: not queue.attached, "the detach at close")
+        await until(lambda: not queue.attached, "the detach at close", _WAIT_S)
         trainer.writer.close()
         probe = socketlib.socket(socketlib.AF_UNIX, socketlib.SOCK_STREAM)
         with pytest.raises(OSError):
