@@ -75,7 +75,6 @@ HOLD_ROUNDS = 32
 WORK_CANDIDATES = (2, 4, 8, 16, 32)  # bins balanced (costliest first) besides every bin
 # The flush (every unit dry): after the levels, nodes over the mean total work send their
 # cheapest samples that share groups (this share of them) to nodes under it (_equalize)
-FLUSH_EQUALIZE = True
 EQUALIZE_SHARE = 0.25
 
 
@@ -165,7 +164,7 @@ def plan_migration(
         move_s = _move_seconds(pool, unit, config.num_units, link)
         if gain - move_s > best_net:
             best_k, best_net, best = k, gain - move_s, (unit.copy(), gain, move_s)
-    if FLUSH_EQUALIZE and all(o.dry for o in offers):
+    if all(o.dry for o in offers):
         even = best[0].copy()
         _equalize(pool, even, config.num_units)
         gain = (before - _estimate(even, pool, config)) * link.seconds_per_work

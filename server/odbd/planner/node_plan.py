@@ -29,10 +29,6 @@ from odbd.planner.types import (
     UnitPlan,
 )
 
-# The flush cuts a unit short of groups into T x G groups of least largest work instead of
-# halving its largest groups (_flush_cut); with migration._equalize longtail W = 1024 went
-# 0.9877 -> 0.9891 of the global oracle (docs/bench/migration.md)
-FLUSH_CUTS = True
 COLUMNS = ("num_samples", "num_tokens", "real_tokens", "padded_tokens", "sum_sq", "patches")
 
 
@@ -118,7 +114,7 @@ def _fit(
     # --align updates: a unit short of groups leaves slots idle (its ranks skip them) rather
     # than split groups into more micro-steps, each costing the per-step constant
     split = config.align is Align.STEPS
-    if split and decision.all_dry and len(unit.groups) < num_slots and FLUSH_CUTS:
+    if split and decision.all_dry and len(unit.groups) < num_slots:
         flushed = _flush_cut(unit, num_slots, config)
         if flushed is not None:
             return flushed
