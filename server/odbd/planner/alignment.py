@@ -122,7 +122,7 @@ def flush_cuts(
 
     Bisection on the largest work: a cut of at most `num_slots` ranges under a threshold is
     found greedily (each range takes the longest run under it and the budget; greedy gives
-    the fewest ranges of any contiguous cut, as grouping._fill_cuts does for the budget
+    the fewest ranges of any contiguous cut, as grouping.fill_cuts does for the budget
     alone); the few missing ranges are then the costliest ones halved at their balanced
     point."""
     n = int(lengths.shape[0])

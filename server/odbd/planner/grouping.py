@@ -56,7 +56,7 @@ def group_buffer(
     if strategy is Grouping.PAPER:
         starts, ends = _paper_cuts(lengths.tolist(), budget)
         return Groups(order, np.asarray(starts, dtype=np.int64), np.asarray(ends, dtype=np.int64))
-    starts, ends = _fill_cuts(lengths, budget)
+    starts, ends = fill_cuts(lengths, budget)
     exact = Groups(order, np.asarray(starts, dtype=np.int64), np.asarray(ends, dtype=np.int64))
     if rng is None:
         return exact
@@ -71,7 +71,7 @@ def batch_size_for(length: int, budget: int) -> int:
     return max(budget // length, 1)
 
 
-def _fill_cuts(lengths: np.ndarray, budget: int) -> tuple[list[int], list[int]]:
+def fill_cuts(lengths: np.ndarray, budget: int) -> tuple[list[int], list[int]]:
     """min-time: each group takes as many of the next-longest samples as the budget admits.
 
     With lengths sorted descending, this greedy cut gives the fewest groups of any contiguous cut
@@ -116,7 +116,7 @@ def _jittered_cuts(
     bound = np.ceil(key[by_key]).astype(np.int64)
     bound_end = np.minimum(np.arange(n) + np.maximum(budget // bound, 1), n)
     may_grow = ((budget // np.maximum(sorted_lengths, 1)) > (budget // bound)).tobytes()
-    jump = array.array("q")  # plain ints for the walk, as in _fill_cuts
+    jump = array.array("q")  # plain ints for the walk, as in fill_cuts
     jump.frombytes(bound_end.astype(np.int64).tobytes())
     as_ints = sorted_lengths.tolist()  # _grow reads a few entries per group: plain ints
     starts: list[int] = []

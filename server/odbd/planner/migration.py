@@ -40,7 +40,8 @@ from enum import StrEnum
 import numpy as np
 
 from odbd.errors import ConfigError, InvariantError
-from odbd.planner.config import Balance, PlannerConfig
+from odbd.planner.config import Balance, Collate, Grouping, PlannerConfig
+from odbd.planner.migration_deal import cut_work, deal
 from odbd.planner.types import IntArray, SampleTable, UnitOffer
 
 
@@ -171,10 +172,41 @@ def plan_migration(
         move_s = _move_seconds(pool, even, config.num_units, link)
         if gain - move_s > best_net:
             best_k, best = max(best_k, 1), (even, gain, move_s)
+    if _may_deal(config):
+        dealt = _dealt(pool, best[0], config, flush=all(o.dry for o in offers))
+        saved = _estimate(best[0], pool, config, cut=True) - _estimate(
+            dealt, pool, config, cut=True
+        )
+        extra = saved * link.seconds_per_work
+        move_s = _move_seconds(pool, dealt, config.num_units, link)
+        if extra > move_s - best[2]:  # beats the best balance's net gain (>= 0)
+            best_k, best = len(pool.levels), (dealt, best[1] + extra, move_s)
     if best_k == 0 and not pool.held.any():
         return nothing
     unit, gain, move_s = best
     return _apply(offers, pool, unit, best_k, gain, move_s, offered)
+
+
+def _may_deal(config: PlannerConfig) -> bool:
+    """The deal (migration_deal.py) prices groups by the greedy fill of padded rows: min-time's
+    cut, without a patch budget (which cuts elsewhere) or packed rows (which do not pad)."""
+    return (
+        config.grouping is Grouping.MIN_TIME
+        and config.collate is Collate.PADDED
+        and config.max_patches == 0
+    )
+
+
+def _dealt(pool: _Pool, base: IntArray, config: PlannerConfig, flush: bool) -> IntArray:
+    """`base` with the groups of one balanced in blocks of W and every other live sample dealt
+    (migration_deal.deal); in the flush, every node's total work then evened (_equalize)."""
+    unit = base.copy()
+    _balance_levels(pool, unit, range(pool.singleton_levels), config.num_units)
+    ordinary = np.flatnonzero(~pool.singleton & ~pool.held)
+    unit[ordinary] = deal(pool.lengths[ordinary], config.token_budget, config.num_units)
+    if flush:
+        _equalize(pool, unit, config.num_units)
+    return unit
 
 
 def _candidates(pool: _Pool) -> list[int]:
@@ -213,6 +245,7 @@ class _Pool:
     row: IntArray  # (n,) row in its unit's table
     work: np.ndarray  # (n,) float64 one-sample work
     lengths: IntArray
+    patches: IntArray
     nbytes: IntArray
     singleton: np.ndarray  # (n,) bool: no other sample fits beside it (a group of one)
     held: np.ndarray  # (n,) bool: waits for the next round (HOLD_SPREAD)
@@ -258,8 +291,8 @@ class _Pool:
         # Ties interleave the units (row within its unit, then unit), so equal samples of a
         # level are already spread evenly and do not move back and forth between bins.
         order = np.lexsort((unit, tie, -work))
-        unit, row, work, lengths, nbytes, ages = (
-            x[order] for x in (unit, row, work, lengths, nbytes, ages)
+        unit, row, work, lengths, patches, nbytes, ages = (
+            x[order] for x in (unit, row, work, lengths, patches, nbytes, ages)
         )
         half = config.token_budget // 2
         # Padded or packed alike, two samples longer than L/2 never share a group.
@@ -277,7 +310,7 @@ class _Pool:
         cuts = np.flatnonzero(np.diff(bins)) + 1
         work_levels = [x for x in np.split(rest, cuts) if x.size]
         return _Pool(
-            unit, row, work, lengths, nbytes, singleton, held, levels + work_levels,
+            unit, row, work, lengths, patches, nbytes, singleton, held, levels + work_levels,
             [g] * len(levels) + [1] * len(work_levels), len(levels), config.token_budget, g,
         )  # fmt: skip
 
@@ -426,11 +459,12 @@ def _equalize(pool: _Pool, unit: IntArray, num_units: int) -> None:
                 heapq.heappush(short, (float(totals[v]) - mean, v))
 
 
-def _estimate(unit: IntArray, pool: _Pool, config: PlannerConfig) -> float:
+def _estimate(unit: IntArray, pool: _Pool, config: PlannerConfig, cut: bool = False) -> float:
     """The round's time in work units, roughly: every node deals its groups of one (samples over
     L/2) in runs of G costliest first, step k lasting the costliest node's k-th run; the rest is
     fluid, each node's remaining work spread over its G ranks; plus c per step, the steps being
-    the busiest node's groups / G."""
+    the busiest node's groups / G. With `cut`, the rest is the work of the groups each node's
+    greedy cut makes of it (padding included; migration_deal.cut_work) and counts them."""
     g = pool.ranks
     nodes = config.num_units
     runs: list[np.ndarray] = []
@@ -443,6 +477,14 @@ def _estimate(unit: IntArray, pool: _Pool, config: PlannerConfig) -> float:
         runs.append(costs[::g])
         rest[u] = (pool.work[mine].sum() - costs.sum()) / g
         groups[u] = costs.size + pool.lengths[mine & ~pool.singleton].sum() / pool.budget
+    if cut:
+        ordinary = ~pool.held & ~pool.singleton
+        work, count = cut_work(
+            unit[ordinary], pool.lengths[ordinary], pool.patches[ordinary], nodes,
+            pool.budget, config.cost,
+        )  # fmt: skip
+        singles = np.bincount(unit[~pool.held & pool.singleton], minlength=nodes)
+        rest, groups = work / g, singles + count
     depth = max((r.size for r in runs), default=0)
     tail = np.zeros(depth)
     for r in runs:
