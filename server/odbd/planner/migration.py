@@ -41,7 +41,7 @@ import numpy as np
 
 from odbd.errors import ConfigError, InvariantError
 from odbd.planner.config import Balance, Collate, Grouping, PlannerConfig
-from odbd.planner.migration_deal import cut_work, deal
+from odbd.planner.migration_deal import cut_work, deal, fewest_moves
 from odbd.planner.types import IntArray, SampleTable, UnitOffer
 
 
@@ -203,7 +203,9 @@ def _dealt(pool: _Pool, base: IntArray, config: PlannerConfig, flush: bool) -> I
     unit = base.copy()
     _balance_levels(pool, unit, range(pool.singleton_levels), config.num_units)
     ordinary = np.flatnonzero(~pool.singleton & ~pool.held)
-    unit[ordinary] = deal(pool.lengths[ordinary], config.token_budget, config.num_units)
+    dealt = deal(pool.lengths[ordinary], config.token_budget, config.num_units)
+    _, classes = np.unique(pool.work[ordinary], return_inverse=True)
+    unit[ordinary] = fewest_moves(classes, pool.unit[ordinary], dealt, config.num_units)
     if flush:
         _equalize(pool, unit, config.num_units)
     return unit

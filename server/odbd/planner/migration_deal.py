@@ -49,6 +49,34 @@ def deal(lengths: IntArray, budget: int, num_units: int) -> IntArray:
     return out
 
 
+def fewest_moves(classes: IntArray, holder: IntArray, dealt: IntArray, num_units: int) -> IntArray:
+    """The unit each sample goes to so that every unit ends with `dealt`'s count of every class
+    (samples of one class are interchangeable: one work, one length), moving the fewest: a
+    unit keeps min(held, dealt) of a class (its first rows), its surplus fills the other units'
+    shortfalls in unit order.
+
+    Why: the deal hands each group to one unit, so a unit would send most of its samples and
+    receive as many of the same cost back. Only the counts matter to the groups a unit cuts:
+    longtail at W = 1024 moved 110 % of the bytes it ingested per round dealing samples one by
+    one, and the hub's moves payload, broadcast to every node, was 10.9 MB a round."""
+    key_held = classes * num_units + holder
+    key_dealt = classes * num_units + dealt
+    size = (int(classes.max()) + 1) * num_units if classes.size else 0
+    held = np.bincount(key_held, minlength=size)
+    wanted = np.bincount(key_dealt, minlength=size)
+    kept = np.minimum(held, wanted)
+    by_key = np.argsort(key_held, kind="stable")
+    first_of_key = np.concatenate([[0], np.cumsum(held)[:-1]])
+    rank = np.arange(classes.size) - first_of_key[key_held[by_key]]
+    stays = np.zeros(classes.size, dtype=bool)
+    stays[by_key] = rank < kept[key_held[by_key]]
+    out = holder.copy()
+    leaving = by_key[~stays[by_key]]  # by class, then holder
+    short = np.repeat(np.arange(size), wanted - kept)  # keys short of samples, by class
+    out[leaving] = short % num_units
+    return out
+
+
 def cut_work(
     unit: IntArray,
     lengths: IntArray,
