@@ -11,6 +11,7 @@ from odbd.planner.config import Collate, CostModel
 from odbd.planner.grouping import fill_cuts
 from odbd.planner.migration import LinkModel, plan_migration
 from odbd.planner.migration_deal import cut_work, deal, fewest_moves
+from odbd.planner.migration_digest import plan_digested
 from tests.unit.planner_factories import make_config, make_offers
 
 FREE_LINK = LinkModel(bytes_per_s=1e30)
@@ -97,6 +98,11 @@ def test_cut_work_sums_each_units_greedy_groups() -> None:
     assert count[3] == 0 and work[3] == 0.0
 
 
+def padded(tables, budget: int = 4096) -> int:
+    """The padded area of every table's greedy groups."""
+    return sum(sum(g[0] * len(g) for g in greedy_groups(t.lengths, budget)) for t in tables)
+
+
 def spread_offers(config, units: int, seed: int = 0):
     rng = np.random.default_rng(seed)
     return make_offers(config, [rng.integers(20, 1500, size=300).tolist() for _ in range(units)])
@@ -108,9 +114,6 @@ def test_a_padded_round_is_dealt_when_the_padding_saved_pays_for_the_link() -> N
     config = make_config(world=8, per_node=2, budget=4096, buffer=300)
     offers = spread_offers(config, 4)
     plan = plan_migration(offers, config, FREE_LINK)
-
-    def padded(tables) -> int:
-        return sum(sum(g[0] * len(g) for g in greedy_groups(t.lengths, 4096)) for t in tables)
 
     before = padded(o.samples for o in offers)
     after = padded(o.samples for o in plan.offers)
@@ -128,3 +131,20 @@ def test_packed_rounds_are_not_dealt() -> None:
     dealt = plan_migration(spread_offers(padded, 4), padded, FREE_LINK).num_moved
     balanced = plan_migration(spread_offers(packed, 4), packed, FREE_LINK).num_moved
     assert balanced < dealt / 4
+
+
+def test_the_live_decision_deals_from_digests_with_every_sample_once() -> None:
+    # The hub deals stand-ins of each node's buckets; each node then sends its cheapest of a
+    # bucket: the counts, not the samples, are dealt, and the groups follow within a bucket.
+    config = make_config(world=8, per_node=2, budget=4096, buffer=300)
+    offers = spread_offers(config, 4, seed=1)
+    live = plan_digested(offers, config, FREE_LINK)
+    pooled = plan_migration(offers, config, FREE_LINK)
+    views = np.sort(np.concatenate([o.samples.views for o in live.offers]))
+    assert views.tolist() == list(range(sum(len(o.samples) for o in offers)))
+    assert live.bins == pooled.bins  # both took the deal
+    # A bucket's stand-ins share one length; a node's real samples of it may cut one group
+    # more or less than the stand-ins did.
+    groups = [len(greedy_groups(o.samples.lengths, 4096)) for o in live.offers]
+    assert max(groups) - min(groups) <= 2
+    assert padded(o.samples for o in live.offers) < padded(o.samples for o in offers)
