@@ -467,30 +467,28 @@ def _estimate(unit: IntArray, pool: _Pool, config: PlannerConfig, cut: bool = Fa
     fluid, each node's remaining work spread over its G ranks; plus c per step, the steps being
     the busiest node's groups / G. With `cut`, the rest is the work of the groups each node's
     greedy cut makes of it (padding included; migration_deal.cut_work) and counts them."""
-    g = pool.ranks
-    nodes = config.num_units
-    runs: list[np.ndarray] = []
-    rest = np.zeros(nodes)
-    groups = np.zeros(nodes)
-    for u in range(nodes):
-        mine = (unit == u) & ~pool.held
-        single = mine & pool.singleton
-        costs = pool.work[single]  # already costliest first (the pool's order)
-        runs.append(costs[::g])
-        rest[u] = (pool.work[mine].sum() - costs.sum()) / g
-        groups[u] = costs.size + pool.lengths[mine & ~pool.singleton].sum() / pool.budget
+    g, nodes = pool.ranks, config.num_units
+    singles = np.flatnonzero(~pool.held & pool.singleton)  # costliest first (the pool's order)
+    owner = unit[singles]
+    per_node = np.bincount(owner, minlength=nodes)
+    by_node = np.argsort(owner, kind="stable")
+    rank = np.empty(owner.size, dtype=np.int64)  # within its node's groups of one
+    rank[by_node] = np.arange(owner.size) - np.repeat(np.cumsum(per_node) - per_node, per_node)
+    leads = rank % g == 0  # the costliest of each run of G
+    tail = np.zeros(-(-int(per_node.max(initial=0)) // g))
+    np.maximum.at(tail, rank[leads] // g, pool.work[singles[leads]])
+    ordinary = ~pool.held & ~pool.singleton
     if cut:
-        ordinary = ~pool.held & ~pool.singleton
         work, count = cut_work(
             unit[ordinary], pool.lengths[ordinary], pool.patches[ordinary], nodes,
             pool.budget, config.cost,
         )  # fmt: skip
-        singles = np.bincount(unit[~pool.held & pool.singleton], minlength=nodes)
-        rest, groups = work / g, singles + count
-    depth = max((r.size for r in runs), default=0)
-    tail = np.zeros(depth)
-    for r in runs:
-        tail[: r.size] = np.maximum(tail[: r.size], r)
+        rest, groups = work / g, per_node + count
+    else:
+        mine = unit[ordinary]
+        rest = np.bincount(mine, weights=pool.work[ordinary], minlength=nodes) / g
+        tokens = np.bincount(mine, weights=pool.lengths[ordinary], minlength=nodes)
+        groups = per_node + tokens / pool.budget
     steps = float(np.ceil(groups.max() / g))
     return float(config.cost.c * steps + tail.sum() + rest.max())
 
