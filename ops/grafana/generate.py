@@ -392,6 +392,29 @@ def rounds(b: Board) -> None:
         NEUTRAL,
         w=6,
     )
+    b.series(
+        "Cross-node moves (--migrate auto)",
+        [(f'sum(rate(odbd_migrated_bytes_total{{job=~"$job",direction="out"}}{RI}))', "moved")],
+        "Bps",
+        "Payload bytes of samples moved between nodes before rounds (planner/migration.py); "
+        "0 with --migrate off. docs/bench/migration.md prices them on 25 and 100 Gb/s links.",
+        w=12,
+    )
+    b.series(
+        "Moves decisions / round",
+        [
+            (
+                f"sum by (decision) (rate(odbd_migration_rounds_total{J}{RI})) / scalar("
+                f"sum(rate(odbd_migration_rounds_total{J}{RI})))",
+                "{{decision}}",
+            )
+        ],
+        "percentunit",
+        "Share of rounds whose moves the hub decided: none (nothing moved), balanced (cost "
+        "levels evened across nodes) or dealt (the world's groups dealt, "
+        "planner/migration_deal.py). Summed over daemons: every daemon counts every round.",
+        w=12,
+    )
 
 
 def serving(b: Board) -> None:

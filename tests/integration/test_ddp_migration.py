@@ -37,10 +37,13 @@ def scrape(port: int, into: dict[str, str], stop: threading.Event) -> None:
             continue
 
 
-def counter(text: str, name: str, direction: str) -> float:
-    found = re.search(rf'^{name}_total{{direction="{direction}"}} (\S+)$', text, re.M)
-    assert found, f"{name}_total{{direction={direction}}} missing from /metrics"
+def counter(text: str, name: str, value: str, label: str = "direction") -> float:
+    found = re.search(rf'^{name}_total{{{label}="{value}"}} (\S+)$', text, re.M)
+    assert found, f"{name}_total{{{label}={value}}} missing from /metrics"
     return float(found.group(1))
+
+
+DECISIONS = ("none", "balanced", "dealt")  # odbd_migration_rounds_total{decision}
 
 
 def test_moved_samples_train_once_with_exact_scales_and_are_counted(tmp_path: Path) -> None:
@@ -101,6 +104,13 @@ def test_moved_samples_train_once_with_exact_scales_and_are_counted(tmp_path: Pa
     assert counter(scraped[0]["text"], "odbd_migrated_bytes", "out") == counter(
         scraped[1]["text"], "odbd_migrated_bytes", "in"
     )
+    # Every daemon counts the hub's decision of every round alike.
+    decided = [
+        {d: counter(scraped[n]["text"], "odbd_migration_rounds", d, "decision") for d in DECISIONS}
+        for n in range(2)
+    ]
+    print(f"decisions: {decided[0]}")
+    assert decided[0] == decided[1] and decided[0]["none"] < sum(decided[0].values())
     # Node 1's ranks trained samples of node 0's views (i % 4 < 2): they moved.
     node1_ids = {i for rank in (2, 3) for r in reports.steps(rank) for i in r["ids"]}
     assert any(i % WORLD < 2 for i in node1_ids)

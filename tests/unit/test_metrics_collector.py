@@ -14,7 +14,10 @@ from odbd.metrics.collector import KNOWN_REJECT_REASONS, DaemonCollector
 from odbd.metrics.stats import DaemonStats, Histogram
 from odbd.world import World
 
-ALLOWED_LABELS = {"direction", "rank", "peer", "reason", "le", "version", "node", "term", "model"}
+ALLOWED_LABELS = {
+    *("direction", "rank", "peer", "reason", "le", "version", "node", "term", "model"),
+    "decision",  # odbd_migration_rounds_total: none, balanced, dealt
+}
 
 
 def render(stats: DaemonStats, live: dict[str, float] | None = None) -> str:
@@ -77,6 +80,7 @@ def test_stats_render_the_values_the_hot_path_added():
     stats.last_peer[1] += 5
     stats.round_planning.observe(0.002)
     stats.round_traffic.sent, stats.round_traffic.received = 1234, 567
+    stats.migration_rounds["dealt"] += 3
     f = families(render(stats, {"shm_used_bytes": 10.0, "shm_capacity_bytes": 20.0}))
     value = {
         (s.name, tuple(sorted(s.labels.items()))): s.value for x in f.values() for s in x.samples
@@ -91,6 +95,8 @@ def test_stats_render_the_values_the_hot_path_added():
     assert value[("odbd_round_payload_bytes_total", (("direction", "sent"),))] == 1234
     assert value[("odbd_round_payload_bytes_total", (("direction", "received"),))] == 567
     assert value[("odbd_round_planning_seconds_count", ())] == 1
+    assert value[("odbd_migration_rounds_total", (("decision", "dealt"),))] == 3
+    assert value[("odbd_migration_rounds_total", (("decision", "none"),))] == 0
     assert value[("odbd_round_planning_seconds_bucket", (("le", "0.0025"),))] == 1
     assert value[("odbd_round_planning_seconds_bucket", (("le", "0.001"),))] == 0
 

@@ -65,3 +65,21 @@ def test_round_zeros_trained_views_ride_beside_the_digest_and_a_short_section_is
     assert empty.size == 0 and rest == b""
     with pytest.raises(InvariantError, match="names 3 trained views"):
         migration_codec.split_keys(migration_codec.with_keys(keys, b"")[:-1])
+
+
+def test_the_moves_payload_says_whether_the_hub_balanced_or_dealt() -> None:
+    # /metrics' odbd_migration_rounds_total{decision} reads it on every node.
+    config = make_config(world=8, per_node=2, budget=4096, buffer=300)
+    rng = np.random.default_rng(0)
+    spread = offers_of([rng.integers(20, 1500, size=300).tolist() for _ in range(4)])
+    kinds = []
+    for offers, cfg in ((spread, config), (offers_of(skewed()), make_config(world=4, budget=4000))):
+        payloads = [encode_digest(o.unit, [node_digest(o, cfg)]) for o in offers]
+        decided = hub_moves([node_digest(o, cfg) for o in offers], cfg, FREE_LINK)
+        result = hub_migrate(payloads, cfg, FREE_LINK, round_index=1)
+        kinds.append((decided.dealt, migration_codec.decision_of_moves(result)))
+    assert kinds == [(True, "dealt"), (False, "balanced")]
+    nothing = [
+        encode_digest(u, [node_digest(o, config)]) for u, o in enumerate(offers_of([[100] * 8] * 4))
+    ]
+    assert migration_codec.decision_of_moves(hub_migrate(nothing, config, FREE_LINK, 1)) == "none"

@@ -8,8 +8,9 @@ Digest payload, version 1 (little-endian), one per node:
     uint16 oldest age (34 bytes a bucket: a few hundred buckets per node, never per sample);
     then u16 length and the UTF-8 "host:port" of the node's bulk port (round/bulk.py)
 Moves payload, version 1 (kind 7), the hub's result:
-    u32 round, u16 bins, u16 reserved, f64 gain s, f64 move s, u32 num_units; then a table of
-    num_units (u32 unit, u32 byte offset of its section); then per unit: u32 sends, u32 holds,
+    u32 round, u16 bins, u16 flags (bit 0: dealt), f64 gain s, f64 move s, u32 num_units; then
+    a table of num_units (u32 unit, u32 byte offset of its section); then per unit: u32 sends,
+    u32 holds,
     sends x (int32 bucket, uint32 target unit, uint32 count), holds x (int32 bucket, u32 count)
     then the nodes' bulk addresses (UTF-8 JSON list, node order), then u32 its length
 A node decodes only its own units' sections (the table says where they are): what it reads is
@@ -43,6 +44,7 @@ _BUCKET = np.dtype(
 )
 _MOVES_HEAD = struct.Struct("<IHHddI")
 _ENTRY = struct.Struct("<II")
+_DEALT = 1  # the moves payload's flags
 _SEND = np.dtype([("b", "<i4"), ("to", "<u4"), ("n", "<u4")])
 _HOLD = np.dtype([("b", "<i4"), ("n", "<u4")])
 
@@ -139,7 +141,12 @@ def encode_moves(decision: MoveDecision, round_index: int, addresses: Sequence[s
         holds["b"], holds["n"] = m.hold_buckets, m.hold_counts
         sections.append(_ENTRY.pack(len(sends), len(holds)) + sends.tobytes() + holds.tobytes())
     head = _PREFIX.pack(_MAGIC, _VERSION, _MOVES) + _MOVES_HEAD.pack(
-        round_index, decision.bins, 0, decision.gain_s, decision.move_s, len(sections)
+        round_index,
+        decision.bins,
+        _DEALT if decision.dealt else 0,
+        decision.gain_s,
+        decision.move_s,
+        len(sections),
     )
     start = len(head) + _ENTRY.size * len(sections)
     table, offsets = [], start
@@ -159,11 +166,14 @@ def decode_addresses(payload: bytes) -> list[str]:
     return [str(a) for a in raw]
 
 
-def decode_summary_of_moves(payload: bytes) -> tuple[int, float, float]:
-    """(bins, gain s, move s) of the hub's decision, for logs and /metrics."""
+def decision_of_moves(payload: bytes) -> str:
+    """What the hub decided, for /metrics: "none" (no sample moves; some may wait), "balanced"
+    (cost levels evened, migration.py) or "dealt" (the world's groups dealt, migration_deal.py)."""
     _check_prefix(payload, _MOVES)
-    _, bins, _, gain, move, _ = _MOVES_HEAD.unpack_from(payload, _PREFIX.size)
-    return int(bins), float(gain), float(move)
+    _, bins, flags, _, _, _ = _MOVES_HEAD.unpack_from(payload, _PREFIX.size)
+    if flags & _DEALT:
+        return "dealt"
+    return "balanced" if bins else "none"
 
 
 def decode_moves(payload: bytes, units: Sequence[int]) -> tuple[int, list[UnitMoves]]:

@@ -160,6 +160,7 @@ class LiveMigration:
             union, result = migration_codec.split_keys(result)
             if self.released is not None:
                 self.released(union)
+        self.stats.migration_rounds[migration_codec.decision_of_moves(result)] += 1
         every_unit = list(range(config.num_units))
         _, moves = migration_codec.decode_moves(result, every_unit)
         addresses = migration_codec.decode_addresses(result)

@@ -227,6 +227,15 @@ class DaemonCollector(Collector):
             moved.add_metric(["out"], out)
             moved.add_metric(["in"], into)
             yield moved
+        decided = CounterMetricFamily(
+            "odbd_migration_rounds",
+            "rounds by the hub's moves decision (--migrate auto): none (no sample moved), "
+            "balanced (cost levels evened across nodes) or dealt (the world's groups dealt)",
+            labels=["decision"],
+        )
+        for decision in ("none", "balanced", "dealt"):
+            decided.add_metric([decision], s.migration_rounds[decision])
+        yield decided
         rejected = CounterMetricFamily(
             "odbd_rejected_samples", "samples rejected at ingest", labels=["reason"]
         )

@@ -126,6 +126,8 @@ class DaemonStats:
     migrated_in_samples: int = 0
     migrated_in_bytes: int = 0
     migrate_seconds: float = 0.0
+    # rounds by the hub's decision: none, balanced, dealt (migration_codec.decision_of_moves)
+    migration_rounds: Counter[str] = field(default_factory=Counter)
     producers_restarted: int = 0
     serving: bool = False  # what grpc.health.v1 reports for this daemon
     # The metrics' own cost: CPU the metrics thread spent rendering scrapes (thread time).

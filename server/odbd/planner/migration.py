@@ -113,6 +113,7 @@ class MigrationPlan:
     # per unit: samples over the budget kept out of this round's offer (back in its buffer for
     # the next round, one recirculation older); empty tables when nothing waits
     held: tuple[SampleTable, ...] = ()
+    dealt: bool = False  # the samples that share groups were dealt (migration_deal.py)
 
     @property
     def num_moved(self) -> int:
@@ -172,19 +173,21 @@ def plan_migration(
         move_s = _move_seconds(pool, even, config.num_units, link)
         if gain - move_s > best_net:
             best_k, best = max(best_k, 1), (even, gain, move_s)
+    dealt = False
     if _may_deal(config):
-        dealt = _dealt(pool, best[0], config, flush=all(o.dry for o in offers))
+        deal_unit = _dealt(pool, best[0], config, flush=all(o.dry for o in offers))
         saved = _estimate(best[0], pool, config, cut=True) - _estimate(
-            dealt, pool, config, cut=True
+            deal_unit, pool, config, cut=True
         )
         extra = saved * link.seconds_per_work
-        move_s = _move_seconds(pool, dealt, config.num_units, link)
-        if extra > move_s - best[2]:  # beats the best balance's net gain (>= 0)
-            best_k, best = len(pool.levels), (dealt, best[1] + extra, move_s)
+        move_s = _move_seconds(pool, deal_unit, config.num_units, link)
+        dealt = extra > move_s - best[2]  # beats the best balance's net gain (>= 0)
+        if dealt:
+            best_k, best = len(pool.levels), (deal_unit, best[1] + extra, move_s)
     if best_k == 0 and not pool.held.any():
         return nothing
     unit, gain, move_s = best
-    return _apply(offers, pool, unit, best_k, gain, move_s, offered)
+    return _apply(offers, pool, unit, best_k, gain, move_s, offered, dealt)
 
 
 def _may_deal(config: PlannerConfig) -> bool:
@@ -510,6 +513,7 @@ def _apply(
     gain: float,
     move_s: float,
     offered: int,
+    dealt: bool,
 ) -> MigrationPlan:
     moved = np.flatnonzero(unit != pool.unit)
     waiting = np.flatnonzero(pool.held)
@@ -545,4 +549,5 @@ def _apply(
         move_s,
         offered,
         tuple(held),
+        dealt,
     )

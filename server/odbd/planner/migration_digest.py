@@ -96,6 +96,7 @@ class MoveDecision:
     bins: int
     gain_s: float
     move_s: float
+    dealt: bool = False  # the samples that share groups were dealt (migration_deal.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,7 +174,7 @@ def hub_moves(
         moves.append(
             UnitMoves(d.unit, buckets, targets, counts, hb.astype(np.int64), hc.astype(np.int64))
         )
-    return MoveDecision(tuple(moves), plan.bins, plan.gain_s, plan.move_s)
+    return MoveDecision(tuple(moves), plan.bins, plan.gain_s, plan.move_s, plan.dealt)
 
 
 def pick_moves(offer: UnitOffer, moves: UnitMoves, config: PlannerConfig) -> NodeMoves:
@@ -278,6 +279,7 @@ def plan_digested(
         decision.move_s,
         offered,
         held if any(len(h) for h in held) else (),
+        decision.dealt,
     )
 
 
