@@ -21,7 +21,9 @@ take on the link by the most (nothing moves when none does). In a round with a s
 the budget, groups of one whose block of W spreads wider than HOLD_SPREAD wait for a later
 round (_holds), where more of them meet, and so does their last partial block when a whole
 block ran beside it: the steps that run them are the ones a round plan loses most to
-(docs/bench/migration.md).
+(docs/bench/migration.md). In a padded min-time round the samples that share groups may
+instead be dealt (migration_deal.py: the world's groups, group j to node j mod N), when the
+work that saves, priced by cutting every node's samples, beats its extra link time.
 Every daemon computes the same moves from the same inputs: this module is pure.
 
 The link model: `bytes_per_s` per node and direction (a node sends and receives at once); the
@@ -142,7 +144,8 @@ def plan_migration(
     ties: Sequence[IntArray] | None = None,
 ) -> MigrationPlan:
     """The round's moves: balance the costliest k cost levels across nodes, k chosen by the
-    estimated gain minus the link time (see the module docstring). `sample_bytes[u][i]` is the
+    estimated gain minus the link time, or deal the samples that share groups where that
+    nets more (see the module docstring). `sample_bytes[u][i]` is the
     payload size of offers[u].samples row i (default: length x link.bytes_per_token).
 
     `works` and `ties` (per unit, per row) replace the cost model's one-sample work and the row
