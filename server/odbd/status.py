@@ -136,6 +136,11 @@ def render(reply: admin_pb2.StatusReply) -> str:
             f"({reply.migrated_out_bytes / 2**20:.1f} MiB)  in {reply.migrated_in_samples} "
             f"samples ({reply.migrated_in_bytes / 2**20:.1f} MiB)  (--migrate auto)"
         )
+        lines.append(
+            f"rounds   {reply.migration_rounds_dealt} dealt, "
+            f"{reply.migration_rounds_balanced} balanced, {reply.migration_rounds_none} moved "
+            "nothing (the hub's moves decisions)"
+        )
     if reply.ending:
         lines.append(f"ending   {reply.ending}")
     if reply.waiting_for:

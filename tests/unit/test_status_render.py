@@ -84,7 +84,10 @@ def test_status_before_any_delivery_says_nothing_was_trained() -> None:
 def test_status_shows_samples_moved_between_nodes_with_migrate_auto() -> None:
     text = render(
         reply(migrate=True, migrated_out_samples=12, migrated_out_bytes=3 << 20,
-              migrated_in_samples=2, migrated_in_bytes=1 << 19)
+              migrated_in_samples=2, migrated_in_bytes=1 << 19, migration_rounds_dealt=4,
+              migration_rounds_balanced=3, migration_rounds_none=1)
     )  # fmt: skip
     assert "moved    out 12 samples (3.0 MiB)  in 2 samples (0.5 MiB)  (--migrate auto)" in text
-    assert "moved" not in render(reply())  # --migrate off: no line
+    assert "rounds   4 dealt, 3 balanced, 1 moved nothing (the hub's moves decisions)" in text
+    off = render(reply())
+    assert "moved" not in off and "dealt" not in off  # --migrate off: no lines

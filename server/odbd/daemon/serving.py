@@ -163,6 +163,9 @@ class DaemonServing(DaemonState):
             migrated_out_bytes=self.stats.migrated_out_bytes,
             migrated_in_samples=self.stats.migrated_in_samples,
             migrated_in_bytes=self.stats.migrated_in_bytes,
+            migration_rounds_none=self.stats.migration_rounds["none"],
+            migration_rounds_balanced=self.stats.migration_rounds["balanced"],
+            migration_rounds_dealt=self.stats.migration_rounds["dealt"],
             **progress_fields(self.stats, time.monotonic()),
         )
 
