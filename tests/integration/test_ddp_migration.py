@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from odbd.demo.cluster import ClusterSpec, LocalCluster, wait_all
+from odbd.metrics.stats import MIGRATION_DECISIONS
 from tests.integration.ddp_launch import DATASET, Reports, data_flags, launch_ranks
 from tests.integration.ddp_model import ModelConfig
 from tests.integration.harness import http_get, poll_until, scaled
@@ -41,9 +42,6 @@ def counter(text: str, name: str, value: str, label: str = "direction") -> float
     found = re.search(rf'^{name}_total{{{label}="{value}"}} (\S+)$', text, re.M)
     assert found, f"{name}_total{{{label}={value}}} missing from /metrics"
     return float(found.group(1))
-
-
-DECISIONS = ("none", "balanced", "dealt")  # odbd_migration_rounds_total{decision}
 
 
 def test_moved_samples_train_once_with_exact_scales_and_are_counted(tmp_path: Path) -> None:
@@ -106,7 +104,10 @@ def test_moved_samples_train_once_with_exact_scales_and_are_counted(tmp_path: Pa
     )
     # Every daemon counts the hub's decision of every round alike.
     decided = [
-        {d: counter(scraped[n]["text"], "odbd_migration_rounds", d, "decision") for d in DECISIONS}
+        {
+            d: counter(scraped[n]["text"], "odbd_migration_rounds", d, "decision")
+            for d in MIGRATION_DECISIONS
+        }
         for n in range(2)
     ]
     print(f"decisions: {decided[0]}")

@@ -16,6 +16,7 @@ from odbd.daemon.payload_checks import BadPayloadError
 from odbd.errors import InvariantError
 from odbd.planner.migration_digest import hub_moves, node_digest, pick_moves, plan_digested
 from tests.unit.planner_factories import make_config
+from tests.unit.test_migration_deal import spread_offers
 from tests.unit.test_planner_migration import FREE_LINK, offers_of, skewed
 
 
@@ -70,12 +71,12 @@ def test_round_zeros_trained_views_ride_beside_the_digest_and_a_short_section_is
 def test_the_moves_payload_says_whether_the_hub_balanced_or_dealt() -> None:
     # /metrics' odbd_migration_rounds_total{decision} reads it on every node.
     config = make_config(world=8, per_node=2, budget=4096, buffer=300)
-    rng = np.random.default_rng(0)
-    spread = offers_of([rng.integers(20, 1500, size=300).tolist() for _ in range(4)])
+    spread = spread_offers(config, 4)
     kinds = []
     for offers, cfg in ((spread, config), (offers_of(skewed()), make_config(world=4, budget=4000))):
-        payloads = [encode_digest(o.unit, [node_digest(o, cfg)]) for o in offers]
-        decided = hub_moves([node_digest(o, cfg) for o in offers], cfg, FREE_LINK)
+        digests = [node_digest(o, cfg) for o in offers]
+        payloads = [encode_digest(o.unit, [d]) for o, d in zip(offers, digests, strict=True)]
+        decided = hub_moves(digests, cfg, FREE_LINK)
         result = hub_migrate(payloads, cfg, FREE_LINK, round_index=1)
         kinds.append((decided.dealt, migration_codec.decision_of_moves(result)))
     assert kinds == [(True, "dealt"), (False, "balanced")]

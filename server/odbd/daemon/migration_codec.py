@@ -10,8 +10,8 @@ Digest payload, version 1 (little-endian), one per node:
 Moves payload, version 1 (kind 7), the hub's result:
     u32 round, u16 bins, u16 flags (bit 0: dealt), f64 gain s, f64 move s, u32 num_units; then
     a table of num_units (u32 unit, u32 byte offset of its section); then per unit: u32 sends,
-    u32 holds,
-    sends x (int32 bucket, uint32 target unit, uint32 count), holds x (int32 bucket, u32 count)
+    u32 holds, sends x (int32 bucket, uint32 target unit, uint32 count), holds x (int32 bucket,
+    u32 count)
     then the nodes' bulk addresses (UTF-8 JSON list, node order), then u32 its length
 A node decodes only its own units' sections (the table says where they are): what it reads is
 O(its moves). The barrier broadcasts the hub's one result (round/barrier.py exchange_reduced),

@@ -25,7 +25,7 @@ from prometheus_client.registry import Collector
 
 from odbclient.samples import RejectReason
 from odbd.ingest.rejections import PRODUCER_CRASH
-from odbd.metrics.stats import DaemonStats
+from odbd.metrics.stats import MIGRATION_DECISIONS, DaemonStats
 
 VERSION = "0.1.0"
 # Exported at 0 from the start, so the first rejection is an increase() and alerts see it.
@@ -233,7 +233,7 @@ class DaemonCollector(Collector):
             "balanced (cost levels evened across nodes) or dealt (the world's groups dealt)",
             labels=["decision"],
         )
-        for decision in ("none", "balanced", "dealt"):
+        for decision in MIGRATION_DECISIONS:
             decided.add_metric([decision], s.migration_rounds[decision])
         yield decided
         rejected = CounterMetricFamily(

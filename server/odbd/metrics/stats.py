@@ -29,6 +29,11 @@ PLANNING_BUCKETS_S = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025
 LATENCY_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 
 
+# What the hub's moves decision of a round can be (--migrate auto): nothing moved, cost levels
+# balanced, or the world's groups dealt; /metrics exports each, 0 until it happens
+MIGRATION_DECISIONS = ("none", "balanced", "dealt")
+
+
 @dataclass(slots=True)
 class Histogram:
     buckets: tuple[float, ...]
@@ -126,7 +131,7 @@ class DaemonStats:
     migrated_in_samples: int = 0
     migrated_in_bytes: int = 0
     migrate_seconds: float = 0.0
-    # rounds by the hub's decision: none, balanced, dealt (migration_codec.decision_of_moves)
+    # rounds by the hub's decision, one of MIGRATION_DECISIONS (migration_codec.decision_of_moves)
     migration_rounds: Counter[str] = field(default_factory=Counter)
     producers_restarted: int = 0
     serving: bool = False  # what grpc.health.v1 reports for this daemon

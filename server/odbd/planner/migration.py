@@ -159,6 +159,7 @@ def plan_migration(
     pool = _Pool.of(offers, sizes, config, works, ties)
     if pool.n == 0:
         return nothing
+    flush = all(o.dry for o in offers)
     before = _estimate(pool.unit, pool, config)
     best_k, best_net, best = 0, 0.0, (pool.unit, 0.0, 0.0)
     unit, done = pool.unit.copy(), 0
@@ -169,7 +170,7 @@ def plan_migration(
         move_s = _move_seconds(pool, unit, config.num_units, link)
         if gain - move_s > best_net:
             best_k, best_net, best = k, gain - move_s, (unit.copy(), gain, move_s)
-    if all(o.dry for o in offers):
+    if flush:
         even = best[0].copy()
         _equalize(pool, even, config.num_units)
         gain = (before - _estimate(even, pool, config)) * link.seconds_per_work
@@ -178,7 +179,7 @@ def plan_migration(
             best_k, best = max(best_k, 1), (even, gain, move_s)
     dealt = False
     if _may_deal(config):
-        deal_unit = _dealt(pool, best[0], config, flush=all(o.dry for o in offers))
+        deal_unit = _dealt(pool, best[0], config, flush)
         saved = _estimate(best[0], pool, config, cut=True) - _estimate(
             deal_unit, pool, config, cut=True
         )
