@@ -8,7 +8,7 @@ Fresh groups every epoch: sorted exactly, a buffer holding the same samples agai
 a later epoch) is cut into the same groups. Given a seeded generator, min-time sorts by a key
 jittered by up to SORT_JITTER of each length instead, so samples within ~1 % of each other trade
 places, then orders each group longest first again (`_jittered_cuts`); where that finds nothing to
-trade (a sparse buffer), swaps across random cuts vary the groups (`_swap_across_cuts`).
+trade (a sparse buffer), swaps across random cuts vary the groups (`swap_across_cuts`).
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ def group_buffer(
     varied = _jittered_cuts(table.lengths, order, budget, rng)
     if len(varied) > len(exact):  # never more groups (steps) than the exact sort
         varied = exact
-    return _swap_across_cuts(varied, table.lengths, budget, rng)
+    return swap_across_cuts(varied, table.lengths, budget, rng)
 
 
 def batch_size_for(length: int, budget: int) -> int:
@@ -134,7 +134,7 @@ def _jittered_cuts(
     )
 
 
-def _swap_across_cuts(
+def swap_across_cuts(
     groups: Groups, lengths: np.ndarray, budget: int, rng: np.random.Generator
 ) -> Groups:
     """Swaps the shortest sample of a group with the longest of the next where both stay within
